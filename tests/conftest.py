@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from twophase import Seq2Seq
+
+
+def tiny_model(src_vocab=9, tgt_vocab=7, hidden=16, embed=8, bidirectional=False, seed=0):
+    """A tiny fp64 model with weights large enough to give peaked, varied distributions."""
+    torch.manual_seed(seed)
+    model = Seq2Seq(src_vocab, tgt_vocab, embed_dim=embed, hidden_size=hidden, bidirectional=bidirectional).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    return model.eval()
+
+
+def toy_batch(lengths=(3, 1, 5), src_vocab=9, seed=1):
+    """Sources right-padded with PAD (0), ids in [4, src_vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    S = max(lengths)
+    src = torch.zeros(len(lengths), S, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        src[i, :n] = torch.randint(4, src_vocab, (n,), generator=g)
+    return src, torch.tensor(lengths)
+
+
+@pytest.fixture
+def model():
+    return tiny_model()
+
+
+@pytest.fixture
+def batch():
+    return toy_batch()

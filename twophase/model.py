@@ -1,0 +1,134 @@
+"""LSTM encoder-decoder with additive attention (Bahdanau et al. 2015), the model twophase trains.
+
+The decoder input at step t is the previous token's embedding concatenated with the attention context
+computed from the previous decoder state; attention energies are `v . tanh(W h + U y)` with the source padding
+masked. `U y` (the keys) depends only on the source, so it is computed once per source in `encode` and every
+candidate row reaches it through `owner`, an index into the batch of sources: never a per-beam copy.
+
+Letters used in shape comments:
+    B  sources in the batch          S  source length
+    N  candidate rows (any number per source; `owner` (N,) maps a row to its source)
+    T  target length                 E  embedding size
+    H  decoder hidden size           D  encoder output size (H, or 2H when bidirectional)
+    A  attention size (= H)          V  target vocabulary size
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from .vocab import BOS, EOS, PAD
+
+
+@dataclass
+class Encoded:
+    """Everything the decoder needs from the source side; one row per source."""
+
+    memory: Tensor  # (B, S, D) encoder outputs, the attention values
+    keys: Tensor  # (B, S, A) U y, shared by every row of a source
+    mask: Tensor  # (B, S) True on real source tokens
+    h0: Tensor  # (B, H) initial decoder state
+    c0: Tensor  # (B, H)
+
+    def detached(self) -> "Encoded":
+        """Leaves at the encoder/decoder boundary: decoder chunks back-propagate into their .grad, so the
+        encoder's own graph is walked once, after the last chunk."""
+        out = {}
+        for f in fields(self):
+            x = getattr(self, f.name)
+            out[f.name] = x.detach().requires_grad_(x.requires_grad) if x.is_floating_point() else x
+        return Encoded(**out)
+
+    def float_tensors(self) -> list[Tensor]:
+        return [getattr(self, f.name) for f in fields(self) if getattr(self, f.name).is_floating_point()]
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 512,
+                 dropout: float = 0.0, bidirectional: bool = False):
+        super().__init__()
+        H, E = hidden_size, embed_dim
+        D = 2 * H if bidirectional else H
+        self.config = dict(src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, embed_dim=E,
+                           hidden_size=H, dropout=dropout, bidirectional=bidirectional)
+        self.src_embed = nn.Embedding(src_vocab_size, E, padding_idx=PAD)
+        self.tgt_embed = nn.Embedding(tgt_vocab_size, E, padding_idx=PAD)
+        self.encoder = nn.LSTM(E, H, batch_first=True, bidirectional=bidirectional)
+        self.bridge = nn.Linear(D, H)
+        self.attn_W = nn.Linear(H, H, bias=False)
+        self.attn_U = nn.Linear(D, H)
+        self.attn_v = nn.Linear(H, 1, bias=False)
+        self.cell = nn.LSTMCell(E + D, H)
+        self.out = nn.Linear(H, tgt_vocab_size)
+        self.drop = nn.Dropout(dropout)
+        # PAD and BOS are never generated: giving them probability zero keeps search and scoring consistent.
+        banned = torch.zeros(tgt_vocab_size, dtype=torch.bool)
+        banned[[PAD, BOS]] = True
+        self.register_buffer("banned", banned, persistent=False)
+
+    # ---------------------------------------------------------------- source side
+    def encode(self, src: Tensor, src_lengths: Tensor) -> Encoded:
+        B, S = src.shape
+        emb = self.drop(self.src_embed(src))  # (B, S, E)
+        packed = pack_padded_sequence(emb, src_lengths.cpu(), batch_first=True, enforce_sorted=False)
+        out, (h_n, _) = self.encoder(packed)
+        memory, _ = pad_packed_sequence(out, batch_first=True, total_length=S)  # (B, S, D)
+        final = torch.cat(list(h_n), dim=-1)  # (B, D): last state of each direction
+        h0 = torch.tanh(self.bridge(final))  # (B, H)
+        mask = torch.arange(S, device=src.device)[None, :] < src_lengths.to(src.device)[:, None]  # (B, S)
+        return Encoded(memory=memory, keys=self.attn_U(memory), mask=mask, h0=h0, c0=torch.zeros_like(h0))
+
+    # ---------------------------------------------------------------- one decoder step
+    def init_state(self, enc: Encoded, owner: Tensor) -> tuple[Tensor, Tensor]:
+        return enc.h0[owner], enc.c0[owner]  # (N, H) each
+
+    def attend(self, enc: Encoded, owner: Tensor, h: Tensor) -> Tensor:
+        """Context (N, D) for decoder states h (N, H); keys and values are read through owner."""
+        query = self.attn_W(h)  # (N, A)
+        energy = self.attn_v(torch.tanh(query[:, None, :] + enc.keys[owner])).squeeze(-1)  # (N, S)
+        energy = energy.masked_fill(~enc.mask[owner], float("-inf"))
+        alpha = torch.softmax(energy, dim=-1)  # (N, S)
+        return torch.bmm(alpha[:, None, :], enc.memory[owner]).squeeze(1)  # (N, D)
+
+    def advance(self, enc: Encoded, owner: Tensor, prev: Tensor, state: tuple[Tensor, Tensor]):
+        """Consume the previous tokens prev (N,) and return the new state (h, c), each (N, H)."""
+        ctx = self.attend(enc, owner, state[0])
+        x = torch.cat([self.drop(self.tgt_embed(prev)), ctx], dim=-1)  # (N, E + D)
+        return self.cell(x, state)
+
+    def log_probs(self, h: Tensor) -> Tensor:
+        """Next-token log-probabilities (..., V) from decoder states (..., H)."""
+        logits = self.out(self.drop(h)).masked_fill(self.banned, float("-inf"))
+        return F.log_softmax(logits, dim=-1)
+
+    def step(self, enc: Encoded, owner: Tensor, prev: Tensor, state):
+        """One search step: new state and next-token log-probabilities (N, V)."""
+        state = self.advance(enc, owner, prev, state)
+        return state, self.log_probs(state[0])
+
+    # ---------------------------------------------------------------- teacher forcing
+    def score(self, enc: Encoded, tgt: Tensor, owner: Tensor) -> Tensor:
+        """log p(tgt[i] | source owner[i]) for target rows tgt (N, T) = tokens, EOS, PAD...; returns (N,)."""
+        N, T = tgt.shape
+        state = self.init_state(enc, owner)
+        prev = torch.full((N,), BOS, dtype=torch.long, device=tgt.device)
+        hs = []
+        for t in range(T):
+            state = self.advance(enc, owner, prev, state)
+            hs.append(state[0])
+            prev = tgt[:, t]
+        logp = self.log_probs(torch.stack(hs, dim=1))  # (N, T, V)
+        pad = tgt == PAD
+        # PAD has log-prob -inf, so gather a harmless id there and zero it afterwards (no -inf * 0 = nan).
+        tok = logp.gather(-1, tgt.masked_fill(pad, EOS)[..., None]).squeeze(-1)  # (N, T)
+        return tok.masked_fill(pad, 0.0).sum(dim=1)
+
+    def sequence_log_probs(self, src: Tensor, src_lengths: Tensor, tgt: Tensor, owner: Tensor | None = None) -> Tensor:
+        """(N,) log-probabilities, with grad, of target rows tgt (N, T) given src (B, S)."""
+        if owner is None:
+            owner = torch.arange(tgt.shape[0], device=tgt.device)
+        return self.score(self.encode(src, src_lengths), tgt, owner)

@@ -1,0 +1,88 @@
+"""Sequence-level objectives as per-sequence coefficients.
+
+Each function is pure: it maps phase one's detached rewards r and scores s = log p(y) to coefficients c such that
+the training loss is the surrogate  L = sum_i c_i * log p(y_i | x_owner(i)),  whose gradient phase two computes
+in chunks. Losses are averaged over the B sources of the batch (never over a chunk), so the gradient does not
+depend on how rows are chunked or how many candidates a source kept.
+
+Letters: B sources, N candidate rows; `owner` (N,) maps a row to its source in range(B).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BASELINES = ("none", "mean", "loo", "greedy")
+
+
+def group_sum(x: Tensor, owner: Tensor, num_sources: int) -> Tensor:
+    """(B,) per-source sums of x (N,)."""
+    return torch.zeros(num_sources, dtype=x.dtype, device=x.device).index_add_(0, owner, x)
+
+
+def group_count(owner: Tensor, num_sources: int, dtype=torch.float64) -> Tensor:
+    """(N,) how many rows share each row's source."""
+    return group_sum(torch.ones(len(owner), dtype=dtype, device=owner.device), owner, num_sources)[owner]
+
+
+def group_softmax(x: Tensor, owner: Tensor, num_sources: int) -> Tensor:
+    """(N,) softmax of x over the rows of each source."""
+    peak = torch.full((num_sources,), float("-inf"), dtype=x.dtype, device=x.device)
+    peak = peak.scatter_reduce(0, owner, x, reduce="amax")  # (B,) for a stable exp
+    e = torch.exp(x - peak[owner])
+    return e / group_sum(e, owner, num_sources)[owner]
+
+
+def mle(owner: Tensor, num_sources: int) -> Tensor:
+    """Maximum likelihood of reference rows: -(1/B) * mean over a source's references of log p."""
+    return -1.0 / (num_sources * group_count(owner, num_sources))
+
+
+def reinforce(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = "none",
+              greedy_rewards: Tensor | None = None) -> Tensor:
+    """REINFORCE (Williams 1992): c_i = -(r_i - b_i) / (B * K_owner), the mean over each source's K samples.
+
+    baseline: "none" (b = 0), "mean" (mean reward of the source's samples), "loo" (mean of the *other* samples
+    of the source, unbiased; b = 0 for a source with a single sample), "greedy" (the reward of the greedy decode
+    of the source, given as greedy_rewards (B,): self-critical training, Rennie et al. 2017).
+    """
+    r = rewards.to(torch.float64)
+    count = group_count(owner, num_sources)  # (N,)
+    total = group_sum(r, owner, num_sources)[owner]  # (N,)
+    if baseline == "none":
+        b = torch.zeros_like(r)
+    elif baseline == "mean":
+        b = total / count
+    elif baseline == "loo":
+        b = torch.where(count > 1, (total - r) / (count - 1).clamp(min=1), torch.zeros_like(r))
+    elif baseline == "greedy":
+        if greedy_rewards is None:
+            raise ValueError("baseline 'greedy' needs greedy_rewards")
+        b = greedy_rewards.to(torch.float64)[owner]
+    else:
+        raise ValueError(f"unknown baseline {baseline!r}; choose from {', '.join(BASELINES)}")
+    return -(r - b) / (num_sources * count)
+
+
+def mrt(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int, alpha: float = 1.0) -> Tensor:
+    """Minimum risk training (Shen et al. 2016) with risk -r over each source's candidates, Q ∝ p^alpha.
+
+    The risk R = sum_i Q_i (-r_i) has gradient -alpha * sum_i Q_i (r_i - E_Q[r]) grad log p_i, so
+    c_i = -alpha * Q_i * (r_i - sum_j Q_j r_j) / B.
+    """
+    r = rewards.to(torch.float64)
+    q = group_softmax(alpha * scores.to(torch.float64), owner, num_sources)  # (N,)
+    expected = group_sum(q * r, owner, num_sources)[owner]  # (N,)
+    return -alpha * q * (r - expected) / num_sources
+
+
+def beam(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int) -> Tensor:
+    """Expected reward under the model's distribution renormalised over each source's candidates
+    (Bunel et al. 2018): q = softmax(scores) per source, c_i = -q_i (r_i - sum_j q_j r_j) / B.
+    It is MRT with alpha = 1."""
+    return mrt(rewards, scores, owner, num_sources, alpha=1.0)
+
+
+def mix(rl: Tensor, mle_coefficients: Tensor, mle_weight: float) -> Tensor:
+    """lambda * MLE + (1 - lambda) * RL, over the RL rows followed by the reference rows."""
+    return torch.cat([(1.0 - mle_weight) * rl, mle_weight * mle_coefficients])

@@ -1,0 +1,184 @@
+"""Sequence-level rewards and the plug-in registry that finds them.
+
+A reward is any callable ``(hypotheses, references) -> list[float]`` over detokenised strings (tokens joined
+by single spaces): ``references[i]`` holds one or more reference strings for ``hypotheses[i]``; higher is better.
+
+``get(name)`` resolves a name to a reward, in this order:
+
+* ``"package.module:callable"`` is imported directly, so a one-off reward needs no packaging;
+* otherwise the ``twophase.rewards`` entry-point group, so installed third-party plug-ins are found by name;
+* otherwise the built-ins below, so a plain checkout works without ``pip install``.
+
+Whatever it returns is wrapped by ``validated``, so a faulty plug-in fails with a one-line ``RewardError``
+naming it instead of corrupting a training run with a wrong-length or NaN reward vector.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import numbers
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+from typing import Any, Callable
+
+from rapidfuzz.distance import Levenshtein
+
+Reward = Callable[[list[str], list[list[str]]], list[float]]
+GROUP = "twophase.rewards"
+
+
+class RewardError(ValueError):
+    """A reward could not be found, loaded or run; the message is one line naming the plug-in."""
+
+
+@functools.cache
+def _scorer(kind: str) -> Any:
+    # Built once: the metric objects are costly to construct and rewards are called every training step.
+    # Imported lazily so that importing this module (e.g. just to list rewards) stays cheap.
+    from sacrebleu.metrics import BLEU, CHRF
+
+    return BLEU(effective_order=True) if kind == "bleu" else CHRF()
+
+
+def bleu(hypotheses: list[str], references: list[list[str]]) -> list[float]:
+    """Sentence BLEU in [0, 1], identical to ``sacrebleu.sentence_bleu(h, refs).score / 100``."""
+    scorer = _scorer("bleu")
+    return [scorer.sentence_score(h, list(refs)).score / 100 for h, refs in zip(hypotheses, references)]
+
+
+def chrf(hypotheses: list[str], references: list[list[str]]) -> list[float]:
+    """Sentence chrF in [0, 1], identical to ``sacrebleu.sentence_chrf(h, refs).score / 100``."""
+    scorer = _scorer("chrf")
+    return [scorer.sentence_score(h, list(refs)).score / 100 for h, refs in zip(hypotheses, references)]
+
+
+def exact(hypotheses: list[str], references: list[list[str]]) -> list[float]:
+    """1.0 if the hypothesis equals any reference token for token, else 0.0."""
+    # Token lists rather than raw strings, so stray or doubled spaces do not turn a match into a miss.
+    return [float(h.split() in [r.split() for r in refs]) for h, refs in zip(hypotheses, references)]
+
+
+def _edit_one(hyp: str, ref: str) -> float:
+    hyp_toks, ref_toks = hyp.split(), ref.split()
+    if not ref_toks:
+        # Normalising by the reference length is undefined here; only an empty hypothesis is right.
+        return float(not hyp_toks)
+    return max(0.0, 1.0 - Levenshtein.distance(hyp_toks, ref_toks) / len(ref_toks))
+
+
+def edit(hypotheses: list[str], references: list[list[str]]) -> list[float]:
+    """Best over references of ``max(0, 1 - token_edit_distance / len(ref))``."""
+    return [max(_edit_one(h, r) for r in refs) for h, refs in zip(hypotheses, references)]
+
+
+BUILTINS: dict[str, Reward] = {"bleu": bleu, "chrf": chrf, "exact": exact, "edit": edit}
+
+
+def _entry_points() -> list[metadata.EntryPoint]:
+    # Looked up through the module attribute at call time so tests can substitute fake entry points.
+    return list(metadata.entry_points(group=GROUP))
+
+
+def available() -> list[str]:
+    """Names ``get`` accepts without a ``module:callable`` spec: installed entry points and built-ins."""
+    return sorted({ep.name for ep in _entry_points()} | set(BUILTINS))
+
+
+def _brief(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _import_spec(spec: str) -> Any:
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise RewardError(f"reward '{spec}': expected 'package.module:callable'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:  # a plug-in may fail on import with anything, not only ImportError
+        raise RewardError(f"reward '{spec}': cannot import module '{module_name}' ({_brief(exc)})") from exc
+    for attr in attr_path.split("."):  # dotted paths reach class or instance attributes
+        try:
+            obj = getattr(obj, attr)
+        except AttributeError as exc:
+            raise RewardError(f"reward '{spec}': module '{module_name}' has no attribute '{attr_path}'") from exc
+    return obj
+
+
+def _load_entry_point(name: str) -> Any | None:
+    matches = [ep for ep in _entry_points() if ep.name == name]
+    if not matches:
+        return None
+    # Several matches usually mean the same distribution is visible twice (e.g. editable plus site-packages);
+    # the first is what importlib.metadata ranks highest on sys.path.
+    ep = matches[0]
+    try:
+        return ep.load()
+    except Exception as exc:
+        raise RewardError(f"reward '{name}': cannot load entry point '{ep.value}' ({_brief(exc)})") from exc
+
+
+def get(name: str) -> Reward:
+    """Resolve ``name`` (a ``module:callable`` spec, an entry point or a built-in) to a validated reward."""
+    if ":" in name:
+        fn = _import_spec(name)
+    else:
+        fn = _load_entry_point(name)
+        if fn is None:
+            fn = BUILTINS.get(name)
+        if fn is None:
+            raise RewardError(f"unknown reward '{name}'; available: {', '.join(available())}")
+    if not callable(fn):
+        raise RewardError(f"reward '{name}': {type(fn).__name__} object is not callable")
+    return validated(fn, name)
+
+
+def _as_list(out: Any, label: str) -> list[Any]:
+    # Checked via sys.modules so that neither heavy library is imported just to validate a plain list.
+    np, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    if (np is not None and isinstance(out, np.ndarray)) or (torch is not None and isinstance(out, torch.Tensor)):
+        if out.ndim != 1:
+            raise RewardError(f"reward '{label}' returned a {out.ndim}-D array; expected 1-D")
+        return out.detach().cpu().tolist() if torch is not None and isinstance(out, torch.Tensor) else out.tolist()
+    if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
+        raise RewardError(f"reward '{label}' returned {type(out).__name__}; expected a sequence of floats")
+    return list(out)
+
+
+def _to_float(value: Any, position: int, label: str) -> float:
+    # Complex numbers would silently lose their imaginary part in float(), so they count as non-real.
+    if isinstance(value, (str, bytes, numbers.Complex)) and not isinstance(value, numbers.Real):
+        raise RewardError(f"reward '{label}' returned a non-real value at position {position} ({value!r})")
+    try:
+        result = float(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise RewardError(f"reward '{label}' returned a non-real value at position {position} ({value!r})") from exc
+    if not math.isfinite(result):
+        raise RewardError(f"reward '{label}' returned a non-finite value at position {position} ({result})")
+    return result
+
+
+def validated(fn: Callable[..., Any], label: str) -> Reward:
+    """Wrap ``fn`` so that any failure or malformed output becomes a ``RewardError`` naming ``label``."""
+
+    @functools.wraps(fn)
+    def wrapper(hypotheses: list[str], references: list[list[str]]) -> list[float]:
+        if len(hypotheses) != len(references):
+            raise RewardError(
+                f"reward '{label}' called with {len(hypotheses)} hypotheses but {len(references)} reference lists"
+            )
+        try:
+            out = fn(hypotheses, references)
+        except RewardError:
+            raise  # already names a plug-in (e.g. a reward built from get()); rewrapping would double the prefix
+        except Exception as exc:
+            raise RewardError(f"reward '{label}' raised {_brief(exc)}") from exc
+        values = _as_list(out, label)
+        if len(values) != len(hypotheses):
+            raise RewardError(f"reward '{label}' returned {len(values)} values for {len(hypotheses)} hypotheses")
+        return [_to_float(v, i, label) for i, v in enumerate(values)]
+
+    wrapper.name = label  # type: ignore[attr-defined]
+    return wrapper

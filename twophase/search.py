@@ -1,0 +1,122 @@
+"""Phase one: beam search and ancestral sampling, without an autograd graph.
+
+Both return `Samples`: candidate rows with their source index (`owner`) and their log-probability under the
+model at search time, which phase two must reproduce exactly (the same `Seq2Seq` functions score both).
+
+Letters: B sources, K candidates per source, N = B*K rows, S source length, T max length, V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from .model import Seq2Seq
+from .vocab import BOS, EOS, PAD
+
+
+@dataclass
+class Samples:
+    """Candidate sequences: tokens then EOS (when produced within max_len) then PAD, never BOS."""
+
+    tokens: Tensor  # (N, T) long
+    lengths: Tensor  # (N,) tokens before padding, EOS included
+    owner: Tensor  # (N,) index of each row's source
+    scores: Tensor  # (N,) sum of the tokens' log-probabilities at search time
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, rows: Tensor) -> "Samples":
+        return Samples(*(getattr(self, f.name)[rows] for f in fields(self)))
+
+    @staticmethod
+    def cat(parts: list["Samples"]) -> "Samples":
+        T = max(p.tokens.shape[1] for p in parts)
+        tokens = torch.cat([torch.nn.functional.pad(p.tokens, (0, T - p.tokens.shape[1]), value=PAD)
+                            for p in parts])  # (sum N, T)
+        return Samples(tokens, *(torch.cat([getattr(p, f) for p in parts]) for f in ("lengths", "owner", "scores")))
+
+
+def _finish(tokens: Tensor, scores: Tensor, owner: Tensor) -> Samples:
+    """Drop impossible rows (score -inf), trim trailing all-PAD columns. Runs outside inference mode: the
+    clones are ordinary tensors, which phase two may save for backward (it embeds these tokens)."""
+    keep = torch.isfinite(scores)
+    tokens, scores, owner = tokens[keep], scores[keep], owner[keep]
+    lengths = (tokens != PAD).sum(dim=1)
+    T = int(lengths.max()) if len(lengths) else 0
+    return Samples(tokens[:, :T].clone(), lengths.clone(), owner.clone(), scores.clone())
+
+
+def beam_search(model: Seq2Seq, src: Tensor, src_lengths: Tensor, beam_size: int, max_len: int) -> Samples:
+    """The beam_size best sequences per source, best first. A hypothesis that produced EOS stays in the beam
+    with its final score and competes with the open ones, so a beam at least as wide as the number of
+    possible prefixes returns the exact top-K sequences of length <= max_len."""
+    return _finish(*_beam_search(model, src, src_lengths, beam_size, max_len))
+
+
+@torch.inference_mode()
+def _beam_search(model, src, src_lengths, beam_size, max_len):
+    B, K = src.shape[0], beam_size
+    enc = model.encode(src, src_lengths)
+    owner = torch.arange(B, device=src.device).repeat_interleave(K)  # (B*K,)
+    state = model.init_state(enc, owner)
+    scores = torch.full((B, K), float("-inf"), dtype=enc.h0.dtype, device=src.device)
+    scores[:, 0] = 0.0  # one live hypothesis at first, or the K copies would fill the beam with duplicates
+    tokens = torch.full((B * K, max_len), PAD, dtype=torch.long, device=src.device)
+    done = torch.zeros(B * K, dtype=torch.bool, device=src.device)
+    prev = torch.full((B * K,), BOS, dtype=torch.long, device=src.device)
+    base = torch.arange(B, device=src.device)[:, None] * K  # (B, 1) first row of each source
+    for t in range(max_len):
+        state, logp = model.step(enc, owner, prev, state)  # logp (B*K, V)
+        V = logp.shape[-1]
+        # A finished hypothesis has exactly one continuation, PAD, at no cost (PAD is impossible otherwise).
+        logp[done] = float("-inf")
+        logp[done, PAD] = 0.0
+        cand = (scores.reshape(-1, 1) + logp).reshape(B, K * V)  # (B, K*V)
+        scores, flat = cand.topk(K, dim=1)  # (B, K) each, best first
+        rows = (base + flat // V).reshape(-1)  # (B*K,) which hypothesis each new one extends
+        prev = (flat % V).reshape(-1)  # (B*K,)
+        tokens = tokens[rows]
+        tokens[:, t] = prev
+        done = done[rows] | (prev == EOS)
+        state = (state[0][rows], state[1][rows])
+        if bool(done.all()):
+            break
+    return tokens, scores.reshape(-1), owner
+
+
+def sample(model: Seq2Seq, src: Tensor, src_lengths: Tensor, num_samples: int, max_len: int,
+           temperature: float = 1.0, generator: torch.Generator | None = None) -> Samples:
+    """num_samples independent draws per source. Tokens are drawn from softmax(log p / temperature); scores
+    are always the model's own log p (temperature 1), the quantity phase two differentiates."""
+    return _finish(*_sample(model, src, src_lengths, num_samples, max_len, temperature, generator))
+
+
+@torch.inference_mode()
+def _sample(model, src, src_lengths, num_samples, max_len, temperature, generator):
+    B, K = src.shape[0], num_samples
+    enc = model.encode(src, src_lengths)
+    owner = torch.arange(B, device=src.device).repeat_interleave(K)  # (B*K,)
+    state = model.init_state(enc, owner)
+    scores = torch.zeros(B * K, dtype=enc.h0.dtype, device=src.device)
+    tokens = torch.full((B * K, max_len), PAD, dtype=torch.long, device=src.device)
+    done = torch.zeros(B * K, dtype=torch.bool, device=src.device)
+    prev = torch.full((B * K,), BOS, dtype=torch.long, device=src.device)
+    for t in range(max_len):
+        state, logp = model.step(enc, owner, prev, state)  # (B*K, V)
+        probs = torch.softmax(logp / temperature, dim=-1) if temperature != 1.0 else logp.exp()
+        drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B*K,)
+        prev = drawn.masked_fill(done, PAD)
+        scores += logp.gather(1, drawn[:, None]).squeeze(1).masked_fill(done, 0.0)
+        tokens[:, t] = prev
+        done = done | (prev == EOS)
+        if bool(done.all()):
+            break
+    return tokens, scores, owner
+
+
+def greedy(model: Seq2Seq, src: Tensor, src_lengths: Tensor, max_len: int) -> Samples:
+    """The single most probable continuation at every step: a beam of one."""
+    return beam_search(model, src, src_lengths, beam_size=1, max_len=max_len)
