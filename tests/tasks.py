@@ -1,0 +1,12 @@
+"""Synthetic seq2seq tasks written as TSV files, for tests: copy, reverse and sort of short digit strings."""
+import random
+
+TASKS = {"copy": lambda x: x, "reverse": lambda x: x[::-1], "sort": sorted}
+
+
+def write_task(path, task: str, n: int, seed: int = 0, alphabet: str = "abcdefg", max_len: int = 6) -> None:
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(n):
+            src = [rng.choice(alphabet) for _ in range(rng.randint(1, max_len))]
+            f.write(" ".join(src) + "\t" + " ".join(TASKS[task](src)) + "\n")

@@ -1,0 +1,106 @@
+"""train.py end to end (one subprocess run), decoding, and clean refusal of bad input."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from twophase import cli, decode
+
+from tasks import write_task
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "4", "--mle-batch-size", "8",
+        "--beam-size", "3", "--rescore-chunk", "5", "--max-len", "8", "--eval-every", "10"]
+
+
+@pytest.fixture
+def task(tmp_path):
+    write_task(tmp_path / "train.tsv", "reverse", 200, seed=0)
+    write_task(tmp_path / "valid.tsv", "reverse", 20, seed=1)
+    return tmp_path
+
+
+def test_train_py_end_to_end_then_decode(task):
+    save = task / "run"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--train", str(task / "train.tsv"), "--valid",
+         str(task / "valid.tsv"), "--mle-steps", "20", "--rl-steps", "6", "--save-dir", str(save), *TINY],
+        capture_output=True, text=True, timeout=120, cwd=task)
+    assert proc.returncode == 0, proc.stderr
+    assert "end of MLE" in proc.stdout and "end of RL" in proc.stdout and "peak memory" in proc.stdout
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] != "eval"] == list(range(1, 27))
+    assert {r["phase"] for r in rows} == {"mle", "rl", "eval"}
+    assert all("reward_mean" in r for r in rows if r["phase"] == "rl")
+    evals = [r for r in rows if r["phase"] == "eval"]
+    assert [(r["step"], r["after"]) for r in evals] == [(10, "mle"), (20, "mle"), (26, "rl")]
+    state = torch.load(save / "checkpoint_last.pt", weights_only=True)
+    assert state["step"] == 26 and state["phase"] == "rl" and "model" in state
+
+    (task / "in.txt").write_text("a b c\n\ng\n")
+    out = task / "out.txt"
+    assert decode.main(["--checkpoint", str(save / "checkpoint_last.pt"), "--input", str(task / "in.txt"),
+                        "--output", str(out), "--beam-size", "2"]) == 0
+    lines = out.read_text().split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # one line out per line in
+
+
+def test_default_task_runs_on_cmudict(tmp_path, capsys):
+    assert cli.main(["--mle-steps", "2", "--rl-steps", "1", "--valid-size", "16", "--hidden-size", "16",
+                     "--embed-dim", "8", "--batch-size", "2", "--beam-size", "2", "--save-dir",
+                     str(tmp_path)]) == 0
+    assert "119810 train / 3099 valid" in capsys.readouterr().out
+    state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
+    assert state["config"]["char_source"] is True  # decode splits words into letters
+    model, src_vocab, tgt_vocab, cfg = decode.load_model(str(tmp_path / "checkpoint_last.pt"), torch.device("cpu"))
+    [hyp] = decode.decode_lines(model, src_vocab, tgt_vocab, ["hello"], True, False, 2, 6, 8, torch.device("cpu"))
+    assert all(t in tgt_vocab.stoi for t in hyp.split())
+
+
+def _fails_with_one_line(argv, capsys, match, entry=cli.main):
+    try:
+        code = entry(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert match in err, err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--rescore-chunk", "0"], "--rescore-chunk"),
+    (["--beam-size", "0"], "--beam-size"),
+    (["--max-len", "-1"], "--max-len"),
+    (["--rescore-chunk", "many"], "--rescore-chunk"),
+    (["--sampler", "greedy"], "--sampler"),
+    (["--reward", "no-such-reward"], "unknown reward 'no-such-reward'"),
+    (["--reward", "no_such_module:fn"], "no_such_module"),
+    (["--train", "missing.tsv", "--valid", "missing.tsv"], "missing.tsv: no such file"),
+    (["--train", "x.tsv"], "--train and --valid go together"),
+    (["--mle-weight", "1.5"], "--mle-weight"),
+    (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device"),
+])
+def test_bad_flags_exit_2_with_one_line(argv, match, capsys, tmp_path):
+    _fails_with_one_line(argv + ["--save-dir", str(tmp_path / "run")], capsys, match)
+
+
+def test_bad_tsv_line_is_named(tmp_path, capsys):
+    (tmp_path / "t.tsv").write_text("a b\tb a\nno tab here\n")
+    _fails_with_one_line(["--train", str(tmp_path / "t.tsv"), "--valid", str(tmp_path / "t.tsv"),
+                          "--save-dir", str(tmp_path / "run")], capsys, f"{tmp_path / 't.tsv'}:2:")
+
+
+def test_decode_refuses_bad_input(tmp_path, capsys):
+    _fails_with_one_line(["--checkpoint", str(tmp_path / "none.pt")], capsys, "none.pt: no such file",
+                         entry=decode.main)
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    _fails_with_one_line(["--checkpoint", str(tmp_path / "bad.pt")], capsys, "bad.pt", entry=decode.main)
+
+
+def test_every_flag_has_help():
+    for action in cli.build_parser()._actions:
+        assert action.help, action.dest

@@ -1,0 +1,178 @@
+"""Crash-safe checkpoints: atomic writes, safe (never-executing) loads, RNG capture and rotation.
+
+A checkpoint is written to a temporary file beside its destination and renamed over it only once it is fully on
+disk, so a crash or a full disk mid-write never destroys the previous checkpoint. Loading uses
+``torch.load(weights_only=True)``: a file that needs arbitrary pickled objects is refused rather than executed.
+"""
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import random
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["CheckpointError", "save_atomic", "load", "rng_state", "set_rng_state", "CheckpointManager"]
+
+_STEP_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
+
+
+class CheckpointError(ValueError):
+    """One-line message naming the file."""
+
+
+def _fsync_dir(folder: Path) -> None:
+    # The rename itself lives in the directory entry; without this a power loss can forget it. Windows cannot
+    # open a directory for fsync, so failure there is tolerated.
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_atomic(state: dict, path) -> None:
+    """torch.save `state` to `path` atomically: either the new file is complete or the old one is untouched."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    # Same folder as the destination so os.replace is a rename within one filesystem (atomic), not a copy.
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # BaseException too: a Ctrl-C mid-write must not leave a stray temp file behind.
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(folder)
+
+
+def _is_weights_only_refusal(exc: Exception) -> bool:
+    msg = str(exc).lower()
+    return "weights only" in msg or "weights_only" in msg
+
+
+def load(path, map_location="cpu") -> dict:
+    """Load a twophase checkpoint with torch.load(weights_only=True); any failure is a CheckpointError."""
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except (pickle.UnpicklingError, RuntimeError) as exc:
+        if isinstance(exc, pickle.UnpicklingError) or _is_weights_only_refusal(exc):
+            # from None: torch's own message advises weights_only=False, which is exactly what we must not do.
+            raise CheckpointError(f"{path}: refused: the checkpoint contains pickled Python objects (only tensors "
+                                  "and plain data are loaded, never executed)") from None
+        raise CheckpointError(f"{path}: not a readable checkpoint ({exc.__class__.__name__})") from exc
+    except Exception as exc:  # truncated/corrupt files surface as EOFError, zip errors, OSError, ...
+        raise CheckpointError(f"{path}: not a readable checkpoint ({exc.__class__.__name__})") from exc
+    if not isinstance(obj, dict) or "model" not in obj:
+        raise CheckpointError(f"{path}: not a twophase checkpoint (no 'model' entry)")
+    return obj
+
+
+def rng_state() -> dict:
+    """Every RNG state training touches, in a form that survives torch.load(weights_only=True)."""
+    py_version, py_internal, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
+    state = {
+        # Tuples become lists and numpy scalars become Python numbers: the weights-only unpickler accepts those.
+        "python": {"version": int(py_version), "state": [int(x) for x in py_internal], "gauss_next": py_gauss},
+        "numpy": {"kind": str(np_kind), "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Inverse of rng_state(); CUDA states are restored only where CUDA is available."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    nps = state["numpy"]
+    keys = nps["keys"].cpu().numpy().astype(np.uint32)
+    np.random.set_state((nps["kind"], keys, nps["pos"], nps["has_gauss"], nps["cached_gaussian"]))
+    # .cpu(): a checkpoint loaded with map_location="cuda" moves these byte tensors, but the setters need CPU.
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        # A run resumed on fewer GPUs than it was saved on restores the devices that exist.
+        for index, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s.cpu(), index)
+
+
+class CheckpointManager:
+    """Keeps checkpoint_last.pt, the newest `keep_last` step files and checkpoint_best.pt in `save_dir`.
+
+    The best metric is stored in every saved state under "best_metric"; after a restart, restore it with
+    ``manager.best = state.get("best_metric")``.
+    """
+
+    def __init__(self, save_dir, keep_last: int = 2, higher_is_better: bool = True):
+        if keep_last < 0:
+            raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+        self.save_dir = Path(save_dir)
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        self.keep_last = keep_last
+        self.higher_is_better = higher_is_better
+        self.best: float | None = None
+
+    @property
+    def last_path(self) -> Path:
+        return self.save_dir / "checkpoint_last.pt"
+
+    @property
+    def best_path(self) -> Path:
+        return self.save_dir / "checkpoint_best.pt"
+
+    def step_path(self, step: int) -> Path:
+        return self.save_dir / f"checkpoint_step{step:08d}.pt"
+
+    def _improves(self, metric: float | None) -> bool:
+        # NaN (a diverged eval) must never become "best": every later comparison with it would be False.
+        if metric is None or math.isnan(metric):
+            return False
+        if self.best is None:
+            return True
+        return metric > self.best if self.higher_is_better else metric < self.best
+
+    def save(self, state: dict, step: int, metric: float | None = None) -> list[Path]:
+        """Write step/last/(best) checkpoints and rotate old step files; returns the paths written."""
+        improved = self._improves(metric)
+        if improved:
+            self.best = float(metric)
+        # Shallow copy so the caller's dict is not mutated by the bookkeeping entry.
+        state = {**state, "best_metric": self.best}
+        written = []
+        targets = ([self.step_path(step)] if self.keep_last > 0 else []) + [self.last_path]
+        if improved:
+            targets.append(self.best_path)
+        for target in targets:
+            save_atomic(state, target)
+            written.append(target)
+        self._rotate()
+        return written
+
+    def _rotate(self) -> None:
+        # Runs only after the new files are on disk, so a crash here never leaves fewer checkpoints than wanted.
+        steps = sorted((int(m.group(1)), p) for p in self.save_dir.iterdir() if (m := _STEP_RE.match(p.name)))
+        stale = steps[:-self.keep_last] if self.keep_last > 0 else steps
+        for _, p in stale:
+            p.unlink(missing_ok=True)

@@ -1,0 +1,82 @@
+"""`python train.py` / `twophase-train`: parse flags, build data, model and reward, run the trainer.
+
+Bad input (flags, files, plug-ins) ends with one line on stderr and exit status 2, never a traceback.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from . import rewards
+from .config import Config, OneLineParser, add_config_flags, config_from_args
+from .data import DataError, load_cmudict, load_tsv
+from .model import Seq2Seq
+from .trainer import Trainer, summary_table
+from .vocab import Vocab
+
+
+class UsageError(Exception):
+    """A problem with what the user gave us; printed as one line, exit status 2."""
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="train.py", description="MLE warm start, then two-phase sequence-level RL.")
+    add_config_flags(parser)
+    return parser
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device: unknown device {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+def load_data(cfg: Config):
+    if cfg.train is None:
+        cfg.char_source, cfg.char_target = True, False  # CMUdict: spelling -> phonemes; decode reads this back
+        train, valid, _ = load_cmudict()
+    else:
+        train = load_tsv(cfg.train, cfg.char_source, cfg.char_target)
+        valid = load_tsv(cfg.valid, cfg.char_source, cfg.char_target)
+    return train, valid
+
+
+def build(cfg: Config) -> Trainer:
+    try:
+        cfg.validate()
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    device = pick_device(cfg.device)
+    reward = rewards.get(cfg.reward)  # before loading data: a typo should fail in a second, not after it
+    train, valid = load_data(cfg)
+    torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    src_vocab = Vocab.build(train.sources)
+    tgt_vocab = Vocab.build(r for refs in train.references for r in refs)
+    model = Seq2Seq(len(src_vocab), len(tgt_vocab), cfg.embed_dim, cfg.hidden_size, cfg.dropout,
+                    cfg.bidirectional).to(device)
+    return Trainer(cfg, model, src_vocab, tgt_vocab, train, valid, reward, device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config_from_args(build_parser().parse_args(argv))
+    try:
+        trainer = build(cfg)
+        print(f"data: {len(trainer.train)} train / {len(trainer.valid)} valid sources; "
+              f"vocab {len(trainer.src_vocab)} -> {len(trainer.tgt_vocab)}; "
+              f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters on {trainer.device}", flush=True)
+        summary = trainer.run()
+    except (UsageError, DataError, rewards.RewardError) as err:
+        print(f"train.py: error: {err}", file=sys.stderr)
+        return 2
+    print(summary_table(summary))
+    print(f"metrics: {trainer.save_dir / 'metrics.jsonl'}; checkpoint: {trainer.save_dir / 'checkpoint_last.pt'}")
+    return 0

@@ -1,0 +1,114 @@
+"""Training configuration: one dataclass, one documented field per flag.
+
+The command line is generated from these fields (`--rescore-chunk` for `rescore_chunk`), so a flag's help text,
+type, default and valid range are written once, here.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import MISSING, dataclass, field, fields
+
+
+def arg(default, help: str, choices=None, minimum=None, flag_type=None):
+    return field(default=default, metadata=dict(help=help, choices=choices, minimum=minimum, flag_type=flag_type))
+
+
+@dataclass
+class Config:
+    # ---- data
+    train: str | None = arg(None, "training TSV (source<TAB>target; repeated sources = several references); "
+                                  "default: the CMU Pronouncing Dictionary, grapheme-to-phoneme")
+    valid: str | None = arg(None, "validation TSV, same format; required with --train")
+    char_source: bool = arg(False, "split TSV sources into characters instead of at spaces")
+    char_target: bool = arg(False, "split TSV targets into characters instead of at spaces")
+    valid_size: int = arg(0, "validate on the first N validation sources only (0: all)", minimum=0)
+    # ---- model
+    embed_dim: int = arg(64, "embedding size of source and target tokens", minimum=1)
+    hidden_size: int = arg(256, "LSTM hidden size of encoder and decoder", minimum=1)
+    bidirectional: bool = arg(False, "bidirectional encoder")
+    dropout: float = arg(0.0, "dropout during the MLE warm start (RL always runs without, so both phases score "
+                              "with the same function)", minimum=0.0)
+    # ---- MLE warm start
+    mle_steps: int = arg(4000, "teacher-forcing steps on the references before RL", minimum=0)
+    mle_batch_size: int = arg(64, "(source, reference) pairs per MLE step", minimum=1)
+    lr: float = arg(2e-3, "Adam learning rate during MLE", minimum=0.0)
+    # ---- RL fine-tuning
+    rl_steps: int = arg(600, "two-phase RL steps after the warm start", minimum=0)
+    batch_size: int = arg(32, "sources per RL step", minimum=1)
+    rl_lr: float = arg(2e-4, "Adam learning rate during RL", minimum=0.0)
+    sampler: str = arg("beam", "phase one: 'beam' search or ancestral 'sample'", choices=("beam", "sample"))
+    beam_size: int = arg(8, "candidates per source (beam width or number of samples), K", minimum=1)
+    temperature: float = arg(1.0, "sampling temperature of --sampler sample (scores stay the model's own)",
+                             minimum=1e-6)
+    objective: str = arg("beam", "reinforce, beam (expected reward renormalised over the candidates, "
+                                 "Bunel et al. 2018) or mrt (minimum risk training, Shen et al. 2016)",
+                         choices=("reinforce", "beam", "mrt"))
+    baseline: str = arg("mean", "REINFORCE baseline: none, mean, loo (leave-one-out) or greedy (self-critical)",
+                        choices=("none", "mean", "loo", "greedy"))
+    mrt_alpha: float = arg(0.5, "MRT sharpness alpha: Q ∝ p^alpha over a source's candidates", minimum=0.0)
+    mle_weight: float = arg(0.0, "lambda of the mixed objective lambda*MLE + (1-lambda)*RL", minimum=0.0)
+    reward: str = arg("edit", "registered reward plug-in (bleu, chrf, exact, edit, ...) or package.module:callable")
+    max_len: int = arg(32, "longest candidate phase one may produce, EOS included", minimum=1)
+    rescore_chunk: int = arg(128, "phase two re-decodes at most this many candidates at a time", minimum=1)
+    # ---- both phases
+    clip_norm: float = arg(1.0, "clip the gradient norm to this (0: no clipping)", minimum=0.0)
+    eval_every: int = arg(500, "validate every N steps (and at the end of each phase)", minimum=1)
+    eval_beam: int = arg(1, "beam width when decoding for validation (1: greedy)", minimum=1)
+    seed: int = arg(1, "seed of every random number generator")
+    device: str = arg("auto", "cpu, cuda, cuda:N, or auto (cuda where available)")
+    save_dir: str = arg("runs/g2p", "where checkpoints and metrics.jsonl are written")
+    threads: int = arg(0, "CPU threads for torch (0: torch's default)", minimum=0)
+
+    def validate(self) -> None:
+        """Cross-field checks the parser cannot express; raises ValueError naming the flag."""
+        if (self.train is None) != (self.valid is None):
+            raise ValueError("--train and --valid go together")
+        if self.mle_weight > 1:
+            raise ValueError(f"--mle-weight must be in [0, 1], got {self.mle_weight}")
+        if self.objective == "reinforce" and self.baseline == "loo" and self.beam_size < 2:
+            raise ValueError("--baseline loo needs --beam-size >= 2")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _typed(f, kind):
+    """argparse type that also enforces the field's minimum, so `--rescore-chunk 0` fails at parse time."""
+    minimum = f.metadata["minimum"]
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad flags exit with status 2 and one line (argparse would add the whole usage)."""
+
+    def error(self, message: str):
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    for f in fields(Config):
+        kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type).split(" ")[0]]
+        default = f.default if f.default is not MISSING else None
+        if kind is bool:
+            parser.add_argument(_flag(f.name), action="store_true", help=f.metadata["help"])
+        else:
+            parser.add_argument(_flag(f.name), type=_typed(f, kind), default=default, choices=f.metadata["choices"],
+                                help=f"{f.metadata['help']} (default: {default})")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    return Config(**{f.name: getattr(args, f.name) for f in fields(Config)})

@@ -1,0 +1,103 @@
+"""`twophase-decode` / `python -m twophase.decode`: the best hypothesis for each input line.
+
+Loads a checkpoint written by training (weights only: nothing in it is executed), reads one source per line,
+and writes the highest-scoring beam hypothesis per line, in order. Empty lines give empty lines.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .checkpoint import CheckpointError, load
+from .cli import UsageError, pick_device
+from .config import OneLineParser
+from .data import DataError, pad_batch, tokenize_source
+from .model import Seq2Seq
+from .search import beam_search
+from .vocab import Vocab
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="twophase-decode", description="Decode input lines with a trained checkpoint.")
+    p.add_argument("--checkpoint", required=True, help="a checkpoint_*.pt written by train.py")
+    p.add_argument("--input", default="-", help="UTF-8 file with one source per line; - for stdin (default)")
+    p.add_argument("--output", default="-", help="where hypotheses go, one per line; - for stdout (default)")
+    p.add_argument("--beam-size", type=int, default=5, help="beam width (default: 5)")
+    p.add_argument("--max-len", type=int, default=None, help="longest output (default: the training --max-len)")
+    p.add_argument("--batch-size", type=int, default=128, help="sources decoded together (default: 128)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    return p
+
+
+def read_lines(path: str) -> list[str]:
+    raw = sys.stdin.buffer.read() if path == "-" else _read_bytes(path)
+    lines = []
+    for number, line in enumerate(raw.splitlines(), start=1):
+        try:
+            lines.append(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise DataError(f"{path}:{number}: not valid UTF-8") from None
+    return lines
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise DataError(f"{path}: {err.strerror.lower() if err.strerror else err}") from None
+
+
+def load_model(path: str, device: torch.device):
+    state = load(path, map_location=device)
+    model = Seq2Seq(**state["model_config"]).to(device)
+    model.load_state_dict(state["model"])
+    return model.eval(), Vocab(state["src_vocab"]), Vocab(state["tgt_vocab"]), state["config"]
+
+
+def decode_lines(model, src_vocab, tgt_vocab, lines, char_source, char_target, beam_size, max_len,
+                 batch_size, device) -> list[str]:
+    out = [""] * len(lines)
+    todo = [(i, src_vocab.encode(tokenize_source(line, char_source))) for i, line in enumerate(lines)]
+    todo = [(i, ids) for i, ids in todo if ids]
+    joiner = "" if char_target else " "
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start:start + batch_size]
+        src, src_len = pad_batch([ids for _, ids in chunk], device)
+        s = beam_search(model, src, src_len, beam_size, max_len)
+        best = {}
+        for row, owner in zip(s.tokens.tolist(), s.owner.tolist()):
+            best.setdefault(owner, row)  # rows come best first per source
+        for b, (i, _) in enumerate(chunk):
+            out[i] = joiner.join(tgt_vocab.decode(best[b]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        for flag in ("beam_size", "batch_size", "max_len"):
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+        device = pick_device(args.device)
+        model, src_vocab, tgt_vocab, cfg = load_model(args.checkpoint, device)
+        lines = read_lines(args.input)
+        hyps = decode_lines(model, src_vocab, tgt_vocab, lines, cfg.get("char_source", False),
+                            cfg.get("char_target", False), args.beam_size, args.max_len or cfg["max_len"],
+                            args.batch_size, device)
+    except (UsageError, DataError, CheckpointError) as err:
+        print(f"twophase-decode: error: {err}", file=sys.stderr)
+        return 2
+    text = "".join(h + "\n" for h in hyps)
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
