@@ -1,4 +1,5 @@
 import itertools
+import re
 
 import pytest
 import torch
@@ -194,3 +195,14 @@ def test_cmudict_split_is_deterministic(cmu):
 def test_cmudict_rejects_impossible_split():
     with pytest.raises(ValueError):
         load_cmudict(valid_per_mille=600, test_per_mille=500)
+
+
+def test_too_long_lines_are_refused_or_skipped(tmp_path):
+    path = tmp_path / "long.tsv"
+    path.write_text("a b\tx\na b c d\tx\na\tx y z\n", encoding="utf-8")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:2: source has 4 tokens, more than the limit of 3$"):
+        load_tsv(path, max_source_len=3)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:3: target has 3 tokens"):
+        load_tsv(path, max_target_len=2)
+    data = load_tsv(path, max_source_len=3, max_target_len=2, too_long="skip")
+    assert data.sources == [("a", "b")] and data.skipped == 2

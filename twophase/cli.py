@@ -12,7 +12,9 @@ from . import rewards
 from .config import Config, OneLineParser, add_config_flags, config_from_args
 from .data import DataError, load_cmudict, load_tsv
 from .model import Seq2Seq
-from .trainer import Trainer, summary_table
+from .checkpoint import CheckpointError, load
+from .report import summary_table
+from .trainer import Interrupted, Trainer
 from .vocab import Vocab
 
 
@@ -43,9 +45,30 @@ def load_data(cfg: Config):
         cfg.char_source, cfg.char_target = True, False  # CMUdict: spelling -> phonemes; decode reads this back
         train, valid, _ = load_cmudict()
     else:
-        train = load_tsv(cfg.train, cfg.char_source, cfg.char_target)
-        valid = load_tsv(cfg.valid, cfg.char_source, cfg.char_target)
+        limits = dict(max_source_len=cfg.max_src_len, max_target_len=cfg.max_len - 1, too_long=cfg.too_long)
+        train = load_tsv(cfg.train, cfg.char_source, cfg.char_target, **limits)
+        valid = load_tsv(cfg.valid, cfg.char_source, cfg.char_target, **limits)
+        for name, data in (("--train", train), ("--valid", valid)):
+            if data.skipped:
+                print(f"{name}: skipped {data.skipped} lines longer than the limits (--too-long skip)")
     return train, valid
+
+
+def resume_state(cfg: Config) -> dict | None:
+    """The checkpoint --resume continues from, checked against the flags of this run."""
+    if not cfg.resume:
+        return None
+    path = f"{cfg.save_dir}/checkpoint_last.pt"
+    try:
+        state = load(path)
+    except CheckpointError as err:
+        raise UsageError(f"--resume: {err}") from None
+    saved = state["config"]
+    for key in ("train", "valid", "char_source", "char_target", "embed_dim", "hidden_size", "bidirectional"):
+        if key in saved and saved[key] != getattr(cfg, key):
+            raise UsageError(f"--resume: {path} was trained with --{key.replace('_', '-')} {saved[key]}, "
+                             f"not {getattr(cfg, key)}")
+    return state
 
 
 def build(cfg: Config) -> Trainer:
@@ -56,14 +79,21 @@ def build(cfg: Config) -> Trainer:
     device = pick_device(cfg.device)
     reward = rewards.get(cfg.reward)  # before loading data: a typo should fail in a second, not after it
     train, valid = load_data(cfg)
+    state = resume_state(cfg)
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    src_vocab = Vocab.build(train.sources)
-    tgt_vocab = Vocab.build(r for refs in train.references for r in refs)
+    if state is None:
+        src_vocab = Vocab.build(train.sources)
+        tgt_vocab = Vocab.build(r for refs in train.references for r in refs)
+    else:  # the saved ids, whatever the data would build today
+        src_vocab, tgt_vocab = Vocab(state["src_vocab"]), Vocab(state["tgt_vocab"])
     model = Seq2Seq(len(src_vocab), len(tgt_vocab), cfg.embed_dim, cfg.hidden_size, cfg.dropout,
                     cfg.bidirectional).to(device)
-    return Trainer(cfg, model, src_vocab, tgt_vocab, train, valid, reward, device)
+    trainer = Trainer(cfg, model, src_vocab, tgt_vocab, train, valid, reward, device)
+    if state is not None:
+        trainer.load_state(state)
+    return trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, DataError, rewards.RewardError) as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
+    except Interrupted as stop:
+        print(f"train.py: {stop}", file=sys.stderr)
+        return stop.code
     print(summary_table(summary))
     print(f"metrics: {trainer.save_dir / 'metrics.jsonl'}; checkpoint: {trainer.save_dir / 'checkpoint_last.pt'}")
     return 0

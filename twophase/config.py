@@ -10,8 +10,8 @@ import sys
 from dataclasses import MISSING, dataclass, field, fields
 
 
-def arg(default, help: str, choices=None, minimum=None, flag_type=None):
-    return field(default=default, metadata=dict(help=help, choices=choices, minimum=minimum, flag_type=flag_type))
+def arg(default, help: str, choices=None, minimum=None):
+    return field(default=default, metadata=dict(help=help, choices=choices, minimum=minimum))
 
 
 @dataclass
@@ -22,6 +22,10 @@ class Config:
     valid: str | None = arg(None, "validation TSV, same format; required with --train")
     char_source: bool = arg(False, "split TSV sources into characters instead of at spaces")
     char_target: bool = arg(False, "split TSV targets into characters instead of at spaces")
+    max_src_len: int = arg(200, "longest source accepted, in tokens", minimum=1)
+    too_long: str = arg("error", "a TSV line longer than --max-src-len, or whose target does not fit in --max-len "
+                                 "with its EOS: 'error' (stop, naming FILE:LINE) or 'skip' (leave out, counted)",
+                        choices=("error", "skip"))
     valid_size: int = arg(0, "validate on the first N validation sources only (0: all)", minimum=0)
     # ---- model
     embed_dim: int = arg(64, "embedding size of source and target tokens", minimum=1)
@@ -58,6 +62,12 @@ class Config:
     seed: int = arg(1, "seed of every random number generator")
     device: str = arg("auto", "cpu, cuda, cuda:N, or auto (cuda where available)")
     save_dir: str = arg("runs/g2p", "where checkpoints and metrics.jsonl are written")
+    save_every: int = arg(500, "write checkpoint_last.pt (and a step checkpoint) every N steps, and at the end "
+                               "of each phase", minimum=1)
+    keep_last: int = arg(2, "step checkpoints kept besides checkpoint_last.pt and checkpoint_best.pt", minimum=0)
+    resume: bool = arg(False, "continue from <save-dir>/checkpoint_last.pt to the configured step totals")
+    max_bad_steps: int = arg(5, "non-finite losses/gradients skipped in a row before the run stops with a "
+                                "crash checkpoint", minimum=0)
     threads: int = arg(0, "CPU threads for torch (0: torch's default)", minimum=0)
 
     def validate(self) -> None:

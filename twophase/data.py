@@ -35,6 +35,7 @@ class Dataset:
 
     sources: list[Tokens] = field(default_factory=list)
     references: list[list[Tokens]] = field(default_factory=list)
+    skipped: int = 0  # lines left out for being longer than the limits (load_tsv with too_long="skip")
 
     def __len__(self) -> int:
         return len(self.sources)
@@ -113,8 +114,23 @@ def _parse_line(path: str, number: int, line: str, char_source: bool,
     return source, target
 
 
-def load_tsv(path: str | PathLike, char_source: bool = False, char_target: bool = False) -> Dataset:
-    """A UTF-8 `source<TAB>target` file; repeated sources become several references. See DataError messages."""
+def _check_length(name: str, number: int, side: str, tokens: Tokens, limit: int | None, too_long: str) -> bool:
+    """True if the line may stay; False to skip it; DataError to refuse it."""
+    if limit is None or len(tokens) <= limit:
+        return True
+    if too_long == "skip":
+        return False
+    raise DataError(f"{name}:{number}: {side} has {len(tokens)} tokens, more than the limit of {limit}")
+
+
+def load_tsv(path: str | PathLike, char_source: bool = False, char_target: bool = False,
+             max_source_len: int | None = None, max_target_len: int | None = None,
+             too_long: str = "error") -> Dataset:
+    """A UTF-8 `source<TAB>target` file; repeated sources become several references. See DataError messages.
+
+    Lines whose source or target exceeds max_source_len / max_target_len tokens are refused with FILE:LINE
+    (too_long="error") or left out and counted in Dataset.skipped (too_long="skip").
+    """
     name = str(path)
     try:
         with open(path, "rb") as f:
@@ -125,18 +141,26 @@ def load_tsv(path: str | PathLike, char_source: bool = False, char_target: bool 
         raise DataError(f"{name}: {err.strerror}") from None
     # Editors on Windows often write a byte-order mark; it is not part of the first source.
     raw = raw.removeprefix(codecs.BOM_UTF8)
-    pairs = []
+    pairs, skipped = [], 0
     # Decoding line by line is what lets an encoding error name its line.
     for number, raw_line in enumerate(raw.split(b"\n"), start=1):
         try:
             line = raw_line.decode("utf-8").removesuffix("\r")
         except UnicodeDecodeError:
             raise DataError(f"{name}:{number}: not valid UTF-8") from None
-        if line.strip():
-            pairs.append(_parse_line(name, number, line, char_source, char_target))
+        if not line.strip():
+            continue
+        source, target = _parse_line(name, number, line, char_source, char_target)
+        if (_check_length(name, number, "source", source, max_source_len, too_long)
+                and _check_length(name, number, "target", target, max_target_len, too_long)):
+            pairs.append((source, target))
+        else:
+            skipped += 1
     if not pairs:
-        raise DataError(f"{name}: no data")
-    return _group(pairs)
+        raise DataError(f"{name}: no data" + (f" ({skipped} lines longer than the limits)" if skipped else ""))
+    data = _group(pairs)
+    data.skipped = skipped
+    return data
 
 
 class BatchSampler:

@@ -21,22 +21,16 @@ import torch
 from tqdm import tqdm
 
 from . import objectives
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointManager, rng_state, save_atomic, set_rng_state
 from .config import Config
 from .data import BatchSampler, Dataset, pad_batch, pad_targets
+from .interrupt import GracefulStop
 from .metrics import evaluate
 from .model import Seq2Seq
+from .report import fmt_scores, peak_memory_mb
 from .rescoring import rescore_backward
 from .search import Samples, beam_search, greedy, sample
 from .vocab import Vocab
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process: CUDA's allocator where training runs on a GPU, else the peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource  # POSIX only; Linux reports kilobytes
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class Trainer:
@@ -54,8 +48,12 @@ class Trainer:
         self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         self.step = 0
         self.save_dir = Path(cfg.save_dir)
-        self.checkpoints = CheckpointManager(self.save_dir, keep_last=2)
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoints = CheckpointManager(self.save_dir, keep_last=cfg.keep_last)
         self.summary: dict[str, dict] = {}
+        self.stats = {p: {"steps": 0, "seconds": 0.0, "skipped": 0, "reward_sum": 0.0} for p in ("mle", "rl")}
+        self.bad_in_a_row = 0
+        self.is_main = True
 
     # ------------------------------------------------------------------ batches
     def _sources(self, idx: list[int]):
@@ -76,7 +74,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = rescore_backward(self.model, src, src_len, refs, objectives.mle(owner, len(pairs)),
                                 self.cfg.rescore_chunk)
-        return {"loss": loss, **self._update()}
+        return {"loss": loss, **self._update(loss)}
 
     def rl_step(self) -> dict:
         cfg, idx = self.cfg, next(self.rl_batches)
@@ -105,7 +103,7 @@ class Trainer:
         loss = rescore_backward(self.model, src, src_len, rows, coef, cfg.rescore_chunk)
         # 5. Update.
         return {"loss": loss, "reward_mean": float(rewards.mean()), "reward_max": float(rewards.max()),
-                "candidates": len(cand), **self._update()}
+                "candidates": len(cand), **self._update(loss)}
 
     def coefficients(self, cand: Samples, rewards, src, src_len, references) -> torch.Tensor:
         cfg, B = self.cfg, src.shape[0]
@@ -126,12 +124,23 @@ class Trainer:
         owner = torch.tensor(owner, device=self.device)
         return Samples(tgt, (tgt != 0).sum(1), owner, torch.zeros(len(owner), device=self.device))
 
-    def _update(self) -> dict:
+    def _update(self, loss: float) -> dict:
+        """Clip and step, unless the loss or the gradient norm is not finite: then the parameters stay as they
+        were, the step is counted as skipped, and too many in a row stop the run with a crash checkpoint."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.cfg.clip_norm if self.cfg.clip_norm > 0 else math.inf
         norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if params else 0.0
-        self.optimizer.step()
-        return {"grad_norm": norm}
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.optimizer.step()
+            self.bad_in_a_row = 0
+            return {"grad_norm": norm, "skipped": 0}
+        self.optimizer.zero_grad(set_to_none=True)
+        self.bad_in_a_row += 1
+        if self.bad_in_a_row > self.cfg.max_bad_steps:
+            self.save(crash=True)
+            raise Interrupted(3, f"{self.bad_in_a_row} non-finite steps in a row at step {self.step + 1}; saved "
+                                 f"{self.save_dir / 'checkpoint_crash.pt'} (parameters from before them)")
+        return {"grad_norm": norm, "skipped": 1}
 
     # ------------------------------------------------------------------ validation
     @torch.inference_mode()
@@ -154,69 +163,102 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def log(self, row: dict) -> None:
-        with open(self.save_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if self.is_main:
+            with open(self.save_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
 
-    def eval_and_log(self, phase: str) -> dict:
-        scores = self.validate()
-        self.log({"step": self.step, "phase": "eval", "after": phase, **scores})
-        return scores
+    def phase_at(self, step: int) -> str:
+        """Phase of the step after `step` steps have been taken."""
+        return "mle" if step < self.cfg.mle_steps else "rl"
+
+    def train_step(self, phase: str) -> dict:
+        """One step of the phase; a non-finite loss or gradient skips the update (counted, see _update)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr if phase == "mle" else self.cfg.rl_lr
+        start = time.perf_counter()
+        row = self.mle_step() if phase == "mle" else self.rl_step()
+        stats = self.stats[phase]
+        stats["seconds"] += time.perf_counter() - start
+        stats["steps"] += 1
+        stats["skipped"] += row["skipped"]
+        stats["reward_sum"] += row.get("reward_mean", 0.0)
+        return row
 
     def run(self) -> dict:
         cfg = self.cfg
-        self.save_dir.mkdir(parents=True, exist_ok=True)
         total = cfg.mle_steps + cfg.rl_steps
-        bar = tqdm(total=total, initial=self.step, desc="train", dynamic_ncols=True, mininterval=1.0)
-        for phase, steps, lr, fn in (("mle", cfg.mle_steps, cfg.lr, self.mle_step),
-                                     ("rl", cfg.rl_steps, cfg.rl_lr, self.rl_step)):
-            if steps == 0:
-                continue
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            start, rewards, scores = time.perf_counter(), [], None
-            for _ in range(steps):
+        # disable=None: a bar on a terminal, nothing in log files; only the main process draws one.
+        bar = tqdm(total=total, initial=self.step, desc="train", dynamic_ncols=True, mininterval=1.0,
+                   disable=None if self.is_main else True)
+        with GracefulStop() as stop, bar:
+            while self.step < total and stop.received is None:
+                phase = self.phase_at(self.step)
+                row = self.train_step(phase)
                 self.step += 1
-                row = fn()
-                rewards += [row["reward_mean"]] if "reward_mean" in row else []
                 self.log({"step": self.step, "phase": phase, **row})
                 bar.update(1)
                 bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in ("loss", "reward_mean")})
-                if self.step % cfg.eval_every == 0:
-                    scores = self.eval_and_log(phase)
-                    bar.write(f"step {self.step} [{phase}] valid " + _fmt(scores))
-            elapsed = time.perf_counter() - start
-            if scores is None or self.step % cfg.eval_every != 0:
-                scores = self.eval_and_log(phase)
-            self.summary[phase] = {**scores, "steps_per_s": steps / elapsed,
-                                   "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan")}
-            self.save(phase, scores)
-        bar.close()
+                self.after_step(phase, bar)
+        if stop.received is not None:
+            self.save()
+            raise Interrupted(stop.exit_code, f"stopped by signal {stop.received} after step {self.step}; "
+                                              f"saved {self.save_dir / 'checkpoint_last.pt'} (--resume continues)")
         self.summary["peak_memory_mb"] = peak_memory_mb(self.device)
         return self.summary
 
-    def save(self, phase: str, scores: dict) -> None:
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
-                 "phase": phase, "config": asdict(self.cfg), "model_config": dict(self.model.config),
-                 "src_vocab": self.src_vocab.itos, "tgt_vocab": self.tgt_vocab.itos}
-        self.checkpoints.save(state, self.step, metric=scores.get("word_acc"))
+    def after_step(self, phase: str, bar) -> None:
+        """Validation, phase summary and checkpoints, each when it is due."""
+        cfg = self.cfg
+        phase_end = self.step == cfg.mle_steps or self.step == cfg.mle_steps + cfg.rl_steps
+        scores = None
+        if self.step % cfg.eval_every == 0 or phase_end:
+            scores = self.validate()
+            self.log({"step": self.step, "phase": "eval", "after": phase, **scores})
+            if self.is_main:
+                bar.write(f"step {self.step} [{phase}] valid " + fmt_scores(scores))
+        if phase_end:
+            st = self.stats[phase]
+            self.summary[phase] = {**scores, "steps_per_s": st["steps"] / max(st["seconds"], 1e-9),
+                                   "skipped": st["skipped"],
+                                   "reward_mean": st["reward_sum"] / st["steps"] if phase == "rl" else math.nan}
+        if phase_end or self.step % cfg.save_every == 0:
+            self.save(scores)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                "phase": self.phase_at(self.step - 1) if self.step else "mle", "config": asdict(self.cfg),
+                "model_config": dict(self.model.config), "src_vocab": self.src_vocab.itos,
+                "tgt_vocab": self.tgt_vocab.itos, "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
+                "mle_batches": self.mle_batches.state_dict(), "rl_batches": self.rl_batches.state_dict(),
+                "stats": self.stats, "summary": self.summary, "bad_in_a_row": self.bad_in_a_row}
+
+    def save(self, scores: dict | None = None, crash: bool = False) -> None:
+        if not self.is_main:
+            return
+        if crash:
+            save_atomic(self.state(), self.save_dir / "checkpoint_crash.pt")
+        else:
+            self.checkpoints.save(self.state(), self.step, metric=(scores or {}).get("word_acc"))
+
+    def load_state(self, state: dict) -> None:
+        """Continue exactly where `state` was saved: parameters, optimizer, data order and every RNG."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.mle_batches.load_state_dict(state["mle_batches"])
+        self.rl_batches.load_state_dict(state["rl_batches"])
+        self.stats = {p: dict(v) for p, v in state["stats"].items()}
+        self.summary = dict(state["summary"])
+        self.bad_in_a_row = int(state["bad_in_a_row"])
+        self.checkpoints.best = state.get("best_metric")
+        set_rng_state(state["rng"])
+        self.sampling.set_state(state["sampling_rng"].cpu() if self.device.type == "cpu" else state["sampling_rng"])
 
 
-def _fmt(scores: dict) -> str:
-    return " ".join(f"{k}={v:.4f}" for k, v in scores.items() if isinstance(v, float))
+class Interrupted(Exception):
+    """The run stopped early on purpose (signal) or by necessity (too many bad steps); carries the exit code."""
 
-
-def summary_table(summary: dict) -> str:
-    """The closing table: validation after the warm start and after RL, side by side."""
-    cols = [p for p in ("mle", "rl") if p in summary]
-    rows = [("word accuracy", "word_acc", "{:.2%}"), ("word error rate", "wer", "{:.2%}"),
-            ("phoneme error rate", "per", "{:.2%}"), ("valid reward", "reward", "{:.4f}"),
-            ("train reward (mean)", "reward_mean", "{:.4f}"), ("steps/s", "steps_per_s", "{:.2f}")]
-    lines = [f"{'':22}" + "".join(f"{'end of ' + c.upper():>16}" for c in cols)]
-    for label, key, fmt in rows:
-        cells = []
-        for c in cols:
-            v = summary[c].get(key, float("nan"))
-            cells.append(f"{'-' if v != v else fmt.format(v):>16}")
-        lines.append(f"{label:22}" + "".join(cells))
-    lines.append(f"{'peak memory':22}{summary['peak_memory_mb']:>15.0f}M")
-    return "\n".join(lines)
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
