@@ -123,3 +123,49 @@ def test_impossible_chunk_size_is_refused(bad):
     s = _candidates(model, src, lens, "beam")
     with pytest.raises(ValueError, match="chunk_size"):
         rescore_backward(model, src, lens, s, torch.ones(len(s)), chunk_size=bad)
+
+
+def test_out_of_memory_halves_the_chunk_and_stays_exact(monkeypatch):
+    model = tiny_model()
+    src, lens = toy_batch()
+    s = _candidates(model, src, lens, "beam")
+    c = _coefficients("beam", s, B=3)
+    model.zero_grad()
+    rescore_backward(model, src, lens, s, c, chunk_size=len(s))
+    want = _grads(model)
+
+    sizes = []
+    real_score = model.score
+
+    def score(enc, tokens, owner):
+        sizes.append(len(tokens))
+        return real_score(enc, tokens, owner)
+
+    def fail_late_in_backward(grad):
+        # The decoder cell's gradient comes after the output layer's: a plain .backward() would already have
+        # accumulated part of the failed chunk into .grad.
+        if sizes[-1] > 3:
+            raise torch.cuda.OutOfMemoryError("injected")
+        return grad
+
+    monkeypatch.setattr(model, "score", score)
+    handle = model.cell.weight_ih.register_hook(fail_late_in_backward)
+    model.zero_grad()
+    rescore_backward(model, src, lens, s, c, chunk_size=8)
+    handle.remove()
+    assert sizes[:3] == [8, 4, 2] and max(sizes[3:]) <= 2  # halved twice, then the rest at the new size
+    for g, w in zip(_grads(model), want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+
+
+def test_out_of_memory_with_a_single_row_is_raised(monkeypatch):
+    model = tiny_model()
+    src, lens = toy_batch()
+    s = _candidates(model, src, lens, "beam")
+
+    def score(enc, tokens, owner):
+        raise torch.cuda.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(model, "score", score)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        rescore_backward(model, src, lens, s, torch.ones(len(s), dtype=torch.float64), chunk_size=2)
