@@ -11,6 +11,10 @@ Letters used in shape comments:
     T  target length                 E  embedding size
     H  decoder hidden size           D  encoder output size (H, or 2H when bidirectional)
     A  attention size (= H)          V  target vocabulary size
+    M  (row, step) positions holding a real (non-PAD) target
+
+With a graph, `attend` and `score` go through twophase.fused, whose Functions save no (N, S, A), (N, S, D)
+or V-sized tensor per step; without one (search) the same helpers run directly, so the numbers agree.
 """
 from __future__ import annotations
 
@@ -21,7 +25,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from .vocab import BOS, EOS, PAD
+from . import fused
+from .vocab import BOS, PAD
+
+
+def _recording(*tensors: Tensor) -> bool:
+    """Whether autograd will build a graph through an op on these tensors."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _mask_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, S) 0 on real source tokens, -inf on padding."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 @dataclass
@@ -89,10 +104,16 @@ class Seq2Seq(nn.Module):
     def attend(self, enc: Encoded, owner: Tensor, h: Tensor) -> Tensor:
         """Context (N, D) for decoder states h (N, H); keys and values are read through owner."""
         query = self.attn_W(h)  # (N, A)
-        energy = self.attn_v(torch.tanh(query[:, None, :] + enc.keys[owner])).squeeze(-1)  # (N, S)
-        energy = energy.masked_fill(~enc.mask[owner], float("-inf"))
+        v = self.attn_v.weight  # (1, A)
+        # Without a graph there is nothing to save, so the plain helpers run directly; with one, the Functions
+        # run the same helpers but save only (N, A), (N, S) and the shared per-source tensors.
+        recording = _recording(query, enc.keys, enc.memory, v)
+        energy_fn = fused.AttentionEnergies.apply if recording else fused.energies
+        context_fn = fused.AttentionContext.apply if recording else fused.context
+        # Adding a constant 0 / -inf mask saves nothing for backward, unlike masked_fill's (N, S) mask.
+        energy = energy_fn(query, enc.keys, v, owner) + _mask_bias(enc.mask, query.dtype).index_select(0, owner)
         alpha = torch.softmax(energy, dim=-1)  # (N, S)
-        return torch.bmm(alpha[:, None, :], enc.memory[owner]).squeeze(1)  # (N, D)
+        return context_fn(alpha, enc.memory, owner)  # (N, D)
 
     def advance(self, enc: Encoded, owner: Tensor, prev: Tensor, state: tuple[Tensor, Tensor]):
         """Consume the previous tokens prev (N,) and return the new state (h, c), each (N, H)."""
@@ -102,7 +123,7 @@ class Seq2Seq(nn.Module):
 
     def log_probs(self, h: Tensor) -> Tensor:
         """Next-token log-probabilities (..., V) from decoder states (..., H)."""
-        logits = self.out(self.drop(h)).masked_fill(self.banned, float("-inf"))
+        logits = fused.logits(self.drop(h), self.out.weight, self.out.bias, self.banned)  # as `score` computes them
         return F.log_softmax(logits, dim=-1)
 
     def step(self, enc: Encoded, owner: Tensor, prev: Tensor, state):
@@ -121,11 +142,12 @@ class Seq2Seq(nn.Module):
             state = self.advance(enc, owner, prev, state)
             hs.append(state[0])
             prev = tgt[:, t]
-        logp = self.log_probs(torch.stack(hs, dim=1))  # (N, T, V)
-        pad = tgt == PAD
-        # PAD has log-prob -inf, so gather a harmless id there and zero it afterwards (no -inf * 0 = nan).
-        tok = logp.gather(-1, tgt.masked_fill(pad, EOS)[..., None]).squeeze(-1)  # (N, T)
-        return tok.masked_fill(pad, 0.0).sum(dim=1)
+        # Only real targets are scored: PAD positions would cost V-sized work and contribute 0.
+        valid = (tgt != PAD).reshape(-1).nonzero().squeeze(1)  # (M,) indices into the N*T positions
+        h = torch.stack(hs, dim=1).reshape(N * T, -1).index_select(0, valid)  # (N, T, H) -> (N*T, H) -> (M, H)
+        tok = fused.target_log_probs(self.drop(h), self.out.weight, self.out.bias,
+                                     tgt.reshape(-1).index_select(0, valid), self.banned)  # (M,)
+        return tok.new_zeros(N).index_add_(0, valid // T, tok)  # (N,): sum over each row's positions
 
     def sequence_log_probs(self, src: Tensor, src_lengths: Tensor, tgt: Tensor, owner: Tensor | None = None) -> Tensor:
         """(N,) log-probabilities, with grad, of target rows tgt (N, T) given src (B, S)."""

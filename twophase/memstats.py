@@ -1,0 +1,121 @@
+"""Measure what an autograd graph keeps for backward: the bytes of tensors saved by its nodes.
+
+`SavedTensorMeter` sees every tensor autograd saves while it is active (built-in ops and custom Functions'
+`save_for_backward` alike) through `torch.autograd.graph.saved_tensors_hooks`. A storage is counted once however
+many views of it are saved, and only while the graph still holds it: each saved tensor is wrapped in a small
+holder whose finalizer runs when autograd frees it (after backward, or when the graph becomes unreachable), so
+`peak_bytes` is the peak of bytes the graph kept alive. Tensors that exist anyway (parameters, buffers, the
+shared encoder outputs) can be declared `resident`: they are tallied in `resident_bytes`, not in the peak.
+
+`graph_bytes` measures phase two: the largest per-chunk graph of one `rescore_backward` call.
+
+Letters: B sources, N candidate rows, C rows per chunk.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from .rescoring import rescore_backward
+
+
+def _storage_key(t: Tensor) -> tuple[int, int]:
+    """(address, bytes) of t's whole storage: views of one buffer share the key, so it is counted once."""
+    try:
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except (RuntimeError, NotImplementedError):  # no ordinary storage (e.g. sparse): fall back to identity
+        return id(t), t.numel() * t.element_size()
+
+
+class _Held:
+    """What the graph stores in place of a saved tensor; its death tells the meter the graph let go."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: Tensor):
+        self.tensor = tensor
+
+
+class SavedTensorMeter:
+    """Context manager recording the tensors saved for backward inside its block.
+
+    live_bytes      bytes of distinct storages the graph holds now (still updated after the block exits,
+                    as backward releases what was saved inside it)
+    peak_bytes      the maximum of live_bytes
+    total_bytes     bytes of distinct storages ever saved inside the block, released or not
+    resident_bytes  bytes of saved storages declared resident (not part of the three figures above)
+    """
+
+    def __init__(self, resident: Iterable[Tensor] = ()):
+        self._resident = {_storage_key(t)[0] for t in resident}
+        self._refs: dict[int, int] = {}  # storage address -> saved tensors holding it
+        self._sizes: dict[int, int] = {}  # storage address -> bytes
+        self._seen: set[int] = set()
+        self._resident_seen: set[int] = set()
+        self.live_bytes = self.peak_bytes = self.total_bytes = self.resident_bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def __enter__(self) -> "SavedTensorMeter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: Tensor) -> _Held:
+        key, nbytes = _storage_key(t)
+        held = _Held(t)
+        if key in self._resident:
+            if key not in self._resident_seen:
+                self._resident_seen.add(key)
+                self.resident_bytes += nbytes
+            return held
+        if key not in self._seen:
+            self._seen.add(key)
+            self.total_bytes += nbytes
+        if self._refs.get(key, 0) == 0:
+            self._sizes[key] = nbytes
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        weakref.finalize(held, self._release, key)
+        return held
+
+    @staticmethod
+    def _unpack(held: _Held) -> Tensor:
+        return held.tensor
+
+    def _release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            self.live_bytes -= self._sizes.pop(key)
+
+
+def graph_bytes(model, src: Tensor, src_lengths: Tensor, samples, coefficients: Tensor, chunk_size: int) -> int:
+    """Peak bytes saved for backward by the largest chunk of one `rescore_backward` call.
+
+    Each chunk's graph is freed before the next is built, so the call's graph footprint is the maximum over
+    chunks. The chunk graph is built inside `model.score`, which is wrapped for the duration of the call
+    (an instance attribute shadowing the method, removed afterwards). Parameters, buffers and the arguments
+    of `score` (shared encoder outputs; token and owner slices of the call's candidates) are resident: they
+    exist whatever the chunk, so they are not counted."""
+    per_chunk: list[int] = []
+    resident = list(model.parameters()) + list(model.buffers())
+    score = model.score
+
+    def measured_score(enc, tgt, owner):
+        with SavedTensorMeter(resident + enc.float_tensors() + [tgt, owner]) as meter:
+            out = score(enc, tgt, owner)
+        per_chunk.append(meter.peak_bytes)
+        return out
+
+    model.score = measured_score
+    try:
+        rescore_backward(model, src, src_lengths, samples, coefficients, chunk_size)
+    finally:
+        del model.score
+    return max(per_chunk, default=0)
