@@ -6,12 +6,44 @@ type, default and valid range are written once, here.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import MISSING, dataclass, field, fields
 
 
-def arg(default, help: str, choices=None, minimum=None):
-    return field(default=default, metadata=dict(help=help, choices=choices, minimum=minimum))
+def arg(default, help: str, choices=None, minimum=None, parse=None):
+    """A documented field; `parse` converts the flag's text where the annotation's type is not enough."""
+    return field(default=default, metadata=dict(help=help, choices=choices, minimum=minimum, parse=parse))
+
+
+UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+         "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MB', '1.5g', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in UNITS or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB or 512MB, got {text!r}")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+def parse_chunk(text: str) -> int | str:
+    """A positive number of rows, or 'auto' (largest chunk within --memory-budget)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of rows or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {text}")
+    return value
+
+
+def check_size(text: str) -> str:
+    parse_size(text)  # refuse now; the config keeps the text the user wrote
+    return text
 
 
 @dataclass
@@ -54,7 +86,14 @@ class Config:
     mle_weight: float = arg(0.0, "lambda of the mixed objective lambda*MLE + (1-lambda)*RL", minimum=0.0)
     reward: str = arg("edit", "registered reward plug-in (bleu, chrf, exact, edit, ...) or package.module:callable")
     max_len: int = arg(32, "longest candidate phase one may produce, EOS included", minimum=1)
-    rescore_chunk: int = arg(128, "phase two re-decodes at most this many candidates at a time", minimum=1)
+    rescore_chunk: int | str = arg(128, "phase two re-decodes at most this many candidates at a time; 'auto': "
+                                        "the most whose graph fits in --memory-budget", parse=parse_chunk)
+    memory_budget: str | None = arg(None, "with --rescore-chunk auto: bytes phase two's graph may use, e.g. 2GiB",
+                                    parse=check_size)
+    profile_memory: bool = arg(False, "report time, allocated/peak memory and autograd graph bytes of each part "
+                                      "of a step (encoder, phase one, every phase-two chunk, optimizer step)")
+    one_phase: bool = arg(False, "the memory-hungry baseline, for comparison: phase one keeps the graph of every "
+                                 "search step and one backward replaces phase two (same gradient, far more memory)")
     # ---- both phases
     clip_norm: float = arg(1.0, "clip the gradient norm to this (0: no clipping)", minimum=0.0)
     eval_every: int = arg(500, "validate every N steps (and at the end of each phase)", minimum=1)
@@ -76,6 +115,8 @@ class Config:
             raise ValueError("--train and --valid go together")
         if self.mle_weight > 1:
             raise ValueError(f"--mle-weight must be in [0, 1], got {self.mle_weight}")
+        if self.rescore_chunk == "auto" and self.memory_budget is None:
+            raise ValueError("--rescore-chunk auto needs --memory-budget (e.g. 2GiB)")
         if self.objective == "reinforce" and self.baseline == "loo" and self.beam_size < 2:
             raise ValueError("--baseline loo needs --beam-size >= 2")
 
@@ -113,7 +154,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for f in fields(Config):
         kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type).split(" ")[0]]
         default = f.default if f.default is not MISSING else None
-        if kind is bool:
+        if f.metadata["parse"] is not None:
+            parser.add_argument(_flag(f.name), type=f.metadata["parse"], default=default,
+                                help=f"{f.metadata['help']} (default: {default})")
+        elif kind is bool:
             parser.add_argument(_flag(f.name), action="store_true", help=f.metadata["help"])
         else:
             parser.add_argument(_flag(f.name), type=_typed(f, kind), default=default, choices=f.metadata["choices"],

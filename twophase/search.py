@@ -53,11 +53,14 @@ def beam_search(model: Seq2Seq, src: Tensor, src_lengths: Tensor, beam_size: int
     """The beam_size best sequences per source, best first. A hypothesis that produced EOS stays in the beam
     with its final score and competes with the open ones, so a beam at least as wide as the number of
     possible prefixes returns the exact top-K sequences of length <= max_len."""
-    return _finish(*_beam_search(model, src, src_lengths, beam_size, max_len))
+    with torch.inference_mode():
+        found = _beam_search(model, src, src_lengths, beam_size, max_len)
+    return _finish(*found)
 
 
-@torch.inference_mode()
 def _beam_search(model, src, src_lengths, beam_size, max_len):
+    """The search loop under the caller's grad mode: phase one runs it in inference mode, `onephase` with a
+    graph, so both find the same candidates. Hence no in-place writes into tensors autograd may have saved."""
     B, K = src.shape[0], beam_size
     enc = model.encode(src, src_lengths)
     owner = torch.arange(B, device=src.device).repeat_interleave(K)  # (B*K,)
@@ -72,8 +75,9 @@ def _beam_search(model, src, src_lengths, beam_size, max_len):
         state, logp = model.step(enc, owner, prev, state)  # logp (B*K, V)
         V = logp.shape[-1]
         # A finished hypothesis has exactly one continuation, PAD, at no cost (PAD is impossible otherwise).
-        logp[done] = float("-inf")
-        logp[done, PAD] = 0.0
+        finished = torch.full((V,), float("-inf"), dtype=logp.dtype, device=logp.device)
+        finished[PAD] = 0.0
+        logp = torch.where(done[:, None], finished, logp)  # (B*K, V)
         cand = (scores.reshape(-1, 1) + logp).reshape(B, K * V)  # (B, K*V)
         scores, flat = cand.topk(K, dim=1)  # (B, K) each, best first
         rows = (base + flat // V).reshape(-1)  # (B*K,) which hypothesis each new one extends
@@ -91,11 +95,13 @@ def sample(model: Seq2Seq, src: Tensor, src_lengths: Tensor, num_samples: int, m
            temperature: float = 1.0, generator: torch.Generator | None = None) -> Samples:
     """num_samples independent draws per source. Tokens are drawn from softmax(log p / temperature); scores
     are always the model's own log p (temperature 1), the quantity phase two differentiates."""
-    return _finish(*_sample(model, src, src_lengths, num_samples, max_len, temperature, generator))
+    with torch.inference_mode():
+        found = _sample(model, src, src_lengths, num_samples, max_len, temperature, generator)
+    return _finish(*found)
 
 
-@torch.inference_mode()
 def _sample(model, src, src_lengths, num_samples, max_len, temperature, generator):
+    """The sampling loop under the caller's grad mode (see `_beam_search`)."""
     B, K = src.shape[0], num_samples
     enc = model.encode(src, src_lengths)
     owner = torch.arange(B, device=src.device).repeat_interleave(K)  # (B*K,)
@@ -106,7 +112,8 @@ def _sample(model, src, src_lengths, num_samples, max_len, temperature, generato
     prev = torch.full((B * K,), BOS, dtype=torch.long, device=src.device)
     for t in range(max_len):
         state, logp = model.step(enc, owner, prev, state)  # (B*K, V)
-        probs = torch.softmax(logp / temperature, dim=-1) if temperature != 1.0 else logp.exp()
+        with torch.no_grad():  # the draw is not differentiated: keep its (B*K, V) out of any graph
+            probs = torch.softmax(logp / temperature, dim=-1) if temperature != 1.0 else logp.exp()
         drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B*K,)
         prev = drawn.masked_fill(done, PAD)
         scores += logp.gather(1, drawn[:, None]).squeeze(1).masked_fill(done, 0.0)

@@ -1,0 +1,63 @@
+"""twophase.bench on a toy grid: the worker's fields, the report files, and one-phase = two-phase gradients."""
+import json
+
+import pytest
+import torch
+
+from twophase import bench
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Toy tensors: a second thread only adds parallel-region stalls when other processes share the cores.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _cell(method, **kw):
+    sizes = bench.GRIDS["tiny"][0]
+    return dict(sizes, beam=3, method=method, chunk=4 if method == "two-phase" else None, device="cpu",
+                dtype="float32", warmup=1, steps=2, seed=0, grad_check=method != "two-phase", **kw)
+
+
+@pytest.mark.parametrize("method", ["two-phase", "one-phase", "seed-style"])
+def test_worker_reports_every_field(method):
+    out = bench.run_cell(_cell(method))
+    for key in ("peak_mb", "graph_mb", "step_s"):
+        assert isinstance(out[key], float) and out[key] >= 0
+    assert len(out["step_times"]) == 2 and out["rows"] == 6
+    assert out["target_len"] == out["max_len"]  # EOS banned: full length by construction
+    if method == "two-phase":
+        assert "grad_rel_diff" not in out
+    else:
+        assert out["graph_mb"] > 0
+        assert out["grad_rel_diff"] <= 1e-4  # the same gradient as two-phase, up to fp32 rounding
+
+
+def test_extrapolated_cells_scale_linearly_in_rows():
+    cell = _cell("one-phase", batch=4)
+    out = bench.measure_capped(cell, cap=bench.estimate_bytes(cell) / 3, inline=True, timeout=60)
+    assert out["extrapolated"] and out["rows"] == 12
+    assert out["measured_at"][0] * out["measured_at"][1] < 12
+    assert bench.fmt_cell(out).count("*") == 3
+
+
+def test_tiny_run_writes_the_report(tmp_path, capsys):
+    assert bench.main(["--tiny", "--inline", "--beams", "2", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert {(c["method"], c["chunk"]) for c in report["grid"]} == {("two-phase", 4), ("one-phase", None),
+                                                                    ("seed-style", None)}
+    assert all(c["grad_rel_diff"] <= 1e-4 for c in report["grid"] if c["method"] != "two-phase")
+    md = (tmp_path / "bench.md").read_text()
+    assert "T = max_len" in md and "| K | N |" in md and md in capsys.readouterr().out
+    assert (tmp_path / "bench.png").exists() == _has_matplotlib()
+
+
+def _has_matplotlib():  # the `bench` extra, not a test requirement
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,66 @@
+"""--profile-memory sections and the --rescore-chunk auto planner."""
+import pytest
+import torch
+
+from twophase import Seq2Seq, beam_search
+from twophase.config import parse_chunk, parse_size
+from twophase.memstats import graph_bytes
+from twophase.profiling import ChunkPlanner, StepProfiler
+from twophase.rescoring import rescore_backward
+
+from conftest import toy_batch
+
+
+def _model(V=40):
+    torch.manual_seed(0)
+    return Seq2Seq(9, V, embed_dim=8, hidden_size=16).eval()
+
+
+def test_profiler_reports_every_phase_two_section():
+    model = _model()
+    src, lens = toy_batch()
+    s = beam_search(model, src, lens, beam_size=6, max_len=6)
+    prof = StepProfiler(torch.device("cpu"))
+    with prof.section("phase 1: search"):
+        beam_search(model, src, lens, beam_size=6, max_len=6)
+    rescore_backward(model, src, lens, s, torch.ones(len(s)), chunk_size=5, profiler=prof)
+    names = [r["section"] for r in prof.rows]
+    chunks = [n for n in names if n.startswith("phase 2: chunk")]
+    assert names[:2] == ["phase 1: search", "phase 2: encoder forward"] and names[-1] == "phase 2: encoder backward"
+    assert len(chunks) == -(-len(s) // 5)
+    by_name = {r["section"]: r for r in prof.rows}
+    assert by_name["phase 1: search"]["graph_mb"] == 0  # inference mode keeps no graph
+    assert all(by_name[c]["graph_mb"] > 0 for c in chunks)
+    table = prof.table()
+    assert "largest autograd graph: phase 2: chunk" in table and "CPU RSS" in table
+
+
+@pytest.mark.parametrize("budget", [50_000, 400_000, 4_000_000])
+def test_planned_chunk_fits_the_budget(budget):
+    model = _model()
+    src, lens = toy_batch(lengths=(5, 5, 5))
+    s = beam_search(model, src, lens, beam_size=16, max_len=8)
+    c = ChunkPlanner(budget).chunk_size(model, src, lens, s)
+    assert 1 <= c <= len(s)
+    used = graph_bytes(model, src, lens, s, torch.ones(len(s)), chunk_size=c)
+    assert used <= budget or c == 1
+    if c < len(s):  # and it is not needlessly small: twice the rows would not fit
+        assert graph_bytes(model, src, lens, s, torch.ones(len(s)), chunk_size=min(2 * c + 1, len(s))) > 0.9 * budget
+
+
+def test_planner_probes_again_for_longer_sources():
+    model = _model()
+    planner = ChunkPlanner(10**6)
+    short, short_len = toy_batch(lengths=(2, 2))
+    planner.chunk_size(model, short, short_len, beam_search(model, short, short_len, beam_size=4, max_len=5))
+    long_, long_len = toy_batch(lengths=(9, 9))
+    planner.chunk_size(model, long_, long_len, beam_search(model, long_, long_len, beam_size=4, max_len=5))
+    assert planner.probed_source_len == 9
+
+
+def test_flag_parsers():
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size("512MB") == 512 * 10**6 and parse_size("1000") == 1000
+    assert parse_chunk("auto") == "auto" and parse_chunk("64") == 64
+    for bad in ("2 parsecs", "-1GB", "0", ""):
+        with pytest.raises(Exception, match="expected a size"):
+            parse_size(bad)

@@ -1,0 +1,99 @@
+"""Where a training step's time and memory go (`--profile-memory`), and how big a phase-two chunk may be
+(`--rescore-chunk auto --memory-budget SIZE`).
+
+A `StepProfiler` cuts a step into named sections (encoder, phase one, every phase-two chunk, optimizer step) and
+records for each: wall time, memory allocated at its end and the peak inside it (CUDA allocator on a GPU; on the
+CPU the process's resident set now and its peak so far, which cannot be reset per section), and the bytes the
+autograd graph saved for backward inside it. Sections do not nest: the innermost saved-tensor hook wins.
+
+Letters: N candidate rows, C rows per chunk, T target length, S source length.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from contextlib import contextmanager
+
+import torch
+
+from .memstats import SavedTensorMeter
+
+MB = 2**20
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:  # not Linux: fall back to the peak
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class StepProfiler:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.rows: list[dict] = []
+
+    @contextmanager
+    def section(self, name: str):
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        with SavedTensorMeter() as meter:
+            yield
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            allocated, peak = torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device)
+        else:
+            allocated, peak = _rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.rows.append({"section": name, "seconds": time.perf_counter() - start, "allocated_mb": allocated / MB,
+                          "peak_mb": peak / MB, "graph_mb": meter.peak_bytes / MB})
+
+    def table(self) -> str:
+        kind = "CUDA" if self.device.type == "cuda" else "CPU RSS"
+        lines = [f"{'section':34}{'ms':>9}{kind + ' now MB':>16}{'peak MB':>10}{'graph MB':>10}"]
+        for r in self.rows:
+            lines.append(f"{r['section']:34}{1000 * r['seconds']:>9.1f}{r['allocated_mb']:>16.1f}"
+                         f"{r['peak_mb']:>10.1f}{r['graph_mb']:>10.2f}")
+        top = max(self.rows, key=lambda r: r["graph_mb"], default=None)
+        if top is not None and top["graph_mb"] > 0:
+            lines.append(f"largest autograd graph: {top['section']} ({top['graph_mb']:.2f} MB)")
+        return "\n".join(lines)
+
+
+class ChunkPlanner:
+    """Chooses the phase-two chunk size from a memory budget for the chunk's graph.
+
+    Graph bytes grow with rows x steps, so one probe (a few rows, teacher-forced with grad, measured by a
+    saved-tensor meter, then dropped) gives bytes per row-step; a step's chunk is then budget / (that x T).
+    The probe is repeated when a batch has longer sources than any probed so far (attention keeps S-sized
+    tensors per row-step), so the estimate never undercounts.
+    """
+
+    def __init__(self, budget_bytes: int, probe_rows: int = 8):
+        self.budget = budget_bytes
+        self.probe_rows = probe_rows
+        self.per_row_step = 0.0
+        self.probed_source_len = 0
+
+    def chunk_size(self, model, src: torch.Tensor, src_lengths: torch.Tensor, samples) -> int:
+        if len(samples) == 0:
+            return 1
+        if src.shape[1] > self.probed_source_len:
+            self._probe(model, src, src_lengths, samples)
+        T = max(int(samples.tokens.shape[1]), 1)
+        return max(1, min(len(samples), int(self.budget // max(self.per_row_step * T, 1.0))))
+
+    def _probe(self, model, src, src_lengths, samples) -> None:
+        rows = samples.select(torch.arange(min(self.probe_rows, len(samples)), device=samples.tokens.device))
+        T = int(rows.lengths.max())
+        with torch.enable_grad():
+            boundary = model.encode(src, src_lengths).detached()
+            resident = list(model.parameters()) + list(model.buffers()) + boundary.float_tensors()
+            with SavedTensorMeter(resident) as meter:
+                log_p = model.score(boundary, rows.tokens[:, :T], rows.owner)
+            del log_p  # the probe's graph is released here, never back-propagated
+        self.per_row_step = max(self.per_row_step, meter.peak_bytes / (len(rows) * T))
+        self.probed_source_len = int(src.shape[1])
