@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from . import rewards
+from . import distributed, rewards
 from .config import Config, OneLineParser, add_config_flags, config_from_args
 from .data import DataError, load_cmudict, load_tsv
 from .model import Seq2Seq
@@ -49,7 +49,7 @@ def load_data(cfg: Config):
         train = load_tsv(cfg.train, cfg.char_source, cfg.char_target, **limits)
         valid = load_tsv(cfg.valid, cfg.char_source, cfg.char_target, **limits)
         for name, data in (("--train", train), ("--valid", valid)):
-            if data.skipped:
+            if data.skipped and distributed.rank() == 0:
                 print(f"{name}: skipped {data.skipped} lines longer than the limits (--too-long skip)")
     return train, valid
 
@@ -76,9 +76,13 @@ def build(cfg: Config) -> Trainer:
         cfg.validate()
     except ValueError as err:
         raise UsageError(str(err)) from None
-    device = pick_device(cfg.device)
+    device = distributed.local_device(pick_device(cfg.device))  # under torchrun: cuda:LOCAL_RANK
+    distributed.init(device)  # a no-op without torchrun
     reward = rewards.get(cfg.reward)  # before loading data: a typo should fail in a second, not after it
     train, valid = load_data(cfg)
+    if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(train)):
+        raise UsageError(f"--batch-size {cfg.batch_size} and --mle-batch-size {cfg.mle_batch_size} count the "
+                         f"sources of a whole step; {distributed.world()} processes need at least one each")
     state = resume_state(cfg)
     torch.manual_seed(cfg.seed)
     if cfg.threads:
@@ -90,6 +94,9 @@ def build(cfg: Config) -> Trainer:
         src_vocab, tgt_vocab = Vocab(state["src_vocab"]), Vocab(state["tgt_vocab"])
     model = Seq2Seq(len(src_vocab), len(tgt_vocab), cfg.embed_dim, cfg.hidden_size, cfg.dropout,
                     cfg.bidirectional).to(device)
+    distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
+    if distributed.rank() > 0:  # its own dropout masks; rank 0 goes on as a single process would
+        torch.manual_seed(cfg.seed + 1000 * distributed.rank())
     trainer = Trainer(cfg, model, src_vocab, tgt_vocab, train, valid, reward, device)
     if state is not None:
         trainer.load_state(state)
@@ -99,17 +106,29 @@ def build(cfg: Config) -> Trainer:
 def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(build_parser().parse_args(argv))
     try:
+        return _train(cfg)
+    finally:
+        distributed.finish()
+
+
+def _train(cfg: Config) -> int:
+    try:
         trainer = build(cfg)
-        print(f"data: {len(trainer.train)} train / {len(trainer.valid)} valid sources; "
-              f"vocab {len(trainer.src_vocab)} -> {len(trainer.tgt_vocab)}; "
-              f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters on {trainer.device}", flush=True)
+        if trainer.is_main:
+            print(f"data: {len(trainer.train)} train / {len(trainer.valid)} valid sources; "
+                  f"vocab {len(trainer.src_vocab)} -> {len(trainer.tgt_vocab)}; "
+                  f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters on {trainer.device}"
+                  + (f" (x {distributed.world()} processes)" if distributed.world() > 1 else ""), flush=True)
         summary = trainer.run()
     except (UsageError, DataError, rewards.RewardError) as err:
         print(f"train.py: error: {err}", file=sys.stderr)
         return 2
     except Interrupted as stop:
-        print(f"train.py: {stop}", file=sys.stderr)
+        if distributed.rank() == 0:  # the one that saved
+            print(f"train.py: {stop}", file=sys.stderr)
         return stop.code
+    if not trainer.is_main:
+        return 0
     print(summary_table(summary))
     print(f"metrics: {trainer.save_dir / 'metrics.jsonl'}; checkpoint: {trainer.save_dir / 'checkpoint_last.pt'}")
     return 0

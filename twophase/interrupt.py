@@ -9,20 +9,28 @@ import os
 import signal
 import sys
 import threading
+import time
 
 
 class GracefulStop:
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, repeats_within: float = 0.0):
+        """repeats_within: seconds after the first signal during which the same signal again is a copy, not a
+        second request. Under torchrun a Ctrl-C reaches every worker twice (from the terminal, and forwarded by
+        the launcher), which must not count as "now"."""
         self.received: int | None = None
+        self.repeats_within = repeats_within
+        self._first_at = 0.0
         self._previous: dict = {}
 
     def _handle(self, signum, frame):
+        if self.received == signum and time.monotonic() - self._first_at < self.repeats_within:
+            return
         if self.received is not None:
             sys.stderr.write(f"\nsignal {signum} again: exiting now without saving\n")
             os._exit(128 + signum)
-        self.received = signum
+        self.received, self._first_at = signum, time.monotonic()
         sys.stderr.write(f"\nsignal {signum}: finishing the current step, then saving (send again to exit now)\n")
 
     def __enter__(self) -> "GracefulStop":

@@ -17,6 +17,14 @@ def evaluate(hypotheses: list[Sequence[str]], references: list[Sequence[Sequence
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} reference lists")
     if not hypotheses:
         raise ValueError("nothing to evaluate")
+    return scores_from_sums(evaluate_sums(hypotheses, references))
+
+
+def evaluate_sums(hypotheses: list[Sequence[str]], references: list[Sequence[Sequence[str]]]) -> dict:
+    """The sufficient statistics of `evaluate`: {"correct", "errors", "length", "n"}. Sums of shards add up to
+    the sums of the whole set, which is how validation split over several processes is reduced."""
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} reference lists")
     correct = errors = length = 0
     for hyp, refs in zip(hypotheses, references):
         if not refs:
@@ -26,6 +34,14 @@ def evaluate(hypotheses: list[Sequence[str]], references: list[Sequence[Sequence
         correct += distance == 0
         errors += distance
         length -= negative_length
-    word_acc = correct / len(hypotheses)
+    return {"correct": correct, "errors": errors, "length": length, "n": len(hypotheses)}
+
+
+def scores_from_sums(sums: dict) -> dict:
+    """evaluate's scores from (possibly reduced) evaluate_sums."""
+    n, errors, length = int(sums["n"]), sums["errors"], sums["length"]
+    if n == 0:
+        raise ValueError("nothing to evaluate")
+    word_acc = sums["correct"] / n
     per = errors / length if length else (0.0 if errors == 0 else math.inf)
-    return {"word_acc": word_acc, "wer": 1.0 - word_acc, "per": per, "n": len(hypotheses)}
+    return {"word_acc": word_acc, "wer": 1.0 - word_acc, "per": per, "n": n}

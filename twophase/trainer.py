@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import objectives
+from . import distributed, objectives
 from .checkpoint import CheckpointManager, rng_state, save_atomic, set_rng_state
 from .config import Config
 from .data import BatchSampler, Dataset, pad_batch, pad_targets
 from .interrupt import GracefulStop
-from .metrics import evaluate
+from .metrics import evaluate_sums, scores_from_sums
 from .model import Seq2Seq
+from .onephase import one_phase_backward, one_phase_beam_search, one_phase_sample
 from .report import fmt_scores, peak_memory_mb
 from .rescoring import rescore_backward
 from .search import Samples, beam_search, greedy, sample
@@ -44,7 +45,8 @@ class Trainer:
         self.pairs = train.pairs()
         self.mle_batches = BatchSampler(len(self.pairs), cfg.mle_batch_size, cfg.seed)
         self.rl_batches = BatchSampler(len(train), cfg.batch_size, cfg.seed + 1)
-        self.sampling = torch.Generator(device=device).manual_seed(cfg.seed)
+        # Each process samples candidates for its own sources, from its own stream (rank 0's is a single process's).
+        self.sampling = torch.Generator(device=device).manual_seed(cfg.seed + 1000 * distributed.rank())
         self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         self.step = 0
         self.save_dir = Path(cfg.save_dir)
@@ -53,7 +55,7 @@ class Trainer:
         self.summary: dict[str, dict] = {}
         self.stats = {p: {"steps": 0, "seconds": 0.0, "skipped": 0, "reward_sum": 0.0} for p in ("mle", "rl")}
         self.bad_in_a_row = 0
-        self.is_main = True
+        self.is_main = distributed.rank() == 0  # the one process that logs, draws the bar and saves
 
     # ------------------------------------------------------------------ batches
     def _sources(self, idx: list[int]):
@@ -65,26 +67,31 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def mle_step(self) -> dict:
-        pairs = [self.pairs[k] for k in next(self.mle_batches)]
+        batch = next(self.mle_batches)  # the global batch: every process draws it, then takes its share
+        pairs = [self.pairs[k] for k in distributed.shard(batch)]
         src, src_len = self._sources([i for i, _ in pairs])
         tgt = pad_targets([self.ref_ids[i][j] for i, j in pairs], self.device)  # (B, T)
         owner = torch.arange(len(pairs), device=self.device)
         refs = Samples(tgt, (tgt != 0).sum(1), owner, torch.zeros(len(pairs), device=self.device))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = rescore_backward(self.model, src, src_len, refs, objectives.mle(owner, len(pairs)),
+        loss = rescore_backward(self.model, src, src_len, refs, objectives.mle(owner, len(batch)),
                                 self.cfg.rescore_chunk)
+        loss = distributed.reduce_sums({"loss": loss})["loss"]
         return {"loss": loss, **self._update(loss)}
 
     def rl_step(self) -> dict:
-        cfg, idx = self.cfg, next(self.rl_batches)
-        B = len(idx)
+        cfg, batch = self.cfg, next(self.rl_batches)
+        B, idx = len(batch), distributed.shard(batch)  # B counts the global batch; idx is this process's share
         src, src_len = self._sources(idx)
         references = [[" ".join(r) for r in self.train.references[i]] for i in idx]
         self.model.eval()  # phase one and phase two must score with the same function: no dropout in either
 
         # 1. Phase one: K candidates per source and their log-probabilities, no graph.
-        if cfg.sampler == "beam":
+        log_p = None  # under --one-phase: the log-probabilities with the search's graph, and no phase two
+        if cfg.one_phase:
+            cand, log_p = self.search_with_graph(src, src_len)
+        elif cfg.sampler == "beam":
             cand = beam_search(self.model, src, src_len, cfg.beam_size, cfg.max_len)
         else:
             cand = sample(self.model, src, src_len, cfg.beam_size, cfg.max_len, cfg.temperature, self.sampling)
@@ -92,7 +99,7 @@ class Trainer:
         rewards = torch.tensor(self.reward(self.detokenize(cand.tokens), [references[o] for o in cand.owner]),
                                dtype=torch.float64, device=self.device)  # (N,)
         # 3. Coefficients: the objective's weight on each log p(candidate).
-        coef = self.coefficients(cand, rewards, src, src_len, references)
+        coef = self.coefficients(cand, rewards, src, src_len, references, B)
         rows = cand
         if cfg.mle_weight > 0:  # the MLE term rides along as extra rows, chunked like the candidates
             refs = self._reference_rows(idx)
@@ -100,13 +107,37 @@ class Trainer:
             coef = objectives.mix(coef, objectives.mle(refs.owner, B), cfg.mle_weight)
         # 4. Phase two: chunked teacher-forced re-decoding; .grad = d/dtheta sum_i c_i log p_i, exactly.
         self.optimizer.zero_grad(set_to_none=True)
-        loss = rescore_backward(self.model, src, src_len, rows, coef, cfg.rescore_chunk)
-        # 5. Update.
-        return {"loss": loss, "reward_mean": float(rewards.mean()), "reward_max": float(rewards.max()),
-                "candidates": len(cand), **self._update(loss)}
+        if log_p is None:
+            loss = rescore_backward(self.model, src, src_len, rows, coef, cfg.rescore_chunk)
+        else:
+            loss = self.one_phase_backward(log_p, src, src_len, rows, coef)
+        # 5. Update (several processes: statistics summed here, gradients in _update).
+        total = distributed.reduce_sums({"loss": loss, "reward": float(rewards.sum()), "candidates": len(cand)})
+        return {"loss": total["loss"], "reward_mean": total["reward"] / total["candidates"],
+                "reward_max": distributed.reduce_max(float(rewards.max())), "candidates": int(total["candidates"]),
+                **self._update(total["loss"])}
 
-    def coefficients(self, cand: Samples, rewards, src, src_len, references) -> torch.Tensor:
-        cfg, B = self.cfg, src.shape[0]
+    def search_with_graph(self, src, src_len) -> tuple[Samples, torch.Tensor]:
+        """--one-phase: phase one's candidates, and their log-probabilities with the graph of the whole search."""
+        cfg = self.cfg
+        if cfg.sampler == "beam":
+            return one_phase_beam_search(self.model, src, src_len, cfg.beam_size, cfg.max_len)
+        return one_phase_sample(self.model, src, src_len, cfg.beam_size, cfg.max_len, cfg.temperature,
+                                self.sampling)
+
+    def one_phase_backward(self, log_p, src, src_len, rows: Samples, coef) -> float:
+        """--one-phase: one backward through the search graph of the candidates (the first len(log_p) rows);
+        reference rows of --mle-weight have no search graph, so phase two scores those."""
+        n = len(log_p)
+        loss = one_phase_backward(log_p, coef[:n])
+        if len(rows) > n:
+            refs = rows.select(torch.arange(n, len(rows), device=coef.device))
+            loss += rescore_backward(self.model, src, src_len, refs, coef[n:], self.cfg.rescore_chunk)
+        return loss
+
+    def coefficients(self, cand: Samples, rewards, src, src_len, references, num_sources: int) -> torch.Tensor:
+        """num_sources: the global batch size, which every loss is averaged over (cand.owner indexes src)."""
+        cfg, B = self.cfg, num_sources
         if cfg.objective == "beam":
             return objectives.beam(rewards, cand.scores, cand.owner, B)
         if cfg.objective == "mrt":
@@ -127,6 +158,9 @@ class Trainer:
     def _update(self, loss: float) -> dict:
         """Clip and step, unless the loss or the gradient norm is not finite: then the parameters stay as they
         were, the step is counted as skipped, and too many in a row stop the run with a crash checkpoint."""
+        # Sum over processes first: clipping and the skip decision then see the global gradient, so every
+        # process takes the same decision and the parameters stay identical.
+        distributed.all_reduce_grads(list(self.model.parameters()))
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.cfg.clip_norm if self.cfg.clip_norm > 0 else math.inf
         norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if params else 0.0
@@ -148,18 +182,21 @@ class Trainer:
         data = data or self.valid
         n = len(data) if not self.cfg.valid_size else min(self.cfg.valid_size, len(data))
         self.model.eval()
+        share = distributed.shard(list(range(n)))  # each process decodes its share; the sums are reduced below
         hyps = []
-        for start in range(0, n, batch_size):
-            src, src_len = pad_batch([self.src_vocab.encode(s) for s in data.sources[start:min(n, start + batch_size)]],
+        for start in range(0, len(share), batch_size):
+            src, src_len = pad_batch([self.src_vocab.encode(data.sources[i]) for i in share[start:start + batch_size]],
                                      self.device)
             s = beam_search(self.model, src, src_len, self.cfg.eval_beam, self.cfg.max_len)
             first = torch.ones(len(s), dtype=torch.bool)
             first[1:] = s.owner[1:] != s.owner[:-1]  # beam rows come best first per source
             hyps += [self.tgt_vocab.decode(r) for r in s.tokens[first].tolist()]
-        refs = data.references[:n]
-        scores = evaluate(hyps, refs)
-        scores["reward"] = sum(self.reward([" ".join(h) for h in hyps], [[" ".join(r) for r in rs] for rs in refs])) / n
-        return scores
+        refs = [data.references[i] for i in share]
+        sums = evaluate_sums(hyps, refs)
+        sums["reward"] = sum(self.reward([" ".join(h) for h in hyps], [[" ".join(r) for r in rs] for rs in refs])
+                             if hyps else [])
+        sums = distributed.reduce_sums(sums)
+        return {**scores_from_sums(sums), "reward": sums["reward"] / sums["n"]}
 
     # ------------------------------------------------------------------ the run
     def log(self, row: dict) -> None:
@@ -190,8 +227,9 @@ class Trainer:
         # disable=None: a bar on a terminal, nothing in log files; only the main process draws one.
         bar = tqdm(total=total, initial=self.step, desc="train", dynamic_ncols=True, mininterval=1.0,
                    disable=None if self.is_main else True)
-        with GracefulStop() as stop, bar:
-            while self.step < total and stop.received is None:
+        with GracefulStop(repeats_within=2.0 if distributed.world() > 1 else 0.0) as stop, bar:
+            # Every process must stop after the same step, whichever got the signal first (one all-reduce).
+            while self.step < total and distributed.agree_to_stop(stop.received) is None:
                 phase = self.phase_at(self.step)
                 row = self.train_step(phase)
                 self.step += 1
@@ -199,10 +237,11 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in ("loss", "reward_mean")})
                 self.after_step(phase, bar)
-        if stop.received is not None:
+            signum = distributed.agree_to_stop(stop.received)  # also a signal during the last step
+        if signum is not None:
             self.save()
-            raise Interrupted(stop.exit_code, f"stopped by signal {stop.received} after step {self.step}; "
-                                              f"saved {self.save_dir / 'checkpoint_last.pt'} (--resume continues)")
+            raise Interrupted(128 + signum, f"stopped by signal {signum} after step {self.step}; "
+                                            f"saved {self.save_dir / 'checkpoint_last.pt'} (--resume continues)")
         self.summary["peak_memory_mb"] = peak_memory_mb(self.device)
         return self.summary
 
@@ -234,12 +273,18 @@ class Trainer:
                 "stats": self.stats, "summary": self.summary, "bad_in_a_row": self.bad_in_a_row}
 
     def save(self, scores: dict | None = None, crash: bool = False) -> None:
+        """Every process calls this at the same step: rank 0's checkpoint gathers every process's RNG streams,
+        so a resumed multi-process run continues exactly too."""
+        rank_rngs = distributed.gather_objects({"rng": rng_state(), "sampling_rng": self.sampling.get_state()})
         if not self.is_main:
             return
+        state = self.state()
+        if len(rank_rngs) > 1:
+            state.update(world_size=len(rank_rngs), rank_rngs=rank_rngs)
         if crash:
-            save_atomic(self.state(), self.save_dir / "checkpoint_crash.pt")
+            save_atomic(state, self.save_dir / "checkpoint_crash.pt")
         else:
-            self.checkpoints.save(self.state(), self.step, metric=(scores or {}).get("word_acc"))
+            self.checkpoints.save(state, self.step, metric=(scores or {}).get("word_acc"))
 
     def load_state(self, state: dict) -> None:
         """Continue exactly where `state` was saved: parameters, optimizer, data order and every RNG."""
@@ -252,8 +297,13 @@ class Trainer:
         self.summary = dict(state["summary"])
         self.bad_in_a_row = int(state["bad_in_a_row"])
         self.checkpoints.best = state.get("best_metric")
-        set_rng_state(state["rng"])
-        self.sampling.set_state(state["sampling_rng"].cpu() if self.device.type == "cpu" else state["sampling_rng"])
+        saved = state.get("rank_rngs") or [{"rng": state["rng"], "sampling_rng": state["sampling_rng"]}]
+        if len(saved) != distributed.world() and distributed.rank() > 0:
+            return  # resumed on another number of processes: continues, though not bit-identically
+        mine = saved[distributed.rank()] if len(saved) == distributed.world() else saved[0]
+        set_rng_state(mine["rng"])
+        sampling = mine["sampling_rng"]
+        self.sampling.set_state(sampling.cpu() if self.device.type == "cpu" else sampling)
 
 
 class Interrupted(Exception):
