@@ -64,3 +64,26 @@ def test_flag_parsers():
     for bad in ("2 parsecs", "-1GB", "0", ""):
         with pytest.raises(Exception, match="expected a size"):
             parse_size(bad)
+
+
+def test_train_with_profile_and_auto_chunk(tmp_path, capsys):
+    import json
+
+    from tasks import write_task
+    from twophase import cli
+
+    write_task(tmp_path / "train.tsv", "copy", 100)
+    write_task(tmp_path / "valid.tsv", "copy", 8, seed=1)
+    argv = ["--train", str(tmp_path / "train.tsv"), "--valid", str(tmp_path / "valid.tsv"), "--hidden-size", "16",
+            "--embed-dim", "8", "--mle-steps", "1", "--rl-steps", "2", "--batch-size", "4", "--beam-size", "4",
+            "--max-len", "8", "--save-dir", str(tmp_path / "run"), "--profile-memory", "--rescore-chunk", "auto",
+            "--memory-budget", "60KB"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "memory profile of step 1 (mle)" in out and "memory profile of step 2 (rl)" in out
+    assert "phase 1: search" in out and "optimizer step" in out
+    profile = [json.loads(x) for x in (tmp_path / "run" / "memory_profile.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in profile] == [1, 2, 3]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["phase"] == "rl"]
+    assert all(1 <= r["chunk"] < r["candidates"] for r in rl)  # 60KB forces several chunks

@@ -11,6 +11,7 @@ Letters: B sources per step, K candidates per source, N rows, S source length, T
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -22,12 +23,13 @@ from tqdm import tqdm
 
 from . import distributed, objectives
 from .checkpoint import CheckpointManager, rng_state, save_atomic, set_rng_state
-from .config import Config
+from .config import Config, parse_size
 from .data import BatchSampler, Dataset, pad_batch, pad_targets
 from .interrupt import GracefulStop
 from .metrics import evaluate_sums, scores_from_sums
 from .model import Seq2Seq
 from .onephase import one_phase_backward, one_phase_beam_search, one_phase_sample
+from .profiling import ChunkPlanner, StepProfiler
 from .report import fmt_scores, peak_memory_mb
 from .rescoring import rescore_backward
 from .search import Samples, beam_search, greedy, sample
@@ -55,6 +57,9 @@ class Trainer:
         self.summary: dict[str, dict] = {}
         self.stats = {p: {"steps": 0, "seconds": 0.0, "skipped": 0, "reward_sum": 0.0} for p in ("mle", "rl")}
         self.bad_in_a_row = 0
+        self.profiler: StepProfiler | None = None  # set per step under --profile-memory
+        self.chunk_planner = ChunkPlanner(parse_size(cfg.memory_budget)) if cfg.rescore_chunk == "auto" else None
+        self.last_chunk = cfg.rescore_chunk
         self.is_main = distributed.rank() == 0  # the one process that logs, draws the bar and saves
 
     # ------------------------------------------------------------------ batches
@@ -75,8 +80,7 @@ class Trainer:
         refs = Samples(tgt, (tgt != 0).sum(1), owner, torch.zeros(len(pairs), device=self.device))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = rescore_backward(self.model, src, src_len, refs, objectives.mle(owner, len(batch)),
-                                self.cfg.rescore_chunk)
+        loss = self.phase_two(src, src_len, refs, objectives.mle(owner, len(batch)))
         loss = distributed.reduce_sums({"loss": loss})["loss"]
         return {"loss": loss, **self._update(loss)}
 
@@ -89,15 +93,17 @@ class Trainer:
 
         # 1. Phase one: K candidates per source and their log-probabilities, no graph.
         log_p = None  # under --one-phase: the log-probabilities with the search's graph, and no phase two
-        if cfg.one_phase:
-            cand, log_p = self.search_with_graph(src, src_len)
-        elif cfg.sampler == "beam":
-            cand = beam_search(self.model, src, src_len, cfg.beam_size, cfg.max_len)
-        else:
-            cand = sample(self.model, src, src_len, cfg.beam_size, cfg.max_len, cfg.temperature, self.sampling)
+        with self.section("phase 1: search" + (" with graph (--one-phase)" if cfg.one_phase else "")):
+            if cfg.one_phase:
+                cand, log_p = self.search_with_graph(src, src_len)
+            elif cfg.sampler == "beam":
+                cand = beam_search(self.model, src, src_len, cfg.beam_size, cfg.max_len)
+            else:
+                cand = sample(self.model, src, src_len, cfg.beam_size, cfg.max_len, cfg.temperature, self.sampling)
         # 2. Rewards of every candidate against all references of its source.
-        rewards = torch.tensor(self.reward(self.detokenize(cand.tokens), [references[o] for o in cand.owner]),
-                               dtype=torch.float64, device=self.device)  # (N,)
+        with self.section("rewards"):
+            rewards = torch.tensor(self.reward(self.detokenize(cand.tokens), [references[o] for o in cand.owner]),
+                                   dtype=torch.float64, device=self.device)  # (N,)
         # 3. Coefficients: the objective's weight on each log p(candidate).
         coef = self.coefficients(cand, rewards, src, src_len, references, B)
         rows = cand
@@ -108,7 +114,7 @@ class Trainer:
         # 4. Phase two: chunked teacher-forced re-decoding; .grad = d/dtheta sum_i c_i log p_i, exactly.
         self.optimizer.zero_grad(set_to_none=True)
         if log_p is None:
-            loss = rescore_backward(self.model, src, src_len, rows, coef, cfg.rescore_chunk)
+            loss = self.phase_two(src, src_len, rows, coef)
         else:
             loss = self.one_phase_backward(log_p, src, src_len, rows, coef)
         # 5. Update (several processes: statistics summed here, gradients in _update).
@@ -116,6 +122,18 @@ class Trainer:
         return {"loss": total["loss"], "reward_mean": total["reward"] / total["candidates"],
                 "reward_max": distributed.reduce_max(float(rewards.max())), "candidates": int(total["candidates"]),
                 **self._update(total["loss"])}
+
+    def phase_two(self, src, src_len, rows: Samples, coef) -> float:
+        """rescore_backward with the configured chunk size, or the largest within --memory-budget."""
+        chunk = self.cfg.rescore_chunk
+        if chunk == "auto":
+            chunk = self.chunk_planner.chunk_size(self.model, src, src_len, rows)
+            self.last_chunk = chunk
+        return rescore_backward(self.model, src, src_len, rows, coef, chunk, profiler=self.profiler)
+
+    def section(self, name: str):
+        """A --profile-memory section of the current step (a no-op otherwise)."""
+        return self.profiler.section(name) if self.profiler is not None else contextlib.nullcontext()
 
     def search_with_graph(self, src, src_len) -> tuple[Samples, torch.Tensor]:
         """--one-phase: phase one's candidates, and their log-probabilities with the graph of the whole search."""
@@ -132,7 +150,7 @@ class Trainer:
         loss = one_phase_backward(log_p, coef[:n])
         if len(rows) > n:
             refs = rows.select(torch.arange(n, len(rows), device=coef.device))
-            loss += rescore_backward(self.model, src, src_len, refs, coef[n:], self.cfg.rescore_chunk)
+            loss += self.phase_two(src, src_len, refs, coef[n:])
         return loss
 
     def coefficients(self, cand: Samples, rewards, src, src_len, references, num_sources: int) -> torch.Tensor:
@@ -160,12 +178,14 @@ class Trainer:
         were, the step is counted as skipped, and too many in a row stop the run with a crash checkpoint."""
         # Sum over processes first: clipping and the skip decision then see the global gradient, so every
         # process takes the same decision and the parameters stay identical.
-        distributed.all_reduce_grads(list(self.model.parameters()))
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.cfg.clip_norm if self.cfg.clip_norm > 0 else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if params else 0.0
+        with self.section("gradient all-reduce and clipping"):
+            distributed.all_reduce_grads(list(self.model.parameters()))
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            clip = self.cfg.clip_norm if self.cfg.clip_norm > 0 else math.inf
+            norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if params else 0.0
         if math.isfinite(loss) and math.isfinite(norm):
-            self.optimizer.step()
+            with self.section("optimizer step"):
+                self.optimizer.step()
             self.bad_in_a_row = 0
             return {"grad_norm": norm, "skipped": 0}
         self.optimizer.zero_grad(set_to_none=True)
@@ -212,14 +232,30 @@ class Trainer:
         """One step of the phase; a non-finite loss or gradient skips the update (counted, see _update)."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr if phase == "mle" else self.cfg.rl_lr
+        if self.cfg.profile_memory:
+            self.profiler = StepProfiler(self.device)
         start = time.perf_counter()
         row = self.mle_step() if phase == "mle" else self.rl_step()
+        if self.cfg.rescore_chunk == "auto":
+            row["chunk"] = self.last_chunk
+        if self.profiler is not None:
+            self.report_profile(phase)
         stats = self.stats[phase]
         stats["seconds"] += time.perf_counter() - start
         stats["steps"] += 1
         stats["skipped"] += row["skipped"]
         stats["reward_sum"] += row.get("reward_mean", 0.0)
         return row
+
+    def report_profile(self, phase: str) -> None:
+        """--profile-memory: every step's sections go to memory_profile.jsonl; the first step of each phase is
+        also printed, as the answer to "what is consuming the memory?"."""
+        if self.is_main:
+            with open(self.save_dir / "memory_profile.jsonl", "a") as f:
+                f.write(json.dumps({"step": self.step + 1, "phase": phase, "sections": self.profiler.rows}) + "\n")
+            if self.stats[phase]["steps"] == 0:
+                tqdm.write(f"memory profile of step {self.step + 1} ({phase}):\n{self.profiler.table()}")
+        self.profiler = None
 
     def run(self) -> dict:
         cfg = self.cfg
