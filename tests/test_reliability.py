@@ -11,6 +11,7 @@ import torch
 
 from twophase import cli, trainer as trainer_module
 from twophase.config import Config
+from twophase.interrupt import Interrupted
 
 from tasks import write_task
 
@@ -115,7 +116,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(task, tmp_path, monkeypa
         tr.step += 1
         assert row["skipped"] == 1
     _assert_identical(tr.model.state_dict(), before)  # skipped steps leave the parameters alone
-    with pytest.raises(trainer_module.Interrupted) as stop:
+    with pytest.raises(Interrupted) as stop:
         tr.train_step("mle")
     assert stop.value.code == 3 and "checkpoint_crash.pt" in str(stop.value)
     _assert_identical(torch.load(tmp_path / "checkpoint_crash.pt", weights_only=True)["model"], before)

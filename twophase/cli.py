@@ -14,7 +14,8 @@ from .data import DataError, load_cmudict, load_tsv
 from .model import Seq2Seq
 from .checkpoint import CheckpointError, load
 from .report import summary_table
-from .trainer import Interrupted, Trainer
+from .interrupt import Interrupted
+from .trainer import Trainer
 from .vocab import Vocab
 
 

@@ -14,7 +14,7 @@ from .cli import UsageError, pick_device
 from .config import OneLineParser
 from .data import DataError, pad_batch, tokenize_source
 from .model import Seq2Seq
-from .search import beam_search
+from .search import beam_search, best_rows
 from .vocab import Vocab
 
 
@@ -65,12 +65,9 @@ def decode_lines(model, src_vocab, tgt_vocab, lines, char_source, char_target, b
     for start in range(0, len(todo), batch_size):
         chunk = todo[start:start + batch_size]
         src, src_len = pad_batch([ids for _, ids in chunk], device)
-        s = beam_search(model, src, src_len, beam_size, max_len)
-        best = {}
-        for row, owner in zip(s.tokens.tolist(), s.owner.tolist()):
-            best.setdefault(owner, row)  # rows come best first per source
-        for b, (i, _) in enumerate(chunk):
-            out[i] = joiner.join(tgt_vocab.decode(best[b]))
+        best = best_rows(beam_search(model, src, src_len, beam_size, max_len))  # (B, T)
+        for (i, _), row in zip(chunk, best.tolist()):
+            out[i] = joiner.join(tgt_vocab.decode(row))
     return out
 
 

@@ -48,3 +48,11 @@ class GracefulStop:
     @property
     def exit_code(self) -> int:
         return 128 + (self.received or 0)
+
+
+class Interrupted(Exception):
+    """The run stopped early on purpose (signal) or by necessity (too many bad steps); carries the exit code."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code

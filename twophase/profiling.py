@@ -10,11 +10,13 @@ Letters: N candidate rows, C rows per chunk, T target length, S source length.
 """
 from __future__ import annotations
 
+import json
 import resource
 import time
 from contextlib import contextmanager
 
 import torch
+from tqdm import tqdm
 
 from .memstats import SavedTensorMeter
 
@@ -50,6 +52,13 @@ class StepProfiler:
             allocated, peak = _rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self.rows.append({"section": name, "seconds": time.perf_counter() - start, "allocated_mb": allocated / MB,
                           "peak_mb": peak / MB, "graph_mb": meter.peak_bytes / MB})
+
+    def write(self, path, step: int, phase: str, echo: bool) -> None:
+        """Append this step's sections to a JSONL file; with echo, also print the table."""
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, "phase": phase, "sections": self.rows}) + "\n")
+        if echo:
+            tqdm.write(f"memory profile of step {step} ({phase}):\n{self.table()}")
 
     def table(self) -> str:
         kind = "CUDA" if self.device.type == "cuda" else "CPU RSS"

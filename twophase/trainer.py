@@ -25,8 +25,8 @@ from . import distributed, objectives
 from .checkpoint import CheckpointManager, rng_state, save_atomic, set_rng_state
 from .config import Config, parse_size
 from .data import BatchSampler, Dataset, pad_batch, pad_targets
-from .interrupt import GracefulStop
-from .metrics import evaluate_sums, scores_from_sums
+from .interrupt import GracefulStop, Interrupted
+from .evaluation import validate
 from .model import Seq2Seq
 from .onephase import one_phase_backward, one_phase_beam_search, one_phase_sample
 from .profiling import ChunkPlanner, StepProfiler
@@ -196,27 +196,10 @@ class Trainer:
                                  f"{self.save_dir / 'checkpoint_crash.pt'} (parameters from before them)")
         return {"grad_norm": norm, "skipped": 1}
 
-    # ------------------------------------------------------------------ validation
-    @torch.inference_mode()
-    def validate(self, data: Dataset | None = None, batch_size: int = 256) -> dict:
-        data = data or self.valid
-        n = len(data) if not self.cfg.valid_size else min(self.cfg.valid_size, len(data))
-        self.model.eval()
-        share = distributed.shard(list(range(n)))  # each process decodes its share; the sums are reduced below
-        hyps = []
-        for start in range(0, len(share), batch_size):
-            src, src_len = pad_batch([self.src_vocab.encode(data.sources[i]) for i in share[start:start + batch_size]],
-                                     self.device)
-            s = beam_search(self.model, src, src_len, self.cfg.eval_beam, self.cfg.max_len)
-            first = torch.ones(len(s), dtype=torch.bool)
-            first[1:] = s.owner[1:] != s.owner[:-1]  # beam rows come best first per source
-            hyps += [self.tgt_vocab.decode(r) for r in s.tokens[first].tolist()]
-        refs = [data.references[i] for i in share]
-        sums = evaluate_sums(hyps, refs)
-        sums["reward"] = sum(self.reward([" ".join(h) for h in hyps], [[" ".join(r) for r in rs] for rs in refs])
-                             if hyps else [])
-        sums = distributed.reduce_sums(sums)
-        return {**scores_from_sums(sums), "reward": sums["reward"] / sums["n"]}
+    def validate(self) -> dict:
+        cfg = self.cfg
+        return validate(self.model, self.valid, self.src_vocab, self.tgt_vocab, self.reward, cfg.eval_beam,
+                        cfg.max_len, self.device, limit=cfg.valid_size)
 
     # ------------------------------------------------------------------ the run
     def log(self, row: dict) -> None:
@@ -248,13 +231,10 @@ class Trainer:
         return row
 
     def report_profile(self, phase: str) -> None:
-        """--profile-memory: every step's sections go to memory_profile.jsonl; the first step of each phase is
-        also printed, as the answer to "what is consuming the memory?"."""
+        """--profile-memory: every step to memory_profile.jsonl, the first of each phase also printed."""
         if self.is_main:
-            with open(self.save_dir / "memory_profile.jsonl", "a") as f:
-                f.write(json.dumps({"step": self.step + 1, "phase": phase, "sections": self.profiler.rows}) + "\n")
-            if self.stats[phase]["steps"] == 0:
-                tqdm.write(f"memory profile of step {self.step + 1} ({phase}):\n{self.profiler.table()}")
+            self.profiler.write(self.save_dir / "memory_profile.jsonl", self.step + 1, phase,
+                                echo=self.stats[phase]["steps"] == 0)
         self.profiler = None
 
     def run(self) -> dict:
@@ -340,11 +320,3 @@ class Trainer:
         set_rng_state(mine["rng"])
         sampling = mine["sampling_rng"]
         self.sampling.set_state(sampling.cpu() if self.device.type == "cpu" else sampling)
-
-
-class Interrupted(Exception):
-    """The run stopped early on purpose (signal) or by necessity (too many bad steps); carries the exit code."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
