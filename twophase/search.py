@@ -39,6 +39,13 @@ class Samples:
         return Samples(tokens, *(torch.cat([getattr(p, f) for p in parts]) for f in ("lengths", "owner", "scores")))
 
 
+def best_rows(s: Samples) -> Tensor:
+    """(B', T) the first row of each source present: the best one, as search returns rows best first."""
+    first = torch.ones(len(s), dtype=torch.bool, device=s.owner.device)
+    first[1:] = s.owner[1:] != s.owner[:-1]
+    return s.tokens[first]
+
+
 def _finish(tokens: Tensor, scores: Tensor, owner: Tensor) -> Samples:
     """Drop impossible rows (score -inf), trim trailing all-PAD columns. Runs outside inference mode: the
     clones are ordinary tensors, which phase two may save for backward (it embeds these tokens)."""
