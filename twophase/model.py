@@ -111,14 +111,19 @@ class Seq2Seq(nn.Module):
         energy_fn = fused.AttentionEnergies.apply if recording else fused.energies
         context_fn = fused.AttentionContext.apply if recording else fused.context
         # Adding a constant 0 / -inf mask saves nothing for backward, unlike masked_fill's (N, S) mask.
-        energy = energy_fn(query, enc.keys, v, owner) + _mask_bias(enc.mask, query.dtype).index_select(0, owner)
+        grp = fused.groups(owner)  # B x K beam rows read their source's keys as views, not per-row copies
+        energy = energy_fn(query, enc.keys, v, owner, grp) + _mask_bias(enc.mask, query.dtype).index_select(0, owner)
         alpha = torch.softmax(energy, dim=-1)  # (N, S)
-        return context_fn(alpha, enc.memory, owner)  # (N, D)
+        return context_fn(alpha, enc.memory, owner, grp)  # (N, D)
 
     def advance(self, enc: Encoded, owner: Tensor, prev: Tensor, state: tuple[Tensor, Tensor]):
         """Consume the previous tokens prev (N,) and return the new state (h, c), each (N, H)."""
+        return self._advance_embedded(enc, owner, self.drop(self.tgt_embed(prev)), state)
+
+    def _advance_embedded(self, enc: Encoded, owner: Tensor, emb: Tensor, state: tuple[Tensor, Tensor]):
+        """`advance` from the previous tokens' embeddings emb (N, E), dropout applied."""
         ctx = self.attend(enc, owner, state[0])
-        x = torch.cat([self.drop(self.tgt_embed(prev)), ctx], dim=-1)  # (N, E + D)
+        x = torch.cat([emb, ctx], dim=-1)  # (N, E + D)
         return self.cell(x, state)
 
     def log_probs(self, h: Tensor) -> Tensor:
@@ -132,22 +137,28 @@ class Seq2Seq(nn.Module):
         return state, self.log_probs(state[0])
 
     # ---------------------------------------------------------------- teacher forcing
-    def score(self, enc: Encoded, tgt: Tensor, owner: Tensor) -> Tensor:
-        """log p(tgt[i] | source owner[i]) for target rows tgt (N, T) = tokens, EOS, PAD...; returns (N,)."""
+    def decoder_states(self, enc: Encoded, tgt: Tensor, owner: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Teacher-forced states at the real (non-PAD) positions of tgt (N, T): the output layer's input h
+        (M, H), dropout applied; the targets there (M,); and the row of each (M,)."""
         N, T = tgt.shape
         state = self.init_state(enc, owner)
-        prev = torch.full((N,), BOS, dtype=torch.long, device=tgt.device)
+        prev = torch.cat([torch.full((N, 1), BOS, dtype=torch.long, device=tgt.device), tgt[:, :-1]], dim=1)
+        # Every step's input embedding at once: one embedding backward, not T dense (V, E) gradients to add up.
+        embs = self.drop(self.tgt_embed(prev)).unbind(1)  # T x (N, E)
         hs = []
         for t in range(T):
-            state = self.advance(enc, owner, prev, state)
+            state = self._advance_embedded(enc, owner, embs[t], state)
             hs.append(state[0])
-            prev = tgt[:, t]
         # Only real targets are scored: PAD positions would cost V-sized work and contribute 0.
         valid = (tgt != PAD).reshape(-1).nonzero().squeeze(1)  # (M,) indices into the N*T positions
         h = torch.stack(hs, dim=1).reshape(N * T, -1).index_select(0, valid)  # (N, T, H) -> (N*T, H) -> (M, H)
-        tok = fused.target_log_probs(self.drop(h), self.out.weight, self.out.bias,
-                                     tgt.reshape(-1).index_select(0, valid), self.banned)  # (M,)
-        return tok.new_zeros(N).index_add_(0, valid // T, tok)  # (N,): sum over each row's positions
+        return self.drop(h), tgt.reshape(-1).index_select(0, valid), valid // T
+
+    def score(self, enc: Encoded, tgt: Tensor, owner: Tensor) -> Tensor:
+        """log p(tgt[i] | source owner[i]) for target rows tgt (N, T) = tokens, EOS, PAD...; returns (N,)."""
+        h, target, row = self.decoder_states(enc, tgt, owner)
+        tok = fused.target_log_probs(h, self.out.weight, self.out.bias, target, self.banned)  # (M,)
+        return tok.new_zeros(tgt.shape[0]).index_add_(0, row, tok)  # (N,): sum over each row's positions
 
     def sequence_log_probs(self, src: Tensor, src_lengths: Tensor, tgt: Tensor, owner: Tensor | None = None) -> Tensor:
         """(N,) log-probabilities, with grad, of target rows tgt (N, T) given src (B, S)."""

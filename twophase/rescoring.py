@@ -9,7 +9,9 @@ back-propagated once at the end. The result equals one backward over all rows, w
 
 A chunk's gradient is computed with `torch.autograd.grad` and only then added to `.grad`: if the GPU runs out of
 memory half-way through a chunk, nothing of it has been accumulated, so the chunk is redone at half the size
-and the step's gradient stays exact.
+and the step's gradient stays exact. Because c is known before a chunk is decoded, the output layer's forward and
+backward run together by hand (each V-sized logit block computed once) and autograd walks the decoder from its
+output states; a model whose `score` is replaced is differentiated through that `score` instead.
 
 Letters: B sources, N candidate rows, C rows per chunk, T target length.
 """
@@ -20,6 +22,7 @@ import contextlib
 import torch
 from torch import Tensor
 
+from . import fused
 from .model import Seq2Seq
 from .search import Samples
 
@@ -75,10 +78,15 @@ def rescore_backward(model: Seq2Seq, src: Tensor, src_lengths: Tensor, samples: 
 def _chunk(model: Seq2Seq, boundary, samples: Samples, coefficients: Tensor, rows: slice, params) -> float:
     """Decode rows, then add d(sum c_i log p_i)/d(params, boundary) into their .grad; returns the sum."""
     T = int(samples.lengths[rows].max())  # no steps past the chunk's longest row
-    log_p = model.score(boundary, samples.tokens[rows, :T], samples.owner[rows])  # (C,)
-    loss = (coefficients[rows].to(log_p.dtype) * log_p).sum()
+    tokens, owner, c = samples.tokens[rows, :T], samples.owner[rows], coefficients[rows]
     inputs = params + [x for x in boundary.float_tensors() if x.requires_grad]
-    grads = torch.autograd.grad(loss, inputs, allow_unused=True)  # frees this chunk's graph
+    # A model (or a wrapper such as memstats.graph_bytes) that replaces `score` is differentiated through it.
+    if type(model).score is Seq2Seq.score and "score" not in vars(model):
+        loss, grads = _fused_output_grads(model, boundary, tokens, owner, c, inputs)
+    else:
+        log_p = model.score(boundary, tokens, owner)  # (C,)
+        loss = (c.to(log_p.dtype) * log_p).sum()
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)  # frees this chunk's graph
     with torch.no_grad():
         for x, g in zip(inputs, grads):
             if g is None:
@@ -88,3 +96,24 @@ def _chunk(model: Seq2Seq, boundary, samples: Samples, coefficients: Tensor, row
             else:
                 x.grad.add_(g)
     return loss.item()
+
+
+def _fused_output_grads(model: Seq2Seq, boundary, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list):
+    """`Seq2Seq.score`'s loss and gradients with the output layer differentiated by hand: the coefficients are
+    known before the decode, so `fused.target_log_probs_and_grads` computes each logit block once (autograd
+    would recompute it in backward) and the decoder's graph is back-propagated from its output h."""
+    h, target, row = model.decoder_states(boundary, tokens, owner)  # (M, H), (M,), (M,)
+    out = model.out
+    with torch.no_grad():
+        w = c.to(h.dtype).index_select(0, row)  # (M,) d loss / d log p of each position: its row's coefficient
+        tok, dh, dweight, dbias = fused.target_log_probs_and_grads(h, out.weight, out.bias, target, model.banned, w)
+        log_p = tok.new_zeros(len(c)).index_add_(0, row, tok)  # (C,), as `score` sums it
+        loss = (c.to(log_p.dtype) * log_p).sum()
+    grads = [None] * len(inputs)
+    if h.requires_grad:
+        grads = list(torch.autograd.grad(h, inputs, dh, allow_unused=True))  # frees this chunk's graph
+    for extra, param in ((dweight, out.weight), (dbias, out.bias)):
+        for j, x in enumerate(inputs):
+            if x is param:
+                grads[j] = extra if grads[j] is None else grads[j] + extra
+    return loss, grads

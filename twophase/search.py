@@ -81,10 +81,11 @@ def _beam_search(model, src, src_lengths, beam_size, max_len):
     for t in range(max_len):
         state, logp = model.step(enc, owner, prev, state)  # logp (B*K, V)
         V = logp.shape[-1]
-        # A finished hypothesis has exactly one continuation, PAD, at no cost (PAD is impossible otherwise).
-        finished = torch.full((V,), float("-inf"), dtype=logp.dtype, device=logp.device)
-        finished[PAD] = 0.0
-        logp = torch.where(done[:, None], finished, logp)  # (B*K, V)
+        if bool(done.any()):  # a (B*K, V) pass, skipped while every hypothesis is open
+            # A finished hypothesis has exactly one continuation, PAD, at no cost (PAD is impossible otherwise).
+            finished = torch.full((V,), float("-inf"), dtype=logp.dtype, device=logp.device)
+            finished[PAD] = 0.0
+            logp = torch.where(done[:, None], finished, logp)  # (B*K, V)
         cand = (scores.reshape(-1, 1) + logp).reshape(B, K * V)  # (B, K*V)
         scores, flat = cand.topk(K, dim=1)  # (B, K) each, best first
         rows = (base + flat // V).reshape(-1)  # (B*K,) which hypothesis each new one extends

@@ -1,0 +1,104 @@
+"""The fast paths are the same numbers: grouped (B x K) attention against the general owner path, and phase
+two's hand-differentiated output layer against autograd through `Seq2Seq.score`."""
+import pytest
+import torch
+
+from twophase import fused, rescore_backward
+from twophase.vocab import BOS, PAD
+
+from conftest import tiny_model, toy_batch
+from test_rescoring import _candidates, _coefficients, _grads
+
+
+def _rand(*shape, g):
+    return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+
+@pytest.mark.parametrize("owner,want", [([0, 0, 1, 1], (0, 2)), ([2, 3], (2, 1)), ([1, 1, 1], (1, 3)),
+                                        ([1, 0], None), ([0, 0, 1], None), ([0, 2], None), ([0, 1, 0, 1], None)])
+def test_groups_recognises_only_consecutive_equal_runs(owner, want):
+    assert fused.groups(torch.tensor(owner)) == want
+
+
+@pytest.mark.parametrize("owner", [[0, 0, 0, 1, 1, 1], [1, 1, 2, 2, 3, 3], [2, 2, 2, 2, 2, 2]])
+def test_grouped_attention_gradcheck_and_equals_general_path(owner):
+    g = torch.Generator().manual_seed(0)
+    owner = torch.tensor(owner)
+    grp = fused.groups(owner)
+    assert grp is not None
+    q, keys, v = _rand(6, 3, g=g), _rand(4, 5, 3, g=g), _rand(1, 3, g=g)
+    alpha, memory = _rand(6, 5, g=g), _rand(4, 5, 2, g=g)
+    assert torch.autograd.gradcheck(lambda *x: fused.AttentionEnergies.apply(*x, owner, grp), (q, keys, v))
+    assert torch.autograd.gradcheck(lambda *x: fused.AttentionContext.apply(*x, owner, grp), (alpha, memory))
+    for fn, args in ((fused.AttentionEnergies.apply, (q, keys, v)), (fused.AttentionContext.apply, (alpha, memory))):
+        grads = []
+        for layout in (grp, None):
+            out = fn(*args, owner, layout)
+            grads.append([out] + list(torch.autograd.grad(out.square().sum(), args)))
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("block", [None, 2])
+def test_target_log_probs_and_grads_equal_autograd(block):
+    g = torch.Generator().manual_seed(2)
+    h, weight, bias = _rand(7, 3, g=g), _rand(6, 3, g=g), _rand(6, g=g)
+    target = torch.tensor([2, 5, 3, 2, 4, 5, 3])
+    banned = torch.zeros(6, dtype=torch.bool)
+    banned[[PAD, BOS]] = True
+    w = torch.randn(7, generator=g, dtype=torch.float64)
+    tok = fused.target_log_probs(h, weight, bias, target, banned, block)
+    want = [tok] + list(torch.autograd.grad(tok, (h, weight, bias), w))
+    got = fused.target_log_probs_and_grads(h.detach(), weight.detach(), bias.detach(), target, banned, w, block)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["beam", "sample"])
+@pytest.mark.parametrize("chunk", [1, 5, 100])
+def test_fused_rescoring_equals_autograd_through_score(kind, chunk):
+    model = tiny_model(bidirectional=chunk == 5)
+    src, lens = toy_batch()
+    s = _candidates(model, src, lens, kind)
+    c = _coefficients("beam", s, B=3)
+    model.zero_grad()
+    fast = rescore_backward(model, src, lens, s, c, chunk_size=chunk)
+    want = _grads(model)
+    model.zero_grad()
+    model.score = model.score  # an instance attribute: rescoring differentiates through it with autograd
+    try:
+        plain = rescore_backward(model, src, lens, s, c, chunk_size=chunk)
+    finally:
+        del model.score
+    assert fast == pytest.approx(plain, rel=1e-12)
+    for g, w in zip(_grads(model), want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+
+
+def test_fused_rescoring_out_of_memory_halves_the_chunk_and_stays_exact(monkeypatch):
+    model = tiny_model()
+    src, lens = toy_batch()
+    s = _candidates(model, src, lens, "beam")
+    c = _coefficients("beam", s, B=3)
+    model.zero_grad()
+    rescore_backward(model, src, lens, s, c, chunk_size=len(s))
+    want = _grads(model)
+    sizes, real = [], model.decoder_states
+
+    def decoder_states(enc, tokens, owner):
+        sizes.append(len(tokens))
+        return real(enc, tokens, owner)
+
+    def fail_late_in_backward(grad):  # after the output layer's gradients exist, before they are accumulated
+        if sizes[-1] > 3:
+            raise torch.cuda.OutOfMemoryError("injected")
+        return grad
+
+    monkeypatch.setattr(model, "decoder_states", decoder_states)
+    handle = model.cell.weight_ih.register_hook(fail_late_in_backward)
+    model.zero_grad()
+    rescore_backward(model, src, lens, s, c, chunk_size=8)
+    handle.remove()
+    assert sizes[:3] == [8, 4, 2] and max(sizes[3:]) <= 2
+    for g, w in zip(_grads(model), want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
