@@ -7,7 +7,8 @@ holder whose finalizer runs when autograd frees it (after backward, or when the 
 `peak_bytes` is the peak of bytes the graph kept alive. Tensors that exist anyway (parameters, buffers, the
 shared encoder outputs) can be declared `resident`: they are tallied in `resident_bytes`, not in the peak.
 
-`graph_bytes` measures phase two: the largest per-chunk graph of one `rescore_backward` call.
+`graph_bytes` measures phase two as training runs it: the largest per-chunk graph of one `rescore_backward`
+call.
 
 Letters: B sources, N candidate rows, C rows per chunk.
 """
@@ -99,23 +100,24 @@ def graph_bytes(model, src: Tensor, src_lengths: Tensor, samples, coefficients: 
     """Peak bytes saved for backward by the largest chunk of one `rescore_backward` call.
 
     Each chunk's graph is freed before the next is built, so the call's graph footprint is the maximum over
-    chunks. The chunk graph is built inside `model.score`, which is wrapped for the duration of the call
-    (an instance attribute shadowing the method, removed afterwards). Parameters, buffers and the arguments
-    of `score` (shared encoder outputs; token and owner slices of the call's candidates) are resident: they
-    exist whatever the chunk, so they are not counted."""
+    chunks. Phase two's only graph is the decoder's, built inside `model.decoder_states` (the output layer is
+    differentiated by hand, without a graph), so that method is wrapped for the duration of the call (an instance
+    attribute shadowing it, removed afterwards). Parameters, buffers and its arguments (shared encoder outputs;
+    token and owner slices of the call's candidates) are resident: they exist whatever the chunk, so they are
+    not counted."""
     per_chunk: list[int] = []
     resident = list(model.parameters()) + list(model.buffers())
-    score = model.score
+    decoder_states = model.decoder_states
 
-    def measured_score(enc, tgt, owner):
+    def measured(enc, tgt, owner):
         with SavedTensorMeter(resident + enc.float_tensors() + [tgt, owner]) as meter:
-            out = score(enc, tgt, owner)
+            out = decoder_states(enc, tgt, owner)
         per_chunk.append(meter.peak_bytes)
         return out
 
-    model.score = measured_score
+    model.decoder_states = measured
     try:
         rescore_backward(model, src, src_lengths, samples, coefficients, chunk_size)
     finally:
-        del model.score
+        del model.decoder_states
     return max(per_chunk, default=0)

@@ -78,7 +78,8 @@ class ChunkPlanner:
     Graph bytes grow with rows x steps, so one probe (a few rows, teacher-forced with grad, measured by a
     saved-tensor meter, then dropped) gives bytes per row-step; a step's chunk is then budget / (that x T).
     The probe is repeated when a batch has longer sources than any probed so far (attention keeps S-sized
-    tensors per row-step), so the estimate never undercounts.
+    tensors per row-step), so the estimate never undercounts. The budget is for the graph: the output layer's
+    transient logit blocks (fused.py, at most a fixed block of rows at a time) and the gradients come on top.
     """
 
     def __init__(self, budget_bytes: int, probe_rows: int = 8):
@@ -101,8 +102,8 @@ class ChunkPlanner:
         with torch.enable_grad():
             boundary = model.encode(src, src_lengths).detached()
             resident = list(model.parameters()) + list(model.buffers()) + boundary.float_tensors()
-            with SavedTensorMeter(resident) as meter:
-                log_p = model.score(boundary, rows.tokens[:, :T], rows.owner)
-            del log_p  # the probe's graph is released here, never back-propagated
+            with SavedTensorMeter(resident) as meter:  # phase two's graph: the decoder's (see rescoring)
+                states = model.decoder_states(boundary, rows.tokens[:, :T], rows.owner)
+            del states  # the probe's graph is released here, never back-propagated
         self.per_row_step = max(self.per_row_step, meter.peak_bytes / (len(rows) * T))
         self.probed_source_len = int(src.shape[1])
