@@ -23,10 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -34,13 +30,9 @@ from pathlib import Path
 
 import torch
 
-from . import objectives
-from .memstats import SavedTensorMeter
-from .model import Seq2Seq
-from .onephase import SeedStyleSeq2Seq, one_phase_backward, one_phase_beam_search
-from .rescoring import rescore_backward
-from .search import beam_search
-from .vocab import EOS
+from .benchcell import run_cell
+from .benchreport import NOTE, describe_sizes, fmt_cell, label, markdown, plot
+from .config import parse_size
 
 SEED_CONFIG = dict(batch=16, beam=64, src_len=50, max_len=50, hidden=512, embed=256, vocab=10000, src_vocab=1000)
 SPEED_CONFIG = dict(SEED_CONFIG, batch=2, beam=32, max_len=30, chunk=64)
@@ -51,121 +43,6 @@ GRIDS = {  # name: (model/batch sizes, beam sizes, chunk sizes, warm-up steps, t
     "tiny": (dict(batch=2, src_len=5, max_len=4, hidden=16, embed=8, vocab=30, src_vocab=20), (2, 4), (4,), 1, 1),
 }
 SPEED_STEPS = {"full": (1, 3), "quick": (1, 2), "tiny": None}  # the speed target is skipped in the tiny grid
-NOTE = ("Random weights, random sources and uniform random rewards; EOS banned so every candidate has T = max_len "
-        "(the worst case). `*` = extrapolated linearly in rows from smaller batch/beam.")
-
-
-# ---------------------------------------------------------------- one configuration, in the worker process
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak(device: torch.device) -> int:
-    """Start a peak-memory window; returns the baseline bytes the peak is measured above."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-    try:  # Linux: 5 resets the RSS high-water mark that getrusage reports
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # then the peak includes whatever the process reached before (imports, model creation)
-    return _rss()
-
-
-def _peak(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def build(cell: dict):
-    """Model (random weights, EOS banned), optimizer and a batch of full-length random sources."""
-    device, dtype = torch.device(cell["device"]), getattr(torch, cell.get("dtype", "float32"))
-    torch.manual_seed(cell.get("seed", 0))
-    model = Seq2Seq(cell["src_vocab"], cell["vocab"], embed_dim=cell["embed"], hidden_size=cell["hidden"])
-    model = model.to(device=device, dtype=dtype)
-    if cell["method"] == "seed-style":
-        model = SeedStyleSeq2Seq.from_model(model)
-    model.banned[EOS] = True  # every candidate runs to max_len (see NOTE)
-    model.eval()  # no dropout: phase one and phase two score with the same function
-    src = torch.randint(4, cell["src_vocab"], (cell["batch"], cell["src_len"]), device=device)  # (B, S)
-    src_lengths = torch.full((cell["batch"],), cell["src_len"], dtype=torch.long)  # (B,)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-4), src, src_lengths
-
-
-def _coefficients(cand, B: int, seed: int) -> torch.Tensor:
-    rewards = torch.rand(len(cand), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return objectives.beam(rewards.to(cand.scores.device), cand.scores, cand.owner, B)  # (N,)
-
-
-def train_step(cell: dict, model, optimizer, src, src_lengths) -> int:
-    """One step of the cell's method; returns the candidates' length T."""
-    B, K, T = cell["batch"], cell["beam"], cell["max_len"]
-    optimizer.zero_grad(set_to_none=True)
-    if cell["method"] == "two-phase":
-        cand = beam_search(model, src, src_lengths, K, T)
-        rescore_backward(model, src, src_lengths, cand, _coefficients(cand, B, cell["seed"]), cell["chunk"])
-    else:
-        cand, log_p = one_phase_beam_search(model, src, src_lengths, K, T)
-        one_phase_backward(log_p, _coefficients(cand, B, cell["seed"]))
-        del log_p
-        if isinstance(model, SeedStyleSeq2Seq):
-            model.release()
-    optimizer.step()
-    return cand.tokens.shape[1]
-
-
-def grad_difference(cell: dict, model, src, src_lengths) -> tuple[float, float]:
-    """|g_one - g_two| / |g_two| (L2 over all parameters, and the worst single parameter tensor): one backward
-    through the search graph against `rescore_backward` on the same candidates and coefficients. The beam
-    coefficients sum to zero per source, so tensors with small, heavily cancelling gradients (the bridge) show
-    fp32 rounding far above the global figure; in fp64 both are ~1e-12."""
-    cand, log_p = one_phase_beam_search(model, src, src_lengths, cell["beam"], cell["max_len"])
-    coef = _coefficients(cand, cell["batch"], cell["seed"])
-    model.zero_grad(set_to_none=True)
-    one_phase_backward(log_p, coef)
-    del log_p
-    one = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    rescore_backward(model, src, src_lengths, cand, coef, cell.get("chunk") or 64)
-    diff = torch.stack([(g1 - p.grad).norm() for g1, p in zip(one, model.parameters())]).double()  # (P,)
-    norm = torch.stack([p.grad.norm() for p in model.parameters()]).double()  # (P,)
-    model.zero_grad(set_to_none=True)
-    return float(diff.norm() / norm.norm()), float((diff / norm.clamp_min(1e-30)).max())
-
-
-def run_cell(cell: dict) -> dict:
-    """Measure one configuration in this process: peak memory, graph bytes, median step time."""
-    if cell.get("threads"):
-        torch.set_num_threads(cell["threads"])
-    model, optimizer, src, src_lengths = build(cell)
-    device = src.device
-    base = _reset_peak(device)
-    resident = list(model.parameters()) + list(model.buffers())
-    with SavedTensorMeter(resident) as meter:  # the warm-up step: the meter's hooks cost time, not bytes
-        T = train_step(cell, model, optimizer, src, src_lengths)
-    for _ in range(cell["warmup"] - 1):
-        train_step(cell, model, optimizer, src, src_lengths)
-    times = []
-    for _ in range(cell["steps"]):
-        _sync(device)
-        start = time.perf_counter()
-        train_step(cell, model, optimizer, src, src_lengths)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    out = dict(cell, peak_mb=max(0, _peak(device) - base) / 2**20, graph_mb=meter.peak_bytes / 2**20,
-               step_s=statistics.median(times), step_times=times, target_len=T, rows=cell["batch"] * cell["beam"])
-    if cell.get("grad_check"):
-        out["grad_rel_diff"], out["grad_rel_diff_worst_tensor"] = grad_difference(cell, model, src, src_lengths)
-    return out
 
 
 # ---------------------------------------------------------------- the grid, in the parent process
@@ -223,10 +100,6 @@ def methods(chunks) -> list[tuple[str, int | None]]:
     return [("two-phase", c) for c in chunks] + [("one-phase", None), ("seed-style", None)]
 
 
-def label(method: str, chunk) -> str:
-    return f"two-phase c={chunk}" if method == "two-phase" else method
-
-
 def run_grid(base: dict, beams, chunks, cap: float, inline: bool, timeout: float, log=print) -> list[dict]:
     cells = []
     for beam in beams:
@@ -256,119 +129,7 @@ def speed_target(base: dict, steps, cap: float, inline: bool, timeout: float, lo
     return {"config": base, "cells": list(cells.values()), "time_ratios": ratios}
 
 
-# ---------------------------------------------------------------- reporting
-def fmt_cell(c: dict) -> str:
-    if "error" in c:
-        return f"error: {c['error']}"
-    star = "*" if c.get("extrapolated") else ""
-    grad = f"  grad rel diff {c['grad_rel_diff']:.1e}" if "grad_rel_diff" in c else ""
-    return f"peak {c['peak_mb']:9.1f} MiB{star}  graph {c['graph_mb']:9.1f} MiB{star}  {c['step_s']:8.3f} s{star}{grad}"
-
-
-def _value(c: dict | None, key: str, fmt: str) -> str:
-    if c is None:
-        return "-"
-    if "error" in c:
-        return "error"
-    return fmt.format(c[key]) + ("*" if c.get("extrapolated") else "")
-
-
-def grid_markdown(cells: list[dict]) -> str:
-    """One row per beam size; per method peak memory (graph bytes) and step time side by side."""
-    cols = list(dict.fromkeys(label(c["method"], c["chunk"]) for c in cells))
-    beams = sorted({c["beam"] for c in cells})
-    at = {(c["beam"], label(c["method"], c["chunk"])): c for c in cells}
-    lines = []
-    for title, fmt in (("peak memory MiB (graph MiB)", None), ("step time s (median)", "{:.3f}")):
-        lines += [f"**{title}**", "", "| K | N | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
-        for k in beams:
-            row = []
-            for col in cols:
-                c = at.get((k, col))
-                row.append(_value(c, "step_s", fmt) if fmt else
-                           f"{_value(c, 'peak_mb', '{:.0f}')} ({_value(c, 'graph_mb', '{:.0f}')})")
-            n = next(c["batch"] * k for c in cells if c["beam"] == k)
-            lines.append(f"| {k} | {n} | " + " | ".join(row) + " |")
-        lines.append("")
-    diffs = [f"K={c['beam']} {c['method']}: {c['grad_rel_diff']:.1e}" for c in cells if "grad_rel_diff" in c]
-    lines.append("relative gradient difference |g - g_two-phase| / |g_two-phase| (all parameters) on the same "
-                 "candidates: " + "; ".join(diffs))
-    return "\n".join(lines)
-
-
-def speed_markdown(speed: dict) -> str:
-    lines = ["| method | peak MiB | graph MiB | step s |", "|---|---|---|---|"]
-    for c in speed["cells"]:
-        lines.append(f"| {label(c['method'], c['chunk'])} | {_value(c, 'peak_mb', '{:.0f}')} | "
-                     f"{_value(c, 'graph_mb', '{:.0f}')} | {_value(c, 'step_s', '{:.3f}')} |")
-    lines.append("")
-    lines.append("time ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in speed["time_ratios"].items()))
-    return "\n".join(lines)
-
-
-def _sizes(cfg: dict) -> str:
-    return ", ".join(f"{k} {cfg[k]}" for k in ("batch", "beam", "src_len", "max_len", "hidden", "vocab", "chunk",
-                                                 "dtype", "device", "threads") if cfg.get(k) is not None)
-
-
-def markdown(report: dict) -> str:
-    meta = report["meta"]
-    out = [f"# twophase bench ({meta['grid']} grid, {meta['device']}, torch {meta['torch']})", "", NOTE, "",
-           f"## Beam sizes ({_sizes(report['grid_config'])}; beam varies)", "", grid_markdown(report["grid"])]
-    if report.get("speed"):
-        out += ["", f"## Speed target ({_sizes(report['speed']['config'])})", "", speed_markdown(report["speed"])]
-    return "\n".join(out) + "\n"
-
-
-def plot(cells: list[dict], config: dict, path: Path) -> bool:
-    """Peak memory and step time against beam size, one line per method; hollow markers are extrapolated."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib not installed (pip install twophase[bench]): no plot", file=sys.stderr)
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401 (NullLocator below)
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for col in dict.fromkeys(label(c["method"], c["chunk"]) for c in cells):
-        ok = sorted((c for c in cells if label(c["method"], c["chunk"]) == col and "error" not in c),
-                    key=lambda c: c["beam"])
-        for ax, key in zip(axes, ("peak_mb", "step_s")):
-            line, = ax.plot([c["beam"] for c in ok], [c[key] for c in ok], label=col)
-            for c in ok:
-                ax.plot(c["beam"], c[key], "o", color=line.get_color(),
-                        markerfacecolor="none" if c.get("extrapolated") else line.get_color())
-    for ax, key, ylabel in zip(axes, ("peak_mb", "step_s"), ("peak memory (MiB)", "step time (s, median)")):
-        positive = all(c[key] > 0 for c in cells if "error" not in c)  # toy grids can measure 0 MiB
-        ax.set(xscale="log", yscale="log" if positive else "linear", xlabel="beam size K", ylabel=ylabel)
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # minor labels would overprint the beam sizes
-        beams = sorted({c["beam"] for c in cells})
-        ax.set_xticks(beams, labels=[str(k) for k in beams])
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend()
-    sizes = _sizes({k: v for k, v in config.items() if k not in ("beam", "chunk")})
-    fig.suptitle(f"twophase bench: {sizes}; beam varies (hollow = extrapolated; T = max_len)",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 # ---------------------------------------------------------------- command line
-def _bytes(text: str) -> int:
-    units = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
-             "t": 2**40, "tib": 2**40}
-    stripped = text.strip().lower()
-    digits = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = stripped[len(digits):]
-    if unit not in units or not digits:
-        raise argparse.ArgumentTypeError(f"expected a size such as 16GiB, got {text!r}")
-    return int(float(digits) * units[unit])
-
-
 def _override(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or key not in (*SEED_CONFIG, "chunk", "dtype", "seed"):
@@ -389,7 +150,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beams", type=lambda s: tuple(int(x) for x in s.split(",")), help="beam sizes, e.g. 8,32")
     p.add_argument("--chunks", type=lambda s: tuple(int(x) for x in s.split(",")), help="two-phase chunk sizes")
     p.add_argument("--steps", type=int, help="timed steps per configuration (median reported)")
-    p.add_argument("--cpu-mem-cap", type=_bytes, default=16 * 2**30,
+    p.add_argument("--cpu-mem-cap", type=parse_size, default=16 * 2**30,
                    help="on CPU, one-phase cells estimated above this are extrapolated from smaller ones (16GiB)")
     p.add_argument("--threads", type=int,
                    help="torch CPU threads per worker (default: torch's own; 1 with --quick/--tiny, which stays "
@@ -427,7 +188,8 @@ def main(argv=None) -> int:
                 steps=args.steps or steps, seed=overrides.get("seed", 0), threads=threads)
     beams, chunks = args.beams or beams, args.chunks or chunks
     cap = _cap(device, args.cpu_mem_cap)
-    print(f"{grid} grid on {device}: {_sizes(base)}; beams {beams}; memory cap {cap / 2**30:.1f} GiB\n{NOTE}")
+    print(f"{grid} grid on {device}: {describe_sizes(base)}; beams {beams}; "
+          f"memory cap {cap / 2**30:.1f} GiB\n{NOTE}")
     report = {"meta": {"grid": grid, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                        "torch": torch.__version__, "threads": torch.get_num_threads(), "note": NOTE,
                        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cap_bytes": cap},

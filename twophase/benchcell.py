@@ -1,0 +1,133 @@
+"""Benchmark worker: one configuration's peak memory, step time and gradient check (`python -m twophase.bench`
+runs each in a fresh process through `--worker JSON`).
+
+Letters: B sources, K beam size, N = B*K rows, S source length, T max length, H hidden, V vocabulary.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+
+import torch
+
+from . import objectives
+from .memstats import SavedTensorMeter
+from .model import Seq2Seq
+from .onephase import SeedStyleSeq2Seq, one_phase_backward, one_phase_beam_search
+from .rescoring import rescore_backward
+from .search import beam_search
+from .vocab import EOS
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak(device: torch.device) -> int:
+    """Start a peak-memory window; returns the baseline bytes the peak is measured above."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try:  # Linux: 5 resets the RSS high-water mark that getrusage reports
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # then the peak includes whatever the process reached before (imports, model creation)
+    return _rss()
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(cell: dict):
+    """Model (random weights, EOS banned), optimizer and a batch of full-length random sources."""
+    device, dtype = torch.device(cell["device"]), getattr(torch, cell.get("dtype", "float32"))
+    torch.manual_seed(cell.get("seed", 0))
+    model = Seq2Seq(cell["src_vocab"], cell["vocab"], embed_dim=cell["embed"], hidden_size=cell["hidden"])
+    model = model.to(device=device, dtype=dtype)
+    if cell["method"] == "seed-style":
+        model = SeedStyleSeq2Seq.from_model(model)
+    model.banned[EOS] = True  # every candidate runs to max_len (see NOTE)
+    model.eval()  # no dropout: phase one and phase two score with the same function
+    src = torch.randint(4, cell["src_vocab"], (cell["batch"], cell["src_len"]), device=device)  # (B, S)
+    src_lengths = torch.full((cell["batch"],), cell["src_len"], dtype=torch.long)  # (B,)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4), src, src_lengths
+
+
+def _coefficients(cand, B: int, seed: int) -> torch.Tensor:
+    rewards = torch.rand(len(cand), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return objectives.beam(rewards.to(cand.scores.device), cand.scores, cand.owner, B)  # (N,)
+
+
+def train_step(cell: dict, model, optimizer, src, src_lengths) -> int:
+    """One step of the cell's method; returns the candidates' length T."""
+    B, K, T = cell["batch"], cell["beam"], cell["max_len"]
+    optimizer.zero_grad(set_to_none=True)
+    if cell["method"] == "two-phase":
+        cand = beam_search(model, src, src_lengths, K, T)
+        rescore_backward(model, src, src_lengths, cand, _coefficients(cand, B, cell["seed"]), cell["chunk"])
+    else:
+        cand, log_p = one_phase_beam_search(model, src, src_lengths, K, T)
+        one_phase_backward(log_p, _coefficients(cand, B, cell["seed"]))
+        del log_p
+        if isinstance(model, SeedStyleSeq2Seq):
+            model.release()
+    optimizer.step()
+    return cand.tokens.shape[1]
+
+
+def grad_difference(cell: dict, model, src, src_lengths) -> tuple[float, float]:
+    """|g_one - g_two| / |g_two| (L2 over all parameters, and the worst single parameter tensor): one backward
+    through the search graph against `rescore_backward` on the same candidates and coefficients. The beam
+    coefficients sum to zero per source, so tensors with small, heavily cancelling gradients (the bridge) show
+    fp32 rounding far above the global figure; in fp64 both are ~1e-12."""
+    cand, log_p = one_phase_beam_search(model, src, src_lengths, cell["beam"], cell["max_len"])
+    coef = _coefficients(cand, cell["batch"], cell["seed"])
+    model.zero_grad(set_to_none=True)
+    one_phase_backward(log_p, coef)
+    del log_p
+    one = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    rescore_backward(model, src, src_lengths, cand, coef, cell.get("chunk") or 64)
+    diff = torch.stack([(g1 - p.grad).norm() for g1, p in zip(one, model.parameters())]).double()  # (P,)
+    norm = torch.stack([p.grad.norm() for p in model.parameters()]).double()  # (P,)
+    model.zero_grad(set_to_none=True)
+    return float(diff.norm() / norm.norm()), float((diff / norm.clamp_min(1e-30)).max())
+
+
+def run_cell(cell: dict) -> dict:
+    """Measure one configuration in this process: peak memory, graph bytes, median step time."""
+    if cell.get("threads"):
+        torch.set_num_threads(cell["threads"])
+    model, optimizer, src, src_lengths = build(cell)
+    device = src.device
+    base = _reset_peak(device)
+    resident = list(model.parameters()) + list(model.buffers())
+    with SavedTensorMeter(resident) as meter:  # the warm-up step: the meter's hooks cost time, not bytes
+        T = train_step(cell, model, optimizer, src, src_lengths)
+    for _ in range(cell["warmup"] - 1):
+        train_step(cell, model, optimizer, src, src_lengths)
+    times = []
+    for _ in range(cell["steps"]):
+        _sync(device)
+        start = time.perf_counter()
+        train_step(cell, model, optimizer, src, src_lengths)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    out = dict(cell, peak_mb=max(0, _peak(device) - base) / 2**20, graph_mb=meter.peak_bytes / 2**20,
+               step_s=statistics.median(times), step_times=times, target_len=T, rows=cell["batch"] * cell["beam"])
+    if cell.get("grad_check"):
+        out["grad_rel_diff"], out["grad_rel_diff_worst_tensor"] = grad_difference(cell, model, src, src_lengths)
+    return out
