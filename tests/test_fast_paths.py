@@ -102,3 +102,20 @@ def test_fused_rescoring_out_of_memory_halves_the_chunk_and_stays_exact(monkeypa
     assert sizes[:3] == [8, 4, 2] and max(sizes[3:]) <= 2
     for g, w in zip(_grads(model), want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_energies_in_row_blocks_equal_one_piece(monkeypatch, grouped):
+    from twophase import fused as fused_module
+
+    g = torch.Generator().manual_seed(0)
+    B, K, S, A = 3, 4, 5, 6
+    keys = torch.randn(B, S, A, generator=g, dtype=torch.float64)
+    q = torch.randn(B * K, A, generator=g, dtype=torch.float64)
+    v = torch.randn(1, A, generator=g, dtype=torch.float64)
+    owner = torch.arange(B).repeat_interleave(K) if grouped else torch.randint(0, B, (B * K,), generator=g)
+    grp = fused_module.groups(owner) if grouped else None
+    whole = fused_module.energies(q, keys, v, owner, grp)
+    monkeypatch.setattr(fused_module, "BLOCK_BYTES", S * A * 8 * 3)  # three rows' worth: several blocks
+    blocked = fused_module.energies(q, keys, v, owner, grp)
+    torch.testing.assert_close(blocked, whole, rtol=0, atol=0)

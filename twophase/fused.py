@@ -77,8 +77,21 @@ def _tanh_pre(q: Tensor, keys: Tensor, owner: Tensor, grp: Groups | None) -> Ten
 
 def energies(q: Tensor, keys: Tensor, v: Tensor, owner: Tensor, grp: Groups | None = None) -> Tensor:
     """e[n, s] = v . tanh(q[n] + keys[owner[n], s]): q (N, A), keys (B, S, A), v (1, A) -> (N, S).
-    grp = groups(owner) or None (the general path); both give the same numbers."""
-    return F.linear(_tanh_pre(q, keys, owner, grp), v).squeeze(-1)
+    grp = groups(owner) or None (the general path); both give the same numbers.
+
+    The (N, S, A) tanh is only a temporary, built for at most BLOCK_BYTES worth of rows at a time: in a wide
+    search (N = B*K rows every step) it would otherwise be the largest tensor of phase one."""
+    N, (S, A) = q.shape[0], keys.shape[1:]
+    rows = max(1, BLOCK_BYTES // max(1, S * A * q.element_size()))
+    if grp is not None:
+        rows = max(grp[1], rows // grp[1] * grp[1])  # whole groups per block, so each block stays grouped
+    if N <= rows:
+        return F.linear(_tanh_pre(q, keys, owner, grp), v).squeeze(-1)
+    out = []
+    for i in range(0, N, rows):
+        block_grp = None if grp is None else (grp[0] + i // grp[1], grp[1])
+        out.append(F.linear(_tanh_pre(q[i:i + rows], keys, owner[i:i + rows], block_grp), v).squeeze(-1))
+    return torch.cat(out)  # (N, S)
 
 
 def context(alpha: Tensor, memory: Tensor, owner: Tensor, grp: Groups | None = None) -> Tensor:
