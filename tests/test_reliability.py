@@ -157,3 +157,24 @@ def test_resume_without_checkpoint_or_with_other_model_is_refused(task, tmp_path
     _train(task, tmp_path, "--mle-steps", "1", "--rl-steps", "0")
     assert cli.main(argv + [*TINY, "--resume", "--hidden-size", "32"]) == 2
     assert "--hidden-size 16" in capsys.readouterr().err
+
+
+def test_out_of_memory_outside_phase_two_skips_the_batch(task, tmp_path, monkeypatch, capsys):
+    tr = _tiny_trainer(task, tmp_path, mle_steps=2, rl_steps=3)
+    real = tr.rl_step
+    calls = {"n": 0}
+
+    def rl_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.cuda.OutOfMemoryError("injected")
+        return real()
+
+    monkeypatch.setattr(tr, "rl_step", rl_step)
+    summary = tr.run()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["phase"] == "rl"]
+    assert [r.get("out_of_memory", 0) for r in rl] == [0, 1, 0] and rl[1]["skipped"] == 1 and rl[1]["loss"] is None
+    assert summary["rl"]["skipped"] == 1 and summary["rl"]["reward_mean"] == pytest.approx(
+        (rl[0]["reward_mean"] + rl[2]["reward_mean"]) / 2)
+    assert "step 4 [rl]: out of memory, batch skipped" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -55,7 +56,8 @@ class Trainer:
         self.save_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = CheckpointManager(self.save_dir, keep_last=cfg.keep_last)
         self.summary: dict[str, dict] = {}
-        self.stats = {p: {"steps": 0, "seconds": 0.0, "skipped": 0, "reward_sum": 0.0} for p in ("mle", "rl")}
+        self.stats = {p: {"steps": 0, "seconds": 0.0, "skipped": 0, "out_of_memory": 0, "reward_sum": 0.0,
+                          "reward_steps": 0} for p in ("mle", "rl")}
         self.bad_in_a_row = 0
         self.profiler: StepProfiler | None = None  # set per step under --profile-memory
         self.chunk_planner = ChunkPlanner(parse_size(cfg.memory_budget)) if cfg.rescore_chunk == "auto" else None
@@ -218,7 +220,12 @@ class Trainer:
         if self.cfg.profile_memory:
             self.profiler = StepProfiler(self.device)
         start = time.perf_counter()
-        row = self.mle_step() if phase == "mle" else self.rl_step()
+        try:
+            row = self.mle_step() if phase == "mle" else self.rl_step()
+        except torch.cuda.OutOfMemoryError:
+            if distributed.world() > 1:
+                raise  # one process cannot skip alone: the others would wait for it in the all-reduce
+            row = self.skip_out_of_memory(phase)
         if self.cfg.rescore_chunk == "auto":
             row["chunk"] = self.last_chunk
         if self.profiler is not None:
@@ -227,8 +234,24 @@ class Trainer:
         stats["seconds"] += time.perf_counter() - start
         stats["steps"] += 1
         stats["skipped"] += row["skipped"]
-        stats["reward_sum"] += row.get("reward_mean", 0.0)
+        if "reward_mean" in row:
+            stats["reward_sum"] += row["reward_mean"]
+            stats["reward_steps"] += 1
         return row
+
+    def skip_out_of_memory(self, phase: str) -> dict:
+        """Out of memory outside phase two's chunks (those halve themselves and retry): drop this batch with a
+        memory summary on stderr, count it, and go on with the next."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            summary = torch.cuda.memory_summary(self.device, abbreviated=True)
+            torch.cuda.empty_cache()
+        else:
+            summary = f"peak memory {peak_memory_mb(self.device):.0f} MB"
+        self.stats[phase]["out_of_memory"] += 1
+        print(f"step {self.step + 1} [{phase}]: out of memory, batch skipped "
+              f"({self.stats[phase]['out_of_memory']} so far)\n{summary}", file=sys.stderr, flush=True)
+        return {"loss": None, "skipped": 1, "out_of_memory": 1}  # None: metrics.jsonl stays strict JSON
 
     def report_profile(self, phase: str) -> None:
         """--profile-memory: every step to memory_profile.jsonl, the first of each phase also printed."""
@@ -251,7 +274,8 @@ class Trainer:
                 self.step += 1
                 self.log({"step": self.step, "phase": phase, **row})
                 bar.update(1)
-                bar.set_postfix({k: f"{v:.3g}" for k, v in row.items() if k in ("loss", "reward_mean")})
+                bar.set_postfix({k: f"{v:.3g}" for k, v in row.items()
+                                 if k in ("loss", "reward_mean") and isinstance(v, float)})
                 self.after_step(phase, bar)
             signum = distributed.agree_to_stop(stop.received)  # also a signal during the last step
         if signum is not None:
@@ -275,7 +299,8 @@ class Trainer:
             st = self.stats[phase]
             self.summary[phase] = {**scores, "steps_per_s": st["steps"] / max(st["seconds"], 1e-9),
                                    "skipped": st["skipped"],
-                                   "reward_mean": st["reward_sum"] / st["steps"] if phase == "rl" else math.nan}
+                                   "reward_mean": st["reward_sum"] / max(st["reward_steps"], 1)
+                                   if phase == "rl" else math.nan}
         if phase_end or self.step % cfg.save_every == 0:
             self.save(scores)
 
