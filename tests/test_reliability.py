@@ -178,3 +178,12 @@ def test_out_of_memory_outside_phase_two_skips_the_batch(task, tmp_path, monkeyp
     assert summary["rl"]["skipped"] == 1 and summary["rl"]["reward_mean"] == pytest.approx(
         (rl[0]["reward_mean"] + rl[2]["reward_mean"]) / 2)
     assert "step 4 [rl]: out of memory, batch skipped" in capsys.readouterr().err
+
+
+def test_second_signal_exits_at_once():
+    code = ("import os, signal, time\nfrom twophase.interrupt import GracefulStop\nwith GracefulStop():\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(0.2)\n    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(30)\nprint('not reached')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, cwd=ROOT)
+    assert proc.returncode == 130 and "not reached" not in proc.stdout
+    assert "exiting now without saving" in proc.stderr
