@@ -32,3 +32,13 @@ def model():
 @pytest.fixture
 def batch():
     return toy_batch()
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread: tiny tensors gain nothing from a second one, which only stalls when other
+    processes share the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -2,18 +2,11 @@
 import json
 
 import pytest
-import torch
 
 from twophase import bench
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Toy tensors: a second thread only adds parallel-region stalls when other processes share the cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cell(method, **kw):

@@ -75,35 +75,6 @@ def test_fused_rescoring_equals_autograd_through_score(kind, chunk):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
 
 
-def test_fused_rescoring_out_of_memory_halves_the_chunk_and_stays_exact(monkeypatch):
-    model = tiny_model()
-    src, lens = toy_batch()
-    s = _candidates(model, src, lens, "beam")
-    c = _coefficients("beam", s, B=3)
-    model.zero_grad()
-    rescore_backward(model, src, lens, s, c, chunk_size=len(s))
-    want = _grads(model)
-    sizes, real = [], model.decoder_states
-
-    def decoder_states(enc, tokens, owner):
-        sizes.append(len(tokens))
-        return real(enc, tokens, owner)
-
-    def fail_late_in_backward(grad):  # after the output layer's gradients exist, before they are accumulated
-        if sizes[-1] > 3:
-            raise torch.cuda.OutOfMemoryError("injected")
-        return grad
-
-    monkeypatch.setattr(model, "decoder_states", decoder_states)
-    handle = model.cell.weight_ih.register_hook(fail_late_in_backward)
-    model.zero_grad()
-    rescore_backward(model, src, lens, s, c, chunk_size=8)
-    handle.remove()
-    assert sizes[:3] == [8, 4, 2] and max(sizes[3:]) <= 2
-    for g, w in zip(_grads(model), want):
-        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
-
-
 @pytest.mark.parametrize("grouped", [True, False])
 def test_energies_in_row_blocks_equal_one_piece(monkeypatch, grouped):
     from twophase import fused as fused_module

@@ -13,13 +13,7 @@ from conftest import tiny_model, toy_batch
 K, MAX_LEN = 5, 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors: a second thread only adds parallel-region stalls when other processes share the cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _search(model, kind, src, lens, graph):

@@ -125,7 +125,10 @@ def test_impossible_chunk_size_is_refused(bad):
         rescore_backward(model, src, lens, s, torch.ones(len(s)), chunk_size=bad)
 
 
-def test_out_of_memory_halves_the_chunk_and_stays_exact(monkeypatch):
+@pytest.mark.parametrize("path", ["decoder_states", "score"])
+def test_out_of_memory_halves_the_chunk_and_stays_exact(monkeypatch, path):
+    """Both phase-two paths: the one training uses (output layer by hand, wrapped at decoder_states) and the
+    plain autograd one taken when `score` is replaced."""
     model = tiny_model()
     src, lens = toy_batch()
     s = _candidates(model, src, lens, "beam")
@@ -135,11 +138,11 @@ def test_out_of_memory_halves_the_chunk_and_stays_exact(monkeypatch):
     want = _grads(model)
 
     sizes = []
-    real_score = model.score
+    real = getattr(model, path)
 
-    def score(enc, tokens, owner):
+    def counted(enc, tokens, owner):
         sizes.append(len(tokens))
-        return real_score(enc, tokens, owner)
+        return real(enc, tokens, owner)
 
     def fail_late_in_backward(grad):
         # The decoder cell's gradient comes after the output layer's: a plain .backward() would already have
@@ -148,7 +151,7 @@ def test_out_of_memory_halves_the_chunk_and_stays_exact(monkeypatch):
             raise torch.cuda.OutOfMemoryError("injected")
         return grad
 
-    monkeypatch.setattr(model, "score", score)
+    monkeypatch.setattr(model, path, counted)
     handle = model.cell.weight_ih.register_hook(fail_late_in_backward)
     model.zero_grad()
     rescore_backward(model, src, lens, s, c, chunk_size=8)
