@@ -4,6 +4,7 @@ Bad input (flags, files, plug-ins) ends with one line on stderr and exit status 
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -19,12 +20,16 @@ from .trainer import Trainer
 from .vocab import Vocab
 
 
+PROG = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(("train.py", "twophase-train")) \
+    else "train.py"  # messages name the command the user typed
+
+
 class UsageError(Exception):
     """A problem with what the user gave us; printed as one line, exit status 2."""
 
 
 def build_parser() -> OneLineParser:
-    parser = OneLineParser(prog="train.py", description="MLE warm start, then two-phase sequence-level RL.")
+    parser = OneLineParser(prog=PROG, description="MLE warm start, then two-phase sequence-level RL.")
     add_config_flags(parser)
     return parser
 
@@ -122,11 +127,11 @@ def _train(cfg: Config) -> int:
                   + (f" (x {distributed.world()} processes)" if distributed.world() > 1 else ""), flush=True)
         summary = trainer.run()
     except (UsageError, DataError, rewards.RewardError) as err:
-        print(f"train.py: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     except Interrupted as stop:
         if distributed.rank() == 0:  # the one that saved
-            print(f"train.py: {stop}", file=sys.stderr)
+            print(f"{PROG}: {stop}", file=sys.stderr)
         return stop.code
     if not trainer.is_main:
         return 0
