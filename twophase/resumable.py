@@ -1,0 +1,58 @@
+"""What a training run saves, and how it picks up again exactly where it stopped.
+
+A checkpoint holds everything the next step depends on: parameters, optimizer state, the step, the data order
+of both phases, every random stream (Python, numpy, torch, CUDA, and each process's sampling generator) and the
+run's statistics, so `--resume` continues bit-identically. Only plain data and tensors are stored, so it loads
+with `torch.load(weights_only=True)`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from . import distributed
+from .checkpoint import rng_state, save_atomic, set_rng_state
+
+
+class Resumable:
+    """The checkpointing half of `Trainer` (it provides model, optimizer, step, samplers, stats and paths)."""
+
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                "phase": self.phase_at(self.step - 1) if self.step else "mle", "config": asdict(self.cfg),
+                "model_config": dict(self.model.config), "src_vocab": self.src_vocab.itos,
+                "tgt_vocab": self.tgt_vocab.itos, "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
+                "mle_batches": self.mle_batches.state_dict(), "rl_batches": self.rl_batches.state_dict(),
+                "stats": self.stats, "summary": self.summary, "bad_in_a_row": self.bad_in_a_row}
+
+    def save(self, scores: dict | None = None, crash: bool = False) -> None:
+        """Every process calls this at the same step: rank 0's checkpoint gathers every process's RNG streams,
+        so a resumed multi-process run continues exactly too."""
+        rank_rngs = distributed.gather_objects({"rng": rng_state(), "sampling_rng": self.sampling.get_state()})
+        if not self.is_main:
+            return
+        state = self.state()
+        if len(rank_rngs) > 1:
+            state.update(world_size=len(rank_rngs), rank_rngs=rank_rngs)
+        if crash:
+            save_atomic(state, self.save_dir / "checkpoint_crash.pt")
+        else:
+            self.checkpoints.save(state, self.step, metric=(scores or {}).get("word_acc"))
+
+    def load_state(self, state: dict) -> None:
+        """Continue exactly where `state` was saved: parameters, optimizer, data order and every RNG."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.mle_batches.load_state_dict(state["mle_batches"])
+        self.rl_batches.load_state_dict(state["rl_batches"])
+        self.stats = {p: dict(v) for p, v in state["stats"].items()}
+        self.summary = dict(state["summary"])
+        self.bad_in_a_row = int(state["bad_in_a_row"])
+        self.checkpoints.best = state.get("best_metric")
+        saved = state.get("rank_rngs") or [{"rng": state["rng"], "sampling_rng": state["sampling_rng"]}]
+        if len(saved) != distributed.world() and distributed.rank() > 0:
+            return  # resumed on another number of processes: continues, though not bit-identically
+        mine = saved[distributed.rank()] if len(saved) == distributed.world() else saved[0]
+        set_rng_state(mine["rng"])
+        sampling = mine["sampling_rng"]
+        self.sampling.set_state(sampling.cpu() if self.device.type == "cpu" else sampling)
