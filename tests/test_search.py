@@ -140,3 +140,15 @@ def test_source_padding_is_ignored(model):
     first = inside.select(torch.nonzero(inside.owner == 0).squeeze(1))
     assert alone.tokens.tolist() == first.tokens[:, : alone.tokens.shape[1]].tolist()
     torch.testing.assert_close(alone.scores, first.scores, rtol=0, atol=1e-9)
+
+
+def test_beam_search_in_source_blocks_finds_the_same_beams(monkeypatch):
+    from twophase import fused
+
+    model = tiny_model()
+    src, lens = toy_batch(lengths=(3, 1, 5, 2, 4))
+    whole = beam_search(model, src, lens, beam_size=4, max_len=6)
+    monkeypatch.setattr(fused, "BLOCK_BYTES", 4 * 7 * 8 * 2)  # two sources' (K*V) candidates per block
+    blocked = beam_search(model, src, lens, beam_size=4, max_len=6)
+    assert torch.equal(blocked.tokens, whole.tokens) and torch.equal(blocked.owner, whole.owner)
+    torch.testing.assert_close(blocked.scores, whole.scores, rtol=0, atol=0)

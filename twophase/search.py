@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from . import fused
 from .model import Seq2Seq
 from .vocab import BOS, EOS, PAD
 
@@ -78,16 +79,15 @@ def _beam_search(model, src, src_lengths, beam_size, max_len):
     done = torch.zeros(B * K, dtype=torch.bool, device=src.device)
     prev = torch.full((B * K,), BOS, dtype=torch.long, device=src.device)
     base = torch.arange(B, device=src.device)[:, None] * K  # (B, 1) first row of each source
+    V = model.out.out_features
+    # Sources per block of the (rows, V) log-probabilities and candidate scores: in a wide beam these V-sized
+    # temporaries are phase one's largest, so they are built a block of sources at a time.
+    per_block = max(1, fused.BLOCK_BYTES // max(1, K * V * enc.h0.element_size()))
     for t in range(max_len):
-        state, logp = model.step(enc, owner, prev, state)  # logp (B*K, V)
-        V = logp.shape[-1]
-        if bool(done.any()):  # a (B*K, V) pass, skipped while every hypothesis is open
-            # A finished hypothesis has exactly one continuation, PAD, at no cost (PAD is impossible otherwise).
-            finished = torch.full((V,), float("-inf"), dtype=logp.dtype, device=logp.device)
-            finished[PAD] = 0.0
-            logp = torch.where(done[:, None], finished, logp)  # (B*K, V)
-        cand = (scores.reshape(-1, 1) + logp).reshape(B, K * V)  # (B, K*V)
-        scores, flat = cand.topk(K, dim=1)  # (B, K) each, best first
+        state = model.advance(enc, owner, prev, state)
+        top = [_best_extensions(model, state[0], scores, done, b, min(b + per_block, B), K)
+               for b in range(0, B, per_block)]
+        scores, flat = torch.cat([s for s, _ in top]), torch.cat([f for _, f in top])  # (B, K) each, best first
         rows = (base + flat // V).reshape(-1)  # (B*K,) which hypothesis each new one extends
         prev = (flat % V).reshape(-1)  # (B*K,)
         tokens = tokens[rows]
@@ -97,6 +97,21 @@ def _beam_search(model, src, src_lengths, beam_size, max_len):
         if bool(done.all()):
             break
     return tokens, scores.reshape(-1), owner
+
+
+def _best_extensions(model, h: Tensor, scores: Tensor, done: Tensor, b0: int, b1: int, K: int):
+    """The K best one-token extensions of sources b0..b1's hypotheses: (b1-b0, K) scores and flat indices
+    into (K*V) candidates."""
+    rows = slice(b0 * K, b1 * K)
+    logp = model.log_probs(h[rows])  # (n*K, V)
+    V = logp.shape[-1]
+    if bool(done[rows].any()):  # a (n*K, V) pass, skipped while every hypothesis is open
+        # A finished hypothesis has exactly one continuation, PAD, at no cost (PAD is impossible otherwise).
+        finished = torch.full((V,), float("-inf"), dtype=logp.dtype, device=logp.device)
+        finished[PAD] = 0.0
+        logp = torch.where(done[rows, None], finished, logp)  # (n*K, V)
+    cand = (scores[b0:b1].reshape(-1, 1) + logp).reshape(b1 - b0, K * V)  # (n, K*V)
+    return cand.topk(K, dim=1)
 
 
 def sample(model: Seq2Seq, src: Tensor, src_lengths: Tensor, num_samples: int, max_len: int,
