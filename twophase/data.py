@@ -123,6 +123,35 @@ def _check_length(name: str, number: int, side: str, tokens: Tokens, limit: int 
     raise DataError(f"{name}:{number}: {side} has {len(tokens)} tokens, more than the limit of {limit}")
 
 
+def split_utf8_lines(raw: bytes, name: str) -> list[str]:
+    """The UTF-8 lines of a file's bytes, without byte-order mark, line ends or a final empty line.
+    Decoding line by line is what lets an encoding error name its line: DataError(f"{name}:{line}: ...")."""
+    # Editors on Windows often write a byte-order mark and CRLF; neither is part of the data.
+    chunks = raw.removeprefix(codecs.BOM_UTF8).split(b"\n")
+    if chunks and chunks[-1] == b"":
+        chunks.pop()
+    lines = []
+    for number, chunk in enumerate(chunks, start=1):
+        try:
+            lines.append(chunk.decode("utf-8").removesuffix("\r"))
+        except UnicodeDecodeError:
+            raise DataError(f"{name}:{number}: not valid UTF-8") from None
+    return lines
+
+
+def read_lines(path: str | PathLike) -> list[str]:
+    """split_utf8_lines of a file; a file that cannot be read is a one-line DataError naming it."""
+    name = str(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise DataError(f"{name}: no such file") from None
+    except OSError as err:
+        raise DataError(f"{name}: {err.strerror}") from None
+    return split_utf8_lines(raw, name)
+
+
 def load_tsv(path: str | PathLike, char_source: bool = False, char_target: bool = False,
              max_source_len: int | None = None, max_target_len: int | None = None,
              too_long: str = "error") -> Dataset:
@@ -132,22 +161,8 @@ def load_tsv(path: str | PathLike, char_source: bool = False, char_target: bool 
     (too_long="error") or left out and counted in Dataset.skipped (too_long="skip").
     """
     name = str(path)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise DataError(f"{name}: no such file") from None
-    except OSError as err:
-        raise DataError(f"{name}: {err.strerror}") from None
-    # Editors on Windows often write a byte-order mark; it is not part of the first source.
-    raw = raw.removeprefix(codecs.BOM_UTF8)
     pairs, skipped = [], 0
-    # Decoding line by line is what lets an encoding error name its line.
-    for number, raw_line in enumerate(raw.split(b"\n"), start=1):
-        try:
-            line = raw_line.decode("utf-8").removesuffix("\r")
-        except UnicodeDecodeError:
-            raise DataError(f"{name}:{number}: not valid UTF-8") from None
+    for number, line in enumerate(read_lines(path), start=1):
         if not line.strip():
             continue
         source, target = _parse_line(name, number, line, char_source, char_target)

@@ -12,7 +12,7 @@ import torch
 from .checkpoint import CheckpointError, load
 from .cli import UsageError, pick_device
 from .config import OneLineParser
-from .data import DataError, pad_batch, tokenize_source
+from .data import DataError, pad_batch, read_lines, split_utf8_lines, tokenize_source
 from .model import Seq2Seq
 from .search import beam_search, best_rows
 from .vocab import Vocab
@@ -30,23 +30,8 @@ def build_parser() -> OneLineParser:
     return p
 
 
-def read_lines(path: str) -> list[str]:
-    raw = sys.stdin.buffer.read() if path == "-" else _read_bytes(path)
-    lines = []
-    for number, line in enumerate(raw.splitlines(), start=1):
-        try:
-            lines.append(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise DataError(f"{path}:{number}: not valid UTF-8") from None
-    return lines
-
-
-def _read_bytes(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as err:
-        raise DataError(f"{path}: {err.strerror.lower() if err.strerror else err}") from None
+def read_input(path: str) -> list[str]:
+    return split_utf8_lines(sys.stdin.buffer.read(), "<stdin>") if path == "-" else read_lines(path)
 
 
 def load_model(path: str, device: torch.device):
@@ -80,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
         device = pick_device(args.device)
         model, src_vocab, tgt_vocab, cfg = load_model(args.checkpoint, device)
-        lines = read_lines(args.input)
+        lines = read_input(args.input)
         hyps = decode_lines(model, src_vocab, tgt_vocab, lines, cfg.get("char_source", False),
                             cfg.get("char_target", False), args.beam_size, args.max_len or cfg["max_len"],
                             args.batch_size, device)
