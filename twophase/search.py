@@ -29,6 +29,11 @@ class Samples:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    @staticmethod
+    def of_targets(tgt: Tensor, owner: Tensor) -> "Samples":
+        """Given target rows (N, T) (references: MLE rows), which no search scored."""
+        return Samples(tgt, (tgt != PAD).sum(1), owner, torch.zeros(len(owner), device=tgt.device))
+
     def select(self, rows: Tensor) -> "Samples":
         return Samples(*(getattr(self, f.name)[rows] for f in fields(self)))
 

@@ -79,7 +79,7 @@ class Trainer(Resumable):
         src, src_len = self._sources([i for i, _ in pairs])
         tgt = pad_targets([self.ref_ids[i][j] for i, j in pairs], self.device)  # (B, T)
         owner = torch.arange(len(pairs), device=self.device)
-        refs = Samples(tgt, (tgt != 0).sum(1), owner, torch.zeros(len(pairs), device=self.device))
+        refs = Samples.of_targets(tgt, owner)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.phase_two(src, src_len, refs, objectives.mle(owner, len(batch)))
@@ -173,7 +173,7 @@ class Trainer(Resumable):
         owner = [b for b, i in enumerate(idx) for _ in self.ref_ids[i]]
         tgt = pad_targets([r for i in idx for r in self.ref_ids[i]], self.device)  # (R, T)
         owner = torch.tensor(owner, device=self.device)
-        return Samples(tgt, (tgt != 0).sum(1), owner, torch.zeros(len(owner), device=self.device))
+        return Samples.of_targets(tgt, owner)
 
     def _update(self, loss: float) -> dict:
         """Clip and step, unless the loss or the gradient norm is not finite: then the parameters stay as they
