@@ -83,6 +83,8 @@ def _fails_with_one_line(argv, capsys, match, entry=cli.main):
     (["--train", "x.tsv"], "--train and --valid go together"),
     (["--mle-weight", "1.5"], "--mle-weight"),
     (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device"),
+    (["--amp", "fp16", "--device", "cpu"], "--amp fp16 needs a CUDA device"),
+    (["--amp", "fp32"], "--amp"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, match, capsys, tmp_path):
     _fails_with_one_line(argv + ["--save-dir", str(tmp_path / "run")], capsys, match)

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from . import distributed, rewards
+from . import amp, distributed, rewards
 from .config import Config, OneLineParser, add_config_flags, config_from_args
 from .data import DataError, load_cmudict, load_tsv
 from .model import Seq2Seq
@@ -83,6 +83,10 @@ def build(cfg: Config) -> Trainer:
     except ValueError as err:
         raise UsageError(str(err)) from None
     device = distributed.local_device(pick_device(cfg.device))  # under torchrun: cuda:LOCAL_RANK
+    try:
+        amp.check_device(cfg.amp, device)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     distributed.init(device)  # a no-op without torchrun
     reward = rewards.get(cfg.reward)  # before loading data: a typo should fail in a second, not after it
     train, valid = load_data(cfg)

@@ -108,6 +108,9 @@ class Config:
     max_bad_steps: int = arg(5, "non-finite losses/gradients skipped in a row before the run stops with a "
                                 "crash checkpoint", minimum=0)
     threads: int = arg(0, "CPU threads for torch (0: torch's default)", minimum=0)
+    amp: str = arg("off", "automatic mixed precision of both phases and the MLE steps: matmuls in bf16 or fp16 "
+                          "under torch.autocast, parameters, gradients and log-softmax in float32; fp16 (with "
+                          "loss scaling) needs CUDA, bf16 runs on CPU and CUDA", choices=("off", "bf16", "fp16"))
 
     def validate(self) -> None:
         """Cross-field checks the parser cannot express; raises ValueError naming the flag."""

@@ -13,6 +13,8 @@ Letters used in shape comments:
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -103,16 +105,65 @@ def context(alpha: Tensor, memory: Tensor, owner: Tensor, grp: Groups | None = N
     return torch.bmm(alpha.view(-1, G, S), memory[b0:b0 + N // G]).view(N, -1)  # (nb, G, S) @ (nb, S, D)
 
 
+def _for_device_type(decorate, method):
+    """`decorate` (torch.amp.custom_fwd or custom_bwd) for the device type of each call: torch's decorators fix
+    one type when the class is defined, and these Functions run on CPU and CUDA alike. forward records the type
+    of its first tensor on ctx; backward then runs in the autocast state forward saw there (autograd's CUDA
+    thread has autocast off, so without this the low-precision tensors saved would meet float32 ones)."""
+    made = {}
+
+    @functools.wraps(method)
+    def run(ctx, *args):
+        if decorate is torch.amp.custom_fwd:
+            ctx.amp_device_type = args[0].device.type
+        kind = ctx.amp_device_type
+        if kind not in made:
+            made[kind] = decorate(method, device_type=kind)
+        return made[kind](ctx, *args)
+
+    return run
+
+
+amp_forward = functools.partial(_for_device_type, torch.amp.custom_fwd)
+amp_backward = functools.partial(_for_device_type, torch.amp.custom_bwd)
+
+
+def sum_dtype(weight: Tensor) -> torch.dtype:
+    """Where log-softmax, logsumexp and gradient sums are computed: the parameters' dtype, at least float32, so
+    autocast's bf16/fp16 logits are normalised (and log-probabilities summed) in float32."""
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
+def _matmul_dtype(h: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype of the output layer's big matmuls: autocast's on h's device when it is on there (float64 is
+    left alone, as autocast leaves it), the weight's own otherwise."""
+    kind = h.device.type
+    if torch.is_autocast_enabled(kind) and weight.dtype != torch.float64:
+        return torch.get_autocast_dtype(kind)
+    return weight.dtype
+
+
+def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b with the product in a's dtype. addmm_ needs one dtype, so a low-precision (autocast) product
+    goes through one temporary, summed into the float32 accumulator; same dtypes stay in place."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(a @ b)
+
+
 class AttentionEnergies(torch.autograd.Function):
     """`energies` saving q, keys, v and owner instead of the (N, S, A) tanh, which backward recomputes."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx, q: Tensor, keys: Tensor, v: Tensor, owner: Tensor, grp: Groups | None = None) -> Tensor:
         ctx.save_for_backward(q, keys, v, owner)
         ctx.grp = grp
         return energies(q, keys, v, owner, grp)
 
     @staticmethod
+    @amp_backward
     def backward(ctx, g: Tensor):
         q, keys, v, owner = ctx.saved_tensors
         t = _tanh_pre(q, keys, owner, ctx.grp)  # (N, S, A)
@@ -121,8 +172,9 @@ class AttentionEnergies(torch.autograd.Function):
             dv = torch.einsum("ns,nsa->a", g, t)[None, :]  # (1, A), before t is overwritten
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             # d e / d(q + key) = v * (1 - t^2), weighted by the incoming g (N, S): tanh_backward does the
-            # (1 - t^2) product in one pass, written over t (ours)
-            dpre = torch.ops.aten.tanh_backward.grad_input(g[:, :, None] * v[0], t, grad_input=t)  # (N, S, A)
+            # (1 - t^2) product in one pass, written over t (ours). v in g's dtype: under autocast g is bf16/fp16
+            # and g * v would otherwise be a float32 (N, S, A)
+            dpre = torch.ops.aten.tanh_backward.grad_input(g[:, :, None] * v[0].to(g.dtype), t, grad_input=t)
             if ctx.needs_input_grad[0]:
                 dq = dpre.sum(dim=1)  # (N, A)
             if ctx.needs_input_grad[1]:
@@ -135,12 +187,14 @@ class AttentionContext(torch.autograd.Function):
     """`context` saving alpha (N, S) and the shared memory (B, S, D) instead of a per-row (N, S, D) copy."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx, alpha: Tensor, memory: Tensor, owner: Tensor, grp: Groups | None = None) -> Tensor:
         ctx.save_for_backward(alpha, memory, owner)
         ctx.grp = grp
         return context(alpha, memory, owner, grp)
 
     @staticmethod
+    @amp_backward
     def backward(ctx, g: Tensor):
         alpha, memory, owner = ctx.saved_tensors
         if ctx.grp is not None:
@@ -188,14 +242,18 @@ class TargetLogProbs(torch.autograd.Function):
     each block's logits, so the graph holds nothing V-sized per row."""
 
     @staticmethod
+    @amp_forward
     def forward(ctx, h: Tensor, weight: Tensor, bias: Tensor, target: Tensor, banned: Tensor,
                 block: int | None = None) -> Tensor:
         M, V = h.shape[0], weight.shape[0]
-        block = block or _block_rows(M, V, h.dtype)
-        lse = h.new_empty(M)
-        picked = h.new_empty(M)
+        acc, mm = sum_dtype(weight), _matmul_dtype(h, weight)
+        hm, wm = h.to(mm), weight.to(mm)
+        block = block or _block_rows(M, V, acc)
+        lse = h.new_empty(M, dtype=acc)
+        picked = h.new_empty(M, dtype=acc)
         for i in range(0, M, block):
-            block_logits = logits(h[i:i + block], weight, bias, banned)  # (m, V)
+            # the matmul in autocast's dtype, as search computes the logits; normalised in at least float32
+            block_logits = logits(hm[i:i + block], wm, bias, banned).to(acc)  # (m, V)
             lse[i:i + block] = torch.logsumexp(block_logits, dim=1)
             picked[i:i + block] = block_logits.gather(1, target[i:i + block, None]).squeeze(1)
         ctx.block = block
@@ -203,25 +261,30 @@ class TargetLogProbs(torch.autograd.Function):
         return picked - lse
 
     @staticmethod
+    @amp_backward
     def backward(ctx, g: Tensor):
         h, weight, bias, target, banned, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        mm = _matmul_dtype(h, weight)  # backward runs in forward's autocast state (amp_backward)
+        hm, wm = h.to(mm), weight.to(mm)
         dh = torch.empty_like(h) if need_h else None
         dw = torch.zeros_like(weight) if need_w else None
         db = torch.zeros_like(bias) if need_b else None
         for i in range(0, h.shape[0], ctx.block):
             rows = slice(i, i + ctx.block)
             # d log p(target) / d logits = onehot(target) - softmax; softmax recomputed from the saved lse
-            dlogits = logits(h[rows], weight, bias, banned).sub_(lse[rows, None]).exp_().neg_()  # (m, V)
+            dlogits = logits(hm[rows], wm, bias, banned).to(lse.dtype)  # (m, V)
+            dlogits.sub_(lse[rows, None]).exp_().neg_()
             dlogits.scatter_add_(1, target[rows, None], torch.ones_like(dlogits[:, :1]))
             dlogits.masked_fill_(banned, 0.0)  # as masked_fill's backward: banned logits are constants
             dlogits.mul_(g[rows, None])
-            if need_h:
-                dh[rows] = dlogits @ weight  # (m, H)
-            if need_w:
-                dw.addmm_(dlogits.t(), h[rows])  # (V, H)
             if need_b:
                 db += dlogits.sum(dim=0)
+            dlogits = dlogits.to(mm)
+            if need_h:
+                dh[rows] = dlogits @ wm  # (m, H)
+            if need_w:
+                _add_product(dw, dlogits.t(), hm[rows])  # (V, H)
         return dh, dw, db, None, None, None
 
 
@@ -239,20 +302,24 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
     backward give for an incoming gradient w, without autograd. Phase two knows w (the coefficients) before it
     decodes, so it needs each logit block once, where forward-then-backward computes it twice."""
     M, V = h.shape[0], weight.shape[0]
-    block = block or _block_rows(M, V, h.dtype)
-    tok, dh = h.new_empty(M), torch.empty_like(h)
+    # Under autocast the three matmuls run in its dtype; logsumexp, softmax, log p and dw / db in float32.
+    acc, mm = sum_dtype(weight), _matmul_dtype(h, weight)
+    hm, wm, w = h.to(mm), weight.to(mm), w.to(acc)
+    block = block or _block_rows(M, V, acc)
+    tok, dh = h.new_empty(M, dtype=acc), torch.empty_like(h)
     dw, db = torch.zeros_like(weight), torch.zeros_like(bias)
     # A banned target has log p = -inf and, as in TargetLogProbs, no gradient: its one-hot term is dropped.
     w_target = w.masked_fill(banned[target], 0.0)
     for i in range(0, M, block):
         rows = slice(i, i + block)
-        z = logits(h[rows], weight, bias, banned)  # (m, V)
+        z = logits(hm[rows], wm, bias, banned).to(acc)  # (m, V)
         lse = torch.logsumexp(z, dim=1)  # (m,)
         tok[rows] = z.gather(1, target[rows, None]).squeeze(1) - lse
         # w * (onehot(target) - softmax), in place over the block; banned columns have softmax exactly 0
         dz = z.sub_(lse[:, None]).exp_().mul_(-w[rows, None])
         dz.scatter_add_(1, target[rows, None], w_target[rows, None])
-        dh[rows] = dz @ weight  # (m, H)
-        dw.addmm_(dz.t(), h[rows])  # (V, H)
         db += dz.sum(dim=0)
+        dz = dz.to(mm)
+        dh[rows] = dz @ wm  # (m, H)
+        _add_product(dw, dz.t(), hm[rows])  # (V, H)
     return tok, dh, dw, db

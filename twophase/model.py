@@ -93,7 +93,9 @@ class Seq2Seq(nn.Module):
         out, (h_n, _) = self.encoder(packed)
         memory, _ = pad_packed_sequence(out, batch_first=True, total_length=S)  # (B, S, D)
         final = torch.cat(list(h_n), dim=-1)  # (B, D): last state of each direction
-        h0 = torch.tanh(self.bridge(final))  # (B, H)
+        # h0 (hence c0) in the parameters' precision, at least float32, even under autocast: phase one sums each
+        # candidate's log-probabilities in h0's dtype, and on CPU the LSTM cell state then stays float32.
+        h0 = torch.tanh(self.bridge(final)).to(fused.sum_dtype(self.bridge.weight))  # (B, H)
         mask = torch.arange(S, device=src.device)[None, :] < src_lengths.to(src.device)[:, None]  # (B, S)
         return Encoded(memory=memory, keys=self.attn_U(memory), mask=mask, h0=h0, c0=torch.zeros_like(h0))
 
@@ -129,7 +131,8 @@ class Seq2Seq(nn.Module):
     def log_probs(self, h: Tensor) -> Tensor:
         """Next-token log-probabilities (..., V) from decoder states (..., H)."""
         logits = fused.logits(self.drop(h), self.out.weight, self.out.bias, self.banned)  # as `score` computes them
-        return F.log_softmax(logits, dim=-1)
+        # Under autocast the logits come in bf16/fp16; normalised in float32, as phase two's logsumexp is.
+        return F.log_softmax(logits.to(fused.sum_dtype(self.out.weight)), dim=-1)
 
     def step(self, enc: Encoded, owner: Tensor, prev: Tensor, state):
         """One search step: new state and next-token log-probabilities (N, V)."""

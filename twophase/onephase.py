@@ -49,6 +49,15 @@ def one_phase_sample(model: Seq2Seq, src: Tensor, src_lengths: Tensor, num_sampl
         return _with_graph(_sample(model, src, src_lengths, num_samples, max_len, temperature, generator))
 
 
+def one_phase_search(model: Seq2Seq, src: Tensor, src_lengths: Tensor, sampler: str, num: int, max_len: int,
+                     temperature: float = 1.0, generator: torch.Generator | None = None) -> tuple[Samples, Tensor]:
+    """--one-phase's phase one: `num` candidates per source from sampler 'beam' or 'sample', and their
+    log-probabilities with the graph of the whole search."""
+    if sampler == "beam":
+        return one_phase_beam_search(model, src, src_lengths, num, max_len)
+    return one_phase_sample(model, src, src_lengths, num, max_len, temperature, generator)
+
+
 def one_phase_backward(log_probs: Tensor, coefficients: Tensor) -> float:
     """Accumulate into .grad the gradient of sum_i coefficients[i] * log_probs[i] and free the search graph.
     Returns the value of that sum, as `rescore_backward` does."""

@@ -1,9 +1,9 @@
 """What a training run saves, and how it picks up again exactly where it stopped.
 
-A checkpoint holds everything the next step depends on: parameters, optimizer state, the step, the data order
-of both phases, every random stream (Python, numpy, torch, CUDA, and each process's sampling generator) and the
-run's statistics, so `--resume` continues bit-identically. Only plain data and tensors are stored, so it loads
-with `torch.load(weights_only=True)`.
+A checkpoint holds everything the next step depends on: parameters, optimizer state (and --amp fp16's loss
+scale), the step, the data order of both phases, every random stream (Python, numpy, torch, CUDA, and each
+process's sampling generator) and the run's statistics, so `--resume` continues bit-identically. Only plain
+data and tensors are stored, so it loads with `torch.load(weights_only=True)`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .checkpoint import rng_state, save_atomic, set_rng_state
 
 
 class Resumable:
-    """The checkpointing half of `Trainer` (it provides model, optimizer, step, samplers, stats and paths)."""
+    """The checkpointing half of `Trainer` (it provides model, optimizer, scaler, step, samplers, stats, paths)."""
 
     def state(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
@@ -22,7 +22,8 @@ class Resumable:
                 "model_config": dict(self.model.config), "src_vocab": self.src_vocab.itos,
                 "tgt_vocab": self.tgt_vocab.itos, "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
                 "mle_batches": self.mle_batches.state_dict(), "rl_batches": self.rl_batches.state_dict(),
-                "stats": self.stats, "summary": self.summary, "bad_in_a_row": self.bad_in_a_row}
+                "stats": self.stats, "summary": self.summary, "bad_in_a_row": self.bad_in_a_row,
+                **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}  # floats and ints
 
     def save(self, scores: dict | None = None, crash: bool = False) -> None:
         """Every process calls this at the same step: rank 0's checkpoint gathers every process's RNG streams,
@@ -42,6 +43,8 @@ class Resumable:
         """Continue exactly where `state` was saved: parameters, optimizer, data order and every RNG."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and "scaler" in state:  # a run saved without --amp fp16 starts a fresh scale
+            self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
         self.mle_batches.load_state_dict(state["mle_batches"])
         self.rl_batches.load_state_dict(state["rl_batches"])

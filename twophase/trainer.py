@@ -12,6 +12,7 @@ Letters: B sources per step, K candidates per source, N rows, S source length, T
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import sys
@@ -21,14 +22,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import distributed, objectives
+from . import amp, distributed, objectives
 from .checkpoint import CheckpointManager
 from .config import Config, parse_size
 from .data import BatchSampler, Dataset, pad_batch, pad_targets
 from .interrupt import GracefulStop, Interrupted
 from .evaluation import validate
 from .model import Seq2Seq
-from .onephase import one_phase_backward, one_phase_beam_search, one_phase_sample
+from .onephase import one_phase_backward, one_phase_search
 from .profiling import ChunkPlanner, StepProfiler
 from .report import fmt_scores, peak_memory_mb
 from .resumable import Resumable
@@ -51,6 +52,10 @@ class Trainer(Resumable):
         # Each process samples candidates for its own sources, from its own stream (rank 0's is a single process's).
         self.sampling = torch.Generator(device=device).manual_seed(cfg.seed + 1000 * distributed.rank())
         self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        # --amp: autocast around every model run of a training step (validation runs in full precision), and
+        # fp16's loss scale (None otherwise)
+        self.autocast = functools.partial(amp.autocast, cfg.amp, device)
+        self.scaler = amp.grad_scaler(cfg.amp, device)
         self.step = 0
         self.save_dir = Path(cfg.save_dir)
         self.save_dir.mkdir(parents=True, exist_ok=True)
@@ -95,9 +100,10 @@ class Trainer(Resumable):
 
         # 1. Phase one: K candidates per source and their log-probabilities, no graph.
         log_p = None  # under --one-phase: the log-probabilities with the search's graph, and no phase two
-        with self.section("phase 1: search" + (" with graph (--one-phase)" if cfg.one_phase else "")):
+        with self.section("phase 1: search" + (" with graph (--one-phase)" if cfg.one_phase else "")), self.autocast():
             if cfg.one_phase:
-                cand, log_p = self.search_with_graph(src, src_len)
+                cand, log_p = one_phase_search(self.model, src, src_len, cfg.sampler, cfg.beam_size, cfg.max_len,
+                                               cfg.temperature, self.sampling)
             elif cfg.sampler == "beam":
                 cand = beam_search(self.model, src, src_len, cfg.beam_size, cfg.max_len)
             else:
@@ -126,30 +132,26 @@ class Trainer(Resumable):
                 **self._update(total["loss"])}
 
     def phase_two(self, src, src_len, rows: Samples, coef) -> float:
-        """rescore_backward with the configured chunk size, or the largest within --memory-budget."""
-        chunk = self.cfg.rescore_chunk
-        if chunk == "auto":
-            chunk = self.chunk_planner.chunk_size(self.model, src, src_len, rows)
-            self.last_chunk = chunk
-        return rescore_backward(self.model, src, src_len, rows, coef, chunk, profiler=self.profiler)
+        """rescore_backward with the configured chunk size, or the largest within --memory-budget, under the
+        autocast phase one ran in; with fp16 the coefficients carry the loss scale (the returned loss does not)."""
+        coef, scale = amp.scale_coefficients(coef, self.scaler)
+        with self.autocast():
+            chunk = self.cfg.rescore_chunk
+            if chunk == "auto":
+                chunk = self.chunk_planner.chunk_size(self.model, src, src_len, rows)
+                self.last_chunk = chunk
+            return rescore_backward(self.model, src, src_len, rows, coef, chunk, profiler=self.profiler) / scale
 
     def section(self, name: str):
         """A --profile-memory section of the current step (a no-op otherwise)."""
         return self.profiler.section(name) if self.profiler is not None else contextlib.nullcontext()
 
-    def search_with_graph(self, src, src_len) -> tuple[Samples, torch.Tensor]:
-        """--one-phase: phase one's candidates, and their log-probabilities with the graph of the whole search."""
-        cfg = self.cfg
-        if cfg.sampler == "beam":
-            return one_phase_beam_search(self.model, src, src_len, cfg.beam_size, cfg.max_len)
-        return one_phase_sample(self.model, src, src_len, cfg.beam_size, cfg.max_len, cfg.temperature,
-                                self.sampling)
-
     def one_phase_backward(self, log_p, src, src_len, rows: Samples, coef) -> float:
         """--one-phase: one backward through the search graph of the candidates (the first len(log_p) rows);
         reference rows of --mle-weight have no search graph, so phase two scores those."""
         n = len(log_p)
-        loss = one_phase_backward(log_p, coef[:n])
+        scaled, scale = amp.scale_coefficients(coef[:n], self.scaler)
+        loss = one_phase_backward(log_p, scaled) / scale
         if len(rows) > n:
             refs = rows.select(torch.arange(n, len(rows), device=coef.device))
             loss += self.phase_two(src, src_len, refs, coef[n:])
@@ -164,7 +166,8 @@ class Trainer(Resumable):
             return objectives.mrt(rewards, cand.scores, cand.owner, B, cfg.mrt_alpha)
         greedy_rewards = None
         if cfg.baseline == "greedy":  # self-critical: the greedy decode's reward is the baseline
-            best = greedy(self.model, src, src_len, cfg.max_len)
+            with self.autocast():
+                best = greedy(self.model, src, src_len, cfg.max_len)
             greedy_rewards = torch.tensor(self.reward(self.detokenize(best.tokens), references),
                                           dtype=torch.float64, device=self.device)  # (B,)
         return objectives.reinforce(rewards, cand.owner, B, cfg.baseline, greedy_rewards)
@@ -183,15 +186,17 @@ class Trainer(Resumable):
         with self.section("gradient all-reduce and clipping"):
             distributed.all_reduce_grads(list(self.model.parameters()))
             params = [p for p in self.model.parameters() if p.grad is not None]
+            amp.unscale(self.scaler, self.optimizer, params)  # clipping and the check below see true gradients
             clip = self.cfg.clip_norm if self.cfg.clip_norm > 0 else math.inf
             norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if params else 0.0
+        scale = amp.update(self.scaler, params)  # backs the scale off after inf/nan gradients, else may grow it
         if math.isfinite(loss) and math.isfinite(norm):
             with self.section("optimizer step"):
                 self.optimizer.step()
             self.bad_in_a_row = 0
             return {"grad_norm": norm, "skipped": 0}
         self.optimizer.zero_grad(set_to_none=True)
-        self.bad_in_a_row += 1
+        self.bad_in_a_row += amp.counts_as_bad(loss, scale)
         if self.bad_in_a_row > self.cfg.max_bad_steps:
             self.save(crash=True)
             raise Interrupted(3, f"{self.bad_in_a_row} non-finite steps in a row at step {self.step + 1}; saved "

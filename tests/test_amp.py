@@ -1,0 +1,166 @@
+"""--amp: both phases under the same CPU bf16 autocast, the output layer's dtypes, and fp16's loss scaling logic
+(exercised with torch's CPU GradScaler: `--amp fp16` itself is CUDA-only and untested here).
+
+bf16 keeps 8 significant bits: one rounding is off by at most u = 2^-9 ~ 2e-3 relative. Tolerances below are
+stated against u, or against float32 where both sides run the very same bf16 products."""
+import json
+import math
+
+import pytest
+import torch
+
+from twophase import amp, beam_search, cli, fused, objectives, rescore_backward, sample
+from twophase import trainer as trainer_module
+from twophase.checkpoint import load, save_atomic
+from twophase.config import Config
+from twophase.vocab import BOS, PAD
+
+from conftest import tiny_model, toy_batch
+from tasks import write_task
+
+BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
+
+
+def _model():
+    return tiny_model(hidden=16).float()  # autocast leaves float64 alone: the AMP paths need float32
+
+
+def _candidates(model, src, lens, kind):
+    if kind == "beam":
+        return beam_search(model, src, lens, beam_size=4, max_len=6)
+    return sample(model, src, lens, num_samples=4, max_len=6, generator=torch.Generator().manual_seed(0))
+
+
+def _rel(got, want):
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("kind", ["beam", "sample"])
+def test_phase_one_scores_equal_teacher_forced_log_probs_under_bf16(one_thread, kind):
+    """Both phases run the same bf16 matmuls on the same inputs and normalise in float32; only float32
+    summation order differs (|score| <= ~10, T <= 6), so 1e-4. Scoring outside autocast is ~5e-3 away: the
+    tolerance tells a phase run in another precision apart."""
+    model, (src, lens) = _model(), toy_batch()
+    with torch.autocast(**BF16):
+        s = _candidates(model, src, lens, kind)
+        lp = model.sequence_log_probs(src, lens, s.tokens, s.owner)
+    assert s.scores.dtype == lp.dtype == torch.float32
+    torch.testing.assert_close(s.scores, lp.detach(), rtol=0, atol=1e-4)
+    assert (s.scores - model.sequence_log_probs(src, lens, s.tokens, s.owner).detach()).abs().max() > 1e-3
+
+
+def test_chunked_gradient_equals_one_piece_under_bf16(one_thread):
+    """One chunk: the same bf16 products as one autograd pass, float32 sums in another order: 1e-5. Several
+    chunks round each chunk's bf16 matmul outputs and its share of the encoder-side (bf16) activation gradients
+    separately, sums of ~T*N terms whose coefficients cancel per source: measured up to 1.2e-2 (~6u) relative
+    per parameter, so 3e-2 (~15u). A lost row or a mis-scaled coefficient moves a gradient by ~1/N ~ 8%."""
+    model, (src, lens) = _model(), toy_batch()
+    with torch.autocast(**BF16):
+        s = _candidates(model, src, lens, "beam")
+        c = objectives.beam(torch.rand(len(s), dtype=torch.float64, generator=torch.Generator().manual_seed(5)),
+                            s.scores, s.owner, 3)
+        model.zero_grad()
+        (c * model.sequence_log_probs(src, lens, s.tokens, s.owner)).sum().backward()
+        want = [p.grad.clone() for p in model.parameters()]
+        for chunk, tol in ((len(s), 1e-5), (5, 3e-2), (1, 3e-2)):
+            model.zero_grad()
+            rescore_backward(model, src, lens, s, c, chunk_size=chunk)
+            for p, w in zip(model.parameters(), want):
+                assert p.grad.dtype == torch.float32  # parameters' .grad stays float32
+                assert _rel(p.grad, w) <= tol, (chunk, _rel(p.grad, w))
+
+
+def _output_layer(h_dtype):
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(9, 16, generator=g).to(h_dtype)
+    weight, bias = torch.randn(11, 16, generator=g) / 2, torch.randn(11, generator=g)
+    target = torch.randint(2, 11, (9,), generator=g)
+    banned = torch.zeros(11, dtype=torch.bool)
+    banned[[PAD, BOS]] = True
+    return h, weight, bias, target, banned, torch.randn(9, generator=g)
+
+
+@pytest.mark.parametrize("h_dtype", [torch.float32, torch.bfloat16])
+def test_fused_output_layer_under_bf16_close_to_float32(h_dtype):
+    """Logits from bf16 operands, then float32: log p and the gradients within ~2u of float32 (measured up
+    to 3.6e-3 relative), so 1e-2. log p and the parameter gradients come in float32, d/dh in h's dtype. The
+    autograd Function (forward and backward) gives the hand-written pass's numbers, even with its backward
+    run outside autocast (amp_backward restores forward's state): else its matmuls would be float32."""
+    h, weight, bias, target, banned, w = _output_layer(h_dtype)
+    want = fused.target_log_probs_and_grads(h.float(), weight, bias, target, banned, w)
+    with torch.autocast(**BF16):
+        got = fused.target_log_probs_and_grads(h, weight, bias, target, banned, w)
+        leaves = [x.clone().requires_grad_() for x in (h, weight, bias)]
+        tok = fused.target_log_probs(*leaves, target, banned)
+    auto = [tok] + list(torch.autograd.grad(tok, leaves, w))  # backward outside autocast
+    assert [x.dtype for x in got] == [torch.float32, h_dtype, torch.float32, torch.float32]
+    for a, b, c in zip(got, want, auto):
+        assert _rel(a, b) <= 1e-2
+        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6)
+
+
+def test_scale_coefficients_and_bad_step_rule():
+    c = torch.tensor([0.5, -0.25], dtype=torch.float64)
+    assert amp.scale_coefficients(c, None) == (c, 1.0)
+    scaled, scale = amp.scale_coefficients(c, torch.amp.GradScaler("cpu", init_scale=8.0))
+    assert scale == 8.0 and torch.equal(scaled, 8 * c) and scaled.dtype == torch.float64
+    assert amp.counts_as_bad(1.0, None) and amp.counts_as_bad(math.inf, 8.0) and amp.counts_as_bad(1.0, 0.5)
+    assert not amp.counts_as_bad(1.0, 8.0)  # the scale backs off instead
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    d = tmp_path_factory.mktemp("task")
+    write_task(d / "train.tsv", "reverse", 60, seed=0)
+    write_task(d / "valid.tsv", "reverse", 6, seed=1)
+    return d
+
+
+def _trainer(task, save, **overrides):
+    return cli.build(Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=16,
+                            embed_dim=8, batch_size=4, mle_batch_size=8, beam_size=3, rescore_chunk=5, max_len=8,
+                            save_dir=str(save), **overrides))
+
+
+def test_loss_scaling_in_the_trainer(task, tmp_path, monkeypatch, one_thread):
+    """fp16's GradScaler logic on CPU (a CPU scaler injected; power-of-two scales are exact in float32): same
+    loss and clipped norm as unscaled, an overflow skips the step and halves the scale without counting as a
+    bad step, good steps grow it, and the scale survives a weights-only checkpoint."""
+    plain, scaled = _trainer(task, tmp_path / "a"), _trainer(task, tmp_path / "b")
+    scaled.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    rows = [t.train_step("mle") for t in (plain, scaled)]
+    assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-6)
+    assert rows[1]["grad_norm"] == pytest.approx(rows[0]["grad_norm"], rel=1e-5)
+    assert scaled.scaler.get_scale() == 2.0**11  # a good step with growth_interval 1
+    before = {k: v.clone() for k, v in scaled.model.state_dict().items()}
+    real = trainer_module.rescore_backward
+
+    def overflowing(*args, **kwargs):
+        loss = real(*args, **kwargs)
+        next(scaled.model.parameters()).grad.view(-1)[0] = math.inf
+        return loss
+
+    monkeypatch.setattr(trainer_module, "rescore_backward", overflowing)
+    assert scaled.train_step("mle")["skipped"] == 1
+    assert scaled.scaler.get_scale() == 2.0**10 and scaled.bad_in_a_row == 0
+    assert all(torch.equal(v, before[k]) for k, v in scaled.model.state_dict().items())
+    save_atomic(scaled.state(), tmp_path / "ck.pt")
+    resumed = _trainer(task, tmp_path / "c")
+    resumed.scaler = torch.amp.GradScaler("cpu")
+    resumed.load_state(load(tmp_path / "ck.pt"))  # weights_only=True
+    assert resumed.scaler.get_scale() == 2.0**10
+
+
+def test_train_with_amp_bf16_finishes_with_finite_losses(task, tmp_path, one_thread):
+    argv = ["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--save-dir", str(tmp_path),
+            "--hidden-size", "16", "--embed-dim", "8", "--batch-size", "4", "--mle-batch-size", "8",
+            "--beam-size", "3", "--rescore-chunk", "5", "--max-len", "8", "--mle-steps", "3", "--rl-steps", "3",
+            "--amp", "bf16"]
+    assert cli.main(argv) == 0
+    state = load(tmp_path / "checkpoint_last.pt")
+    assert state["step"] == 6 and state["config"]["amp"] == "bf16" and "scaler" not in state
+    stats = state["stats"]
+    assert stats["mle"]["skipped"] == stats["rl"]["skipped"] == 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) for r in rows if r["phase"] != "eval")
+    assert all(p.dtype == torch.float32 for p in state["model"].values())
