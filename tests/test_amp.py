@@ -164,3 +164,22 @@ def test_train_with_amp_bf16_finishes_with_finite_losses(task, tmp_path, one_thr
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["loss"]) for r in rows if r["phase"] != "eval")
     assert all(p.dtype == torch.float32 for p in state["model"].values())
+
+
+def test_sixteen_bit_boundary_gradients_are_summed_in_float32():
+    """Each chunk's bf16 share of an encoder-output gradient moves into a float32 sum: 1 + 300 x 2^-9 stays
+    1.5859375 there, where bf16 additions would stay at 1 (ulp 2^-7 at 1: every 2^-9 increment rounds away)."""
+    from twophase.model import Encoded
+    from twophase.rescoring import _bank_boundary_grads
+
+    leaf = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
+    boundary = Encoded(memory=leaf, keys=torch.zeros(1), mask=torch.ones(1, dtype=torch.bool), h0=torch.zeros(1),
+                       c0=torch.zeros(1))
+    sums = {}
+    leaf.grad = torch.ones(3, dtype=torch.bfloat16)
+    _bank_boundary_grads(boundary, sums)
+    for _ in range(300):
+        leaf.grad = torch.full((3,), 2.0**-9, dtype=torch.bfloat16)
+        _bank_boundary_grads(boundary, sums)
+    assert leaf.grad is None and sums[0].dtype == torch.float32
+    assert sums[0].tolist() == [1 + 300 * 2.0**-9] * 3

@@ -50,11 +50,12 @@ def test_chunked_gradient_equals_one_piece_gradient(kind, objective):
     assert sum(float(g.abs().sum()) for g in want) > 0
 
     for chunk in range(1, N + 2):
-        model.zero_grad()
-        value = rescore_backward(model, src, lens, s, c, chunk_size=chunk)
-        assert value == pytest.approx(float((c * lp).sum().detach()), abs=1e-10)
-        for g, w in zip(_grads(model), want):
-            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+        for oom_retry in (False, True):  # straight into .grad (CPU default), or collected first (CUDA default)
+            model.zero_grad()
+            value = rescore_backward(model, src, lens, s, c, chunk_size=chunk, oom_retry=oom_retry)
+            assert value == pytest.approx(float((c * lp).sum().detach()), abs=1e-10)
+            for g, w in zip(_grads(model), want):
+                torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
 
 
 def test_chunks_split_sources_and_rows_in_any_order():
@@ -154,11 +155,28 @@ def test_out_of_memory_halves_the_chunk_and_stays_exact(monkeypatch, path):
     monkeypatch.setattr(model, path, counted)
     handle = model.cell.weight_ih.register_hook(fail_late_in_backward)
     model.zero_grad()
-    rescore_backward(model, src, lens, s, c, chunk_size=8)
+    rescore_backward(model, src, lens, s, c, chunk_size=8, oom_retry=True)  # the default on CUDA
     handle.remove()
     assert sizes[:3] == [8, 4, 2] and max(sizes[3:]) <= 2  # halved twice, then the rest at the new size
     for g, w in zip(_grads(model), want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+
+
+def test_out_of_memory_without_retry_is_raised(monkeypatch):
+    """On the CPU (oom_retry off by default) a chunk adds into .grad as it goes, so it cannot be redone."""
+    model = tiny_model()
+    src, lens = toy_batch()
+    s = _candidates(model, src, lens, "beam")
+    sizes = []
+
+    def score(enc, tokens, owner):
+        sizes.append(len(tokens))
+        raise torch.cuda.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(model, "score", score)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        rescore_backward(model, src, lens, s, torch.ones(len(s), dtype=torch.float64), chunk_size=8)
+    assert sizes == [8]
 
 
 def test_out_of_memory_with_a_single_row_is_raised(monkeypatch):
@@ -171,4 +189,4 @@ def test_out_of_memory_with_a_single_row_is_raised(monkeypatch):
 
     monkeypatch.setattr(model, "score", score)
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        rescore_backward(model, src, lens, s, torch.ones(len(s), dtype=torch.float64), chunk_size=2)
+        rescore_backward(model, src, lens, s, torch.ones(len(s), dtype=torch.float64), chunk_size=2, oom_retry=True)

@@ -295,19 +295,22 @@ def target_log_probs(h: Tensor, weight: Tensor, bias: Tensor, target: Tensor, ba
 
 
 def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: Tensor, banned: Tensor,
-                               w: Tensor, block: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                               w: Tensor, block: int | None = None, dw: Tensor | None = None,
+                               db: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`target_log_probs` and, in the same pass over the logits, the gradients of sum_m w[m] log p(target[m]).
 
     Returns (log p (M,), d/dh (M, H), d/dweight (V, H), d/dbias (V,)), the numbers TargetLogProbs' forward and
     backward give for an incoming gradient w, without autograd. Phase two knows w (the coefficients) before it
-    decodes, so it needs each logit block once, where forward-then-backward computes it twice."""
+    decodes, so it needs each logit block once, where forward-then-backward computes it twice. Given dw / db,
+    the weight and bias gradients are added into them (e.g. the parameters' .grad) instead of fresh tensors."""
     M, V = h.shape[0], weight.shape[0]
     # Under autocast the three matmuls run in its dtype; logsumexp, softmax, log p and dw / db in float32.
     acc, mm = sum_dtype(weight), _matmul_dtype(h, weight)
     hm, wm, w = h.to(mm), weight.to(mm), w.to(acc)
     block = block or _block_rows(M, V, acc)
     tok, dh = h.new_empty(M, dtype=acc), torch.empty_like(h)
-    dw, db = torch.zeros_like(weight), torch.zeros_like(bias)
+    dw = torch.zeros_like(weight) if dw is None else dw
+    db = torch.zeros_like(bias) if db is None else db
     # A banned target has log p = -inf and, as in TargetLogProbs, no gradient: its one-hot term is dropped.
     w_target = w.masked_fill(banned[target], 0.0)
     for i in range(0, M, block):
