@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from twophase import bench
+from twophase import bench, benchcell
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -18,8 +18,11 @@ def _cell(method, **kw):
 @pytest.mark.parametrize("method", ["two-phase", "one-phase", "seed-style"])
 def test_worker_reports_every_field(method):
     out = bench.run_cell(_cell(method))
-    for key in ("peak_mb", "graph_mb", "step_s"):
+    for key in ("peak_mb", "alloc_mb", "graph_mb", "step_s"):
         assert isinstance(out[key], float) and out[key] >= 0
+    # A first step allocates at least the gradients and Adam's two moments: three copies of the parameters.
+    model = benchcell.build(_cell(method))[0]
+    assert out["alloc_mb"] * 2**20 >= 3 * sum(p.numel() * p.element_size() for p in model.parameters())
     assert len(out["step_times"]) == 2 and out["rows"] == 6
     assert out["target_len"] == out["max_len"]  # EOS banned: full length by construction
     if method == "two-phase":
@@ -34,7 +37,7 @@ def test_extrapolated_cells_scale_linearly_in_rows():
     out = bench.measure_capped(cell, cap=bench.estimate_bytes(cell) / 3, inline=True, timeout=60)
     assert out["extrapolated"] and out["rows"] == 12
     assert out["measured_at"][0] * out["measured_at"][1] < 12
-    assert bench.fmt_cell(out).count("*") == 3
+    assert bench.fmt_cell(out).count("*") == 4
 
 
 def test_tiny_run_writes_the_report(tmp_path, capsys):

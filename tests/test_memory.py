@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from twophase import Samples, Seq2Seq, beam_search, fused
-from twophase.memstats import SavedTensorMeter, graph_bytes
+from twophase.memstats import AllocationPeak, SavedTensorMeter, graph_bytes
 from twophase.vocab import BOS, EOS, PAD
 
 from conftest import tiny_model, toy_batch
@@ -152,3 +152,14 @@ def test_chunk_graph_barely_grows_with_source_length():
     small, big = (_bytes(model, *_sources(S), s) for S in (5, 50))
     # What remains is the attention weights (N, S) per step, next to O(H) per row for the LSTM.
     assert big / small <= 1.5, (small, big)
+
+
+def test_allocation_peak_follows_allocations_and_frees():
+    MiB = 2**20
+    with AllocationPeak() as m:
+        a = torch.empty(MiB, dtype=torch.uint8)
+        b = torch.empty(2 * MiB, dtype=torch.uint8)
+        del a
+        c = torch.empty(MiB // 2, dtype=torch.uint8)
+    assert (m.peak_bytes, m.end_bytes) == (3 * MiB, 2.5 * MiB)
+    del b, c

@@ -87,7 +87,7 @@ def measure_capped(cell: dict, cap: float, inline: bool, timeout: float) -> dict
         return dict(cell, error=a.get("error") or b.get("error"), extrapolated=True)
     n1, n2 = a["batch"] * a["beam"], b["batch"] * b["beam"]
     out = dict(cell, extrapolated=True, measured_at=[a["batch"], a["beam"]], rows=rows, target_len=a["target_len"])
-    for key in ("peak_mb", "graph_mb", "step_s"):
+    for key in ("peak_mb", "alloc_mb", "graph_mb", "step_s"):
         slope = (a[key] - b[key]) / (n1 - n2) if n1 != n2 else a[key] / n1
         out[key] = a[key] + slope * (rows - n1)
     for key in ("grad_rel_diff", "grad_rel_diff_worst_tensor"):

@@ -6,7 +6,9 @@ from pathlib import Path
 
 
 NOTE = ("Random weights, random sources and uniform random rewards; EOS banned so every candidate has T = max_len "
-        "(the worst case). `*` = extrapolated linearly in rows from smaller batch/beam.")
+        "(the worst case). `*` = extrapolated linearly in rows from smaller batch/beam. Memory is measured above "
+        "the process before its first step: peak = CUDA max_memory_allocated, or on the CPU the peak RSS; "
+        "tensors = the peak of bytes held by tensors (on CUDA the same figure); graph = bytes saved for backward.")
 
 
 def label(method: str, chunk) -> str:
@@ -18,7 +20,8 @@ def fmt_cell(c: dict) -> str:
         return f"error: {c['error']}"
     star = "*" if c.get("extrapolated") else ""
     grad = f"  grad rel diff {c['grad_rel_diff']:.1e}" if "grad_rel_diff" in c else ""
-    return f"peak {c['peak_mb']:9.1f} MiB{star}  graph {c['graph_mb']:9.1f} MiB{star}  {c['step_s']:8.3f} s{star}{grad}"
+    return (f"peak {c['peak_mb']:9.1f} MiB{star}  tensors {c.get('alloc_mb', float('nan')):9.1f} MiB{star}  "
+            f"graph {c['graph_mb']:9.1f} MiB{star}  {c['step_s']:8.3f} s{star}{grad}")
 
 
 def _value(c: dict | None, key: str, fmt: str) -> str:
@@ -26,6 +29,8 @@ def _value(c: dict | None, key: str, fmt: str) -> str:
         return "-"
     if "error" in c:
         return "error"
+    if key not in c:  # a report written before the figure existed
+        return "-"
     return fmt.format(c[key]) + ("*" if c.get("extrapolated") else "")
 
 
@@ -35,14 +40,15 @@ def grid_markdown(cells: list[dict]) -> str:
     beams = sorted({c["beam"] for c in cells})
     at = {(c["beam"], label(c["method"], c["chunk"])): c for c in cells}
     lines = []
-    for title, fmt in (("peak memory MiB (graph MiB)", None), ("step time s (median)", "{:.3f}")):
+    for title, fmt in (("peak memory MiB / tensors MiB (graph MiB)", None), ("step time s (median)", "{:.3f}")):
         lines += [f"**{title}**", "", "| K | N | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
         for k in beams:
             row = []
             for col in cols:
                 c = at.get((k, col))
                 row.append(_value(c, "step_s", fmt) if fmt else
-                           f"{_value(c, 'peak_mb', '{:.0f}')} ({_value(c, 'graph_mb', '{:.0f}')})")
+                           f"{_value(c, 'peak_mb', '{:.0f}')} / {_value(c, 'alloc_mb', '{:.0f}')} "
+                           f"({_value(c, 'graph_mb', '{:.0f}')})")
             n = next(c["batch"] * k for c in cells if c["beam"] == k)
             lines.append(f"| {k} | {n} | " + " | ".join(row) + " |")
         lines.append("")
@@ -53,9 +59,10 @@ def grid_markdown(cells: list[dict]) -> str:
 
 
 def speed_markdown(speed: dict) -> str:
-    lines = ["| method | peak MiB | graph MiB | step s |", "|---|---|---|---|"]
+    lines = ["| method | peak MiB | tensors MiB | graph MiB | step s |", "|---|---|---|---|---|"]
     for c in speed["cells"]:
         lines.append(f"| {label(c['method'], c['chunk'])} | {_value(c, 'peak_mb', '{:.0f}')} | "
+                     f"{_value(c, 'alloc_mb', '{:.0f}')} | "
                      f"{_value(c, 'graph_mb', '{:.0f}')} | {_value(c, 'step_s', '{:.3f}')} |")
     lines.append("")
     lines.append("time ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in speed["time_ratios"].items()))

@@ -7,6 +7,10 @@ holder whose finalizer runs when autograd frees it (after backward, or when the 
 `peak_bytes` is the peak of bytes the graph kept alive. Tensors that exist anyway (parameters, buffers, the
 shared encoder outputs) can be declared `resident`: they are tallied in `resident_bytes`, not in the peak.
 
+`AllocationPeak` is the CPU's counterpart of `torch.cuda.max_memory_allocated`: the peak of bytes held by
+tensors, read from the profiler's record of every allocation and free. It leaves out what the C allocator keeps
+mapped after tensors are freed, which the process's resident set (RSS) includes.
+
 `graph_bytes` measures phase two as training runs it: the largest per-chunk graph of one `rescore_backward`
 call.
 
@@ -94,6 +98,32 @@ class SavedTensorMeter:
         self._refs[key] -= 1
         if self._refs[key] == 0:
             self.live_bytes -= self._sizes.pop(key)
+
+
+class AllocationPeak:
+    """Context manager: peak_bytes / end_bytes of CPU tensor memory allocated inside the block, above what was
+    allocated when it began. Frees of tensors allocated before the block are not recorded (the profiler warns),
+    so those bytes count as still held: the figure is never an underestimate. Runs the profiler with memory events, so it slows the block down (measure on a
+    step that is not timed) and holds its event list until exit, which raises the block's RSS."""
+
+    def __enter__(self) -> "AllocationPeak":
+        self.peak_bytes = self.end_bytes = 0
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._prof.__exit__(*exc)
+        # One event per allocation (+bytes) or free (-bytes); the sort is stable, so events stamped at the
+        # same nanosecond keep the profiler's order.
+        events = sorted(((e.start_ns(), e.nbytes()) for e in self._prof.profiler.kineto_results.events()
+                         if e.name() == "[memory]" and e.device_type().name == "CPU"), key=lambda x: x[0])
+        live = 0
+        for _, nbytes in events:
+            live += nbytes
+            self.peak_bytes = max(self.peak_bytes, live)
+        self.end_bytes = live
+        del self._prof
 
 
 def graph_bytes(model, src: Tensor, src_lengths: Tensor, samples, coefficients: Tensor, chunk_size: int) -> int:
