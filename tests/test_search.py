@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from twophase import beam_search, sample
+from twophase import beam_search, sample, search
 from twophase.vocab import EOS, PAD
 
 from conftest import tiny_model, toy_batch
@@ -54,9 +54,12 @@ def _all_sequences(tokens, max_len):
     return out
 
 
+@pytest.mark.parametrize("compact_at", [2.0, 0.0])  # never / as soon as a row finished (see search.COMPACT_AT)
 @pytest.mark.parametrize("beam_size", [13, 40, 60])
-def test_exhaustive_beam_equals_brute_force(beam_size):
-    # Target vocab: PAD BOS EOS UNK + 2 tokens, so 3 generable non-EOS tokens (UNK included).
+def test_exhaustive_beam_equals_brute_force(beam_size, compact_at, monkeypatch):
+    # Target vocab: PAD BOS EOS UNK + 2 tokens, so 3 generable non-EOS tokens (UNK included). Beams of 40 and 60
+    # hold impossible (-inf) hypotheses, which compaction skips as it skips finished ones.
+    monkeypatch.setattr(search, "COMPACT_AT", compact_at)
     model = tiny_model(tgt_vocab=6)
     src, lens = toy_batch(lengths=(2, 1))
     max_len = 3
