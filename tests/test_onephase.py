@@ -7,6 +7,7 @@ import torch
 
 from twophase import beam_search, objectives, rescore_backward, sample
 from twophase.onephase import SeedStyleSeq2Seq, one_phase_backward, one_phase_beam_search, one_phase_sample
+from twophase.vocab import EOS
 
 from conftest import tiny_model, toy_batch
 
@@ -78,6 +79,29 @@ def test_seed_style_matches_one_phase(kind):
     one_phase_backward(seed_log_p, coef)
     seed.release()
     _assert_same(_grads(seed), _grads(model))
+
+
+def test_seed_style_search_runs_the_seed_code(monkeypatch):
+    """Both search loops must reach `seed_style_advance` at every step (a regression once made the seed-style
+    benchmark run the fused attention instead)."""
+    from twophase import onephase
+
+    calls = []
+    real = onephase.seed_style_advance
+
+    def counted(model, beam_memory, prev, state):
+        calls.append(len(prev))
+        return real(model, beam_memory, prev, state)
+
+    monkeypatch.setattr(onephase, "seed_style_advance", counted)
+    seed = SeedStyleSeq2Seq.from_model(tiny_model())
+    seed.banned[EOS] = True  # every row runs MAX_LEN steps, so no row is ever skipped
+    src, lens = toy_batch()
+    for kind in ("beam", "sample"):
+        calls.clear()
+        _search(seed, kind, src, lens, graph=True)
+        assert calls == [K * src.shape[0]] * MAX_LEN, kind
+    seed.release()
 
 
 def test_one_phase_backward_checks_the_coefficients():

@@ -70,9 +70,10 @@ def one_phase_backward(log_probs: Tensor, coefficients: Tensor) -> float:
 
 
 # ---------------------------------------------------------------- the seed's code, for the benchmark
-def seed_style_step(model: Seq2Seq, beam_memory: tuple[Tensor, Tensor], prev: Tensor, state):
-    """One decoder step written the usual way. beam_memory = (matrix (N, S, D), pad (N, S)): the encoder
-    outputs and padding mask copied once per beam. Returns the new state and log-probabilities (N, V)."""
+def seed_style_advance(model: Seq2Seq, beam_memory: tuple[Tensor, Tensor], prev: Tensor, state):
+    """One decoder state update written the usual way. beam_memory = (matrix (N, S, D), pad (N, S)): the encoder
+    outputs and padding mask copied once per beam. Returns the new state (h, c); the output layer and
+    log-softmax are `Seq2Seq.log_probs`, the plain ops user code has too."""
     matrix, pad = beam_memory
     h, c = state
     U, W, v = model.attn_U, model.attn_W.weight, model.attn_v.weight  # (A, D) Linear with bias, (A, H), (1, A)
@@ -82,15 +83,14 @@ def seed_style_step(model: Seq2Seq, beam_memory: tuple[Tensor, Tensor], prev: Te
     alpha = torch.softmax(energy, dim=-1)  # (N, S)
     ctx = torch.bmm(alpha.unsqueeze(1), matrix).squeeze(1)  # (N, D)
     x = torch.cat([model.drop(model.tgt_embed(prev)), ctx], dim=-1)  # (N, E + D)
-    h, c = model.cell(x, (h, c))
-    logits = model.out(model.drop(h)).masked_fill(model.banned, float("-inf"))  # (N, V)
-    return (h, c), F.log_softmax(logits, dim=-1)
+    return model.cell(x, (h, c))
 
 
 class SeedStyleSeq2Seq(Seq2Seq):
-    """`Seq2Seq`'s parameters with `seed_style_step` as its step, so the search loops of `twophase.search` run
-    it unchanged. `init_state` makes the per-beam copy of the encoder outputs, once per search, as user code
-    does before its loop; `step` reuses it while the search's owner tensor is the one it was made for."""
+    """`Seq2Seq`'s parameters with `seed_style_advance` as its state update (`advance`, which `step` and both
+    search loops call), so the loops of `twophase.search` run it unchanged. `init_state` makes the per-beam copy
+    of the encoder outputs, once per search, as user code does before its loop; `advance` reuses it while the
+    search's owner tensor is the one it was made for."""
 
     @classmethod
     def from_model(cls, model: Seq2Seq) -> "SeedStyleSeq2Seq":
@@ -104,11 +104,11 @@ class SeedStyleSeq2Seq(Seq2Seq):
         self._beam_memory = (owner, enc.memory.index_select(0, owner), ~enc.mask.index_select(0, owner))
         return super().init_state(enc, owner)
 
-    def step(self, enc: Encoded, owner: Tensor, prev: Tensor, state):
+    def advance(self, enc: Encoded, owner: Tensor, prev: Tensor, state):
         cached = getattr(self, "_beam_memory", None)
         if cached is None or cached[0] is not owner or cached[1].shape[0] != len(owner):
             self._beam_memory = cached = (owner, enc.memory.index_select(0, owner), ~enc.mask.index_select(0, owner))
-        return seed_style_step(self, cached[1:], prev, state)
+        return seed_style_advance(self, cached[1:], prev, state)
 
     def release(self) -> None:
         """Drop the per-beam copy (and the graph it belongs to) once the search is back-propagated."""
