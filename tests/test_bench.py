@@ -51,6 +51,16 @@ def test_tiny_run_writes_the_report(tmp_path, capsys):
     assert (tmp_path / "bench.png").exists() == _has_matplotlib()
 
 
+def test_methods_choose_the_grid_columns(tmp_path, capsys):
+    argv = ["--tiny", "--inline", "--beams", "2", "--no-speed", "--out", str(tmp_path), "--methods", "two-phase"]
+    assert bench.main(argv) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert [(c["method"], c["chunk"]) for c in report["grid"]] == [("two-phase", 4)]
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--methods", "two-phase,naive"])
+    assert exit_info.value.code == 2 and "--methods" in capsys.readouterr().err
+
+
 def _has_matplotlib():  # the `bench` extra, not a test requirement
     try:
         import matplotlib  # noqa: F401

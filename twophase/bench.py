@@ -96,14 +96,18 @@ def measure_capped(cell: dict, cap: float, inline: bool, timeout: float) -> dict
     return out
 
 
-def methods(chunks) -> list[tuple[str, int | None]]:
-    return [("two-phase", c) for c in chunks] + [("one-phase", None), ("seed-style", None)]
+METHODS = ("two-phase", "one-phase", "seed-style")
 
 
-def run_grid(base: dict, beams, chunks, cap: float, inline: bool, timeout: float, log=print) -> list[dict]:
+def methods(chunks, names=METHODS) -> list[tuple[str, int | None]]:
+    return [(m, c) for m in names for c in (chunks if m == "two-phase" else (None,))]
+
+
+def run_grid(base: dict, beams, chunks, cap: float, inline: bool, timeout: float, log=print,
+             names=METHODS) -> list[dict]:
     cells = []
     for beam in beams:
-        for method, chunk in methods(chunks):
+        for method, chunk in methods(chunks, names):
             cell = dict(base, beam=beam, method=method, chunk=chunk, grad_check=method != "two-phase")
             if chunk is not None and any(base["batch"] * beam <= c < chunk for c in chunks):
                 continue  # chunks at least as wide as all N rows are one and the same run
@@ -138,6 +142,13 @@ def _override(text: str) -> tuple[str, object]:
     return key, value if key == "dtype" else int(value)
 
 
+def _methods(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(","))
+    if not names or any(n not in METHODS for n in names):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(METHODS)}, got {text!r}")
+    return names
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m twophase.bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
@@ -150,6 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--beams", type=lambda s: tuple(int(x) for x in s.split(",")), help="beam sizes, e.g. 8,32")
     p.add_argument("--chunks", type=lambda s: tuple(int(x) for x in s.split(",")), help="two-phase chunk sizes")
     p.add_argument("--steps", type=int, help="timed steps per configuration (median reported)")
+    p.add_argument("--methods", type=_methods, default=METHODS,
+                   help="comma-separated grid methods (default: two-phase,one-phase,seed-style)")
     p.add_argument("--cpu-mem-cap", type=parse_size, default=16 * 2**30,
                    help="on CPU, one-phase cells estimated above this are extrapolated from smaller ones (16GiB)")
     p.add_argument("--threads", type=int,
@@ -193,7 +206,8 @@ def main(argv=None) -> int:
     report = {"meta": {"grid": grid, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                        "torch": torch.__version__, "threads": torch.get_num_threads(), "note": NOTE,
                        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cap_bytes": cap},
-              "grid_config": base, "grid": run_grid(base, beams, chunks, cap, args.inline, args.timeout)}
+              "grid_config": base, "grid": run_grid(base, beams, chunks, cap, args.inline, args.timeout,
+                                                          names=args.methods)}
     if SPEED_STEPS[grid] and not args.no_speed:
         speed = dict(SPEED_CONFIG, **overrides, device=device, dtype=base["dtype"], seed=base["seed"], threads=threads)
         print("speed target:")
