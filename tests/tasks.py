@@ -10,3 +10,11 @@ def write_task(path, task: str, n: int, seed: int = 0, alphabet: str = "abcdefg"
         for _ in range(n):
             src = [rng.choice(alphabet) for _ in range(rng.randint(1, max_len))]
             f.write(" ".join(src) + "\t" + " ".join(TASKS[task](src)) + "\n")
+
+
+def task_dir(tmp_path_factory, n_train: int, n_valid: int):
+    """A temporary folder with train.tsv and valid.tsv of the 'reverse' task (for module-scoped fixtures)."""
+    d = tmp_path_factory.mktemp("task")
+    write_task(d / "train.tsv", "reverse", n_train, seed=0)
+    write_task(d / "valid.tsv", "reverse", n_valid, seed=1)
+    return d

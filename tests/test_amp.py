@@ -9,14 +9,14 @@ import math
 import pytest
 import torch
 
-from twophase import amp, beam_search, cli, fused, objectives, rescore_backward, sample
+from twophase import amp, beam_search, cli, objectives, outputlayer, rescore_backward, sample
 from twophase import trainer as trainer_module
 from twophase.checkpoint import load, save_atomic
 from twophase.config import Config
 from twophase.vocab import BOS, PAD
 
 from conftest import tiny_model, toy_batch
-from tasks import write_task
+from tasks import task_dir
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 
@@ -87,11 +87,11 @@ def test_fused_output_layer_under_bf16_close_to_float32(h_dtype):
     autograd Function (forward and backward) gives the hand-written pass's numbers, even with its backward
     run outside autocast (amp_backward restores forward's state): else its matmuls would be float32."""
     h, weight, bias, target, banned, w = _output_layer(h_dtype)
-    want = fused.target_log_probs_and_grads(h.float(), weight, bias, target, banned, w)
+    want = outputlayer.target_log_probs_and_grads(h.float(), weight, bias, target, banned, w)
     with torch.autocast(**BF16):
-        got = fused.target_log_probs_and_grads(h, weight, bias, target, banned, w)
+        got = outputlayer.target_log_probs_and_grads(h, weight, bias, target, banned, w)
         leaves = [x.clone().requires_grad_() for x in (h, weight, bias)]
-        tok = fused.target_log_probs(*leaves, target, banned)
+        tok = outputlayer.target_log_probs(*leaves, target, banned)
     auto = [tok] + list(torch.autograd.grad(tok, leaves, w))  # backward outside autocast
     assert [x.dtype for x in got] == [torch.float32, h_dtype, torch.float32, torch.float32]
     for a, b, c in zip(got, want, auto):
@@ -110,10 +110,7 @@ def test_scale_coefficients_and_bad_step_rule():
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    d = tmp_path_factory.mktemp("task")
-    write_task(d / "train.tsv", "reverse", 60, seed=0)
-    write_task(d / "valid.tsv", "reverse", 6, seed=1)
-    return d
+    return task_dir(tmp_path_factory, 60, 6)
 
 
 def _trainer(task, save, **overrides):

@@ -3,7 +3,7 @@ two's hand-differentiated output layer against autograd through `Seq2Seq.score`.
 import pytest
 import torch
 
-from twophase import fused, rescore_backward
+from twophase import fused, outputlayer, rescore_backward
 from twophase.vocab import BOS, PAD
 
 from conftest import tiny_model, toy_batch
@@ -47,9 +47,9 @@ def test_target_log_probs_and_grads_equal_autograd(block):
     banned = torch.zeros(6, dtype=torch.bool)
     banned[[PAD, BOS]] = True
     w = torch.randn(7, generator=g, dtype=torch.float64)
-    tok = fused.target_log_probs(h, weight, bias, target, banned, block)
+    tok = outputlayer.target_log_probs(h, weight, bias, target, banned, block)
     want = [tok] + list(torch.autograd.grad(tok, (h, weight, bias), w))
-    got = fused.target_log_probs_and_grads(h.detach(), weight.detach(), bias.detach(), target, banned, w, block)
+    got = outputlayer.target_log_probs_and_grads(h.detach(), weight.detach(), bias.detach(), target, banned, w, block)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from twophase import Samples, Seq2Seq, beam_search, fused
+from twophase import Samples, Seq2Seq, beam_search, fused, outputlayer
 from twophase.memstats import AllocationPeak, SavedTensorMeter, graph_bytes
 from twophase.vocab import BOS, EOS, PAD
 
@@ -41,7 +41,7 @@ def test_target_log_probs_gradcheck(device, block):
     target = torch.tensor([2, 5, 3, 2, 4, 5, 3], device=device)
     banned = torch.zeros(6, dtype=torch.bool, device=device)
     banned[[PAD, BOS]] = True
-    assert torch.autograd.gradcheck(lambda *x: fused.target_log_probs(*x, target, banned, block), (h, weight, bias))
+    assert torch.autograd.gradcheck(lambda *x: outputlayer.target_log_probs(*x, target, banned, block), (h, weight, bias))
 
 
 def _plain_score(model, enc, tgt, owner):

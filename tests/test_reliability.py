@@ -13,7 +13,7 @@ from twophase import cli, trainer as trainer_module
 from twophase.config import Config
 from twophase.interrupt import Interrupted
 
-from tasks import write_task
+from tasks import task_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "4", "--mle-batch-size", "8", "--beam-size", "3",
@@ -22,10 +22,7 @@ TINY = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "4", "--mle-b
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    d = tmp_path_factory.mktemp("task")
-    write_task(d / "train.tsv", "reverse", 200, seed=0)
-    write_task(d / "valid.tsv", "reverse", 12, seed=1)
-    return d
+    return task_dir(tmp_path_factory, 200, 12)
 
 
 def _train(task, save, *flags, popen=False):

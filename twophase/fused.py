@@ -1,15 +1,14 @@
-"""Custom autograd Functions that keep phase two's graph independent of the vocabulary and source sizes.
+"""Custom autograd Functions that keep phase two's attention graph independent of the source size.
 
-Teacher forcing with plain ops saves, per decoding step and row, the attention's tanh (S x A floats), the
-per-row copy of the attention values (S x D) and the logits / log-softmax (V floats, twice). The Functions here
-save only their inputs (shared, per-source or per-row H-sized tensors) and recompute the large intermediates
-in backward. Their forward passes call the same helpers as the graph-free path (`energies`, `context`), so
-search scores and teacher-forced log-probabilities are the same numbers.
+Teacher forcing with plain ops saves, per decoding step and row, the attention's tanh (S x A floats) and a
+per-row copy of the attention values (S x D). The Functions here save only their inputs (shared per-source or
+per-row H-sized tensors) and recompute the large intermediates in backward. Their forward passes call the same
+helpers as the graph-free path (`energies`, `context`), so search scores and teacher-forced log-probabilities
+are the same numbers. The output layer's counterpart is `twophase.outputlayer`.
 
 Letters used in shape comments:
     B  sources          S  source length       N  rows (owner (N,) maps a row to its source)
-    A  attention size   D  attention value size (encoder output)
-    H  hidden size      V  vocabulary size     M  flattened (row, step) positions with a real target
+    A  attention size   D  attention value size (encoder output)   H  hidden size
 """
 from __future__ import annotations
 
@@ -130,30 +129,6 @@ amp_forward = functools.partial(_for_device_type, torch.amp.custom_fwd)
 amp_backward = functools.partial(_for_device_type, torch.amp.custom_bwd)
 
 
-def sum_dtype(weight: Tensor) -> torch.dtype:
-    """Where log-softmax, logsumexp and gradient sums are computed: the parameters' dtype, at least float32, so
-    autocast's bf16/fp16 logits are normalised (and log-probabilities summed) in float32."""
-    return torch.promote_types(weight.dtype, torch.float32)
-
-
-def _matmul_dtype(h: Tensor, weight: Tensor) -> torch.dtype:
-    """The dtype of the output layer's big matmuls: autocast's on h's device when it is on there (float64 is
-    left alone, as autocast leaves it), the weight's own otherwise."""
-    kind = h.device.type
-    if torch.is_autocast_enabled(kind) and weight.dtype != torch.float64:
-        return torch.get_autocast_dtype(kind)
-    return weight.dtype
-
-
-def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b with the product in a's dtype. addmm_ needs one dtype, so a low-precision (autocast) product
-    goes through one temporary, summed into the float32 accumulator; same dtypes stay in place."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    else:
-        acc.add_(a @ b)
-
-
 class AttentionEnergies(torch.autograd.Function):
     """`energies` saving q, keys, v and owner instead of the (N, S, A) tanh, which backward recomputes."""
 
@@ -223,108 +198,3 @@ def _grouped_context_backward(ctx, alpha: Tensor, memory: Tensor, g: Tensor) -> 
         dmemory = torch.zeros_like(memory)
         dmemory[b0:b0 + N // G] = torch.bmm(alpha.view(-1, G, S).transpose(1, 2), gg)  # (nb, S, D)
     return dalpha, dmemory
-
-
-def _block_rows(M: int, V: int, dtype: torch.dtype) -> int:
-    """Rows per logit block: as many as fit in BLOCK_BYTES, at least one."""
-    itemsize = (torch.finfo(dtype).bits + 7) // 8
-    return max(1, min(M, BLOCK_BYTES // max(1, V * itemsize)))
-
-
-def logits(h: Tensor, weight: Tensor, bias: Tensor, banned: Tensor) -> Tensor:
-    """(..., V) logits at h (..., H), banned tokens at -inf, as both search and scoring normalise them. The ban
-    rides in the bias (-inf + finite = -inf): one (V,) fill instead of a pass over the whole (..., V)."""
-    return F.linear(h, weight, bias.masked_fill(banned, float("-inf")))
-
-
-class TargetLogProbs(torch.autograd.Function):
-    """log softmax(h W^T + b)[target] per row, in row blocks, never keeping an (M, V) tensor.
-
-    Saves h (M, H), weight, bias, target (M,), banned (V,) and the per-row logsumexp (M,); backward recomputes
-    each block's logits, so the graph holds nothing V-sized per row."""
-
-    @staticmethod
-    @amp_forward
-    def forward(ctx, h: Tensor, weight: Tensor, bias: Tensor, target: Tensor, banned: Tensor,
-                block: int | None = None) -> Tensor:
-        M, V = h.shape[0], weight.shape[0]
-        acc, mm = sum_dtype(weight), _matmul_dtype(h, weight)
-        hm, wm = h.to(mm), weight.to(mm)
-        block = block or _block_rows(M, V, acc)
-        lse = h.new_empty(M, dtype=acc)
-        picked = h.new_empty(M, dtype=acc)
-        for i in range(0, M, block):
-            # the matmul in autocast's dtype, as search computes the logits; normalised in at least float32
-            block_logits = logits(hm[i:i + block], wm, bias, banned).to(acc)  # (m, V)
-            lse[i:i + block] = torch.logsumexp(block_logits, dim=1)
-            picked[i:i + block] = block_logits.gather(1, target[i:i + block, None]).squeeze(1)
-        ctx.block = block
-        ctx.save_for_backward(h, weight, bias, target, banned, lse)
-        return picked - lse
-
-    @staticmethod
-    @amp_backward
-    def backward(ctx, g: Tensor):
-        h, weight, bias, target, banned, lse = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        mm = _matmul_dtype(h, weight)  # backward runs in forward's autocast state (amp_backward)
-        hm, wm = h.to(mm), weight.to(mm)
-        dh = torch.empty_like(h) if need_h else None
-        dw = torch.zeros_like(weight) if need_w else None
-        db = torch.zeros_like(bias) if need_b else None
-        for i in range(0, h.shape[0], ctx.block):
-            rows = slice(i, i + ctx.block)
-            # d log p(target) / d logits = onehot(target) - softmax; softmax recomputed from the saved lse
-            dlogits = logits(hm[rows], wm, bias, banned).to(lse.dtype)  # (m, V)
-            dlogits.sub_(lse[rows, None]).exp_().neg_()
-            dlogits.scatter_add_(1, target[rows, None], torch.ones_like(dlogits[:, :1]))
-            dlogits.masked_fill_(banned, 0.0)  # as masked_fill's backward: banned logits are constants
-            dlogits.mul_(g[rows, None])
-            if need_b:
-                db += dlogits.sum(dim=0)
-            dlogits = dlogits.to(mm)
-            if need_h:
-                dh[rows] = dlogits @ wm  # (m, H)
-            if need_w:
-                _add_product(dw, dlogits.t(), hm[rows])  # (V, H)
-        return dh, dw, db, None, None, None
-
-
-def target_log_probs(h: Tensor, weight: Tensor, bias: Tensor, target: Tensor, banned: Tensor,
-                     block: int | None = None) -> Tensor:
-    """(M,) log-probabilities of target (M,) under the output layer (weight (V, H), bias (V,)) at h (M, H)."""
-    return TargetLogProbs.apply(h, weight, bias, target, banned, block)
-
-
-def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: Tensor, banned: Tensor,
-                               w: Tensor, block: int | None = None, dw: Tensor | None = None,
-                               db: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`target_log_probs` and, in the same pass over the logits, the gradients of sum_m w[m] log p(target[m]).
-
-    Returns (log p (M,), d/dh (M, H), d/dweight (V, H), d/dbias (V,)), the numbers TargetLogProbs' forward and
-    backward give for an incoming gradient w, without autograd. Phase two knows w (the coefficients) before it
-    decodes, so it needs each logit block once, where forward-then-backward computes it twice. Given dw / db,
-    the weight and bias gradients are added into them (e.g. the parameters' .grad) instead of fresh tensors."""
-    M, V = h.shape[0], weight.shape[0]
-    # Under autocast the three matmuls run in its dtype; logsumexp, softmax, log p and dw / db in float32.
-    acc, mm = sum_dtype(weight), _matmul_dtype(h, weight)
-    hm, wm, w = h.to(mm), weight.to(mm), w.to(acc)
-    block = block or _block_rows(M, V, acc)
-    tok, dh = h.new_empty(M, dtype=acc), torch.empty_like(h)
-    dw = torch.zeros_like(weight) if dw is None else dw
-    db = torch.zeros_like(bias) if db is None else db
-    # A banned target has log p = -inf and, as in TargetLogProbs, no gradient: its one-hot term is dropped.
-    w_target = w.masked_fill(banned[target], 0.0)
-    for i in range(0, M, block):
-        rows = slice(i, i + block)
-        z = logits(hm[rows], wm, bias, banned).to(acc)  # (m, V)
-        lse = torch.logsumexp(z, dim=1)  # (m,)
-        tok[rows] = z.gather(1, target[rows, None]).squeeze(1) - lse
-        # w * (onehot(target) - softmax), in place over the block; banned columns have softmax exactly 0
-        dz = z.sub_(lse[:, None]).exp_().mul_(-w[rows, None])
-        dz.scatter_add_(1, target[rows, None], w_target[rows, None])
-        db += dz.sum(dim=0)
-        dz = dz.to(mm)
-        dh[rows] = dz @ wm  # (m, H)
-        _add_product(dw, dz.t(), hm[rows])  # (V, H)
-    return tok, dh, dw, db

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from . import fused
+from . import fused, outputlayer
 from .vocab import BOS, PAD
 
 
@@ -95,7 +95,7 @@ class Seq2Seq(nn.Module):
         final = torch.cat(list(h_n), dim=-1)  # (B, D): last state of each direction
         # h0 (hence c0) in the parameters' precision, at least float32, even under autocast: phase one sums each
         # candidate's log-probabilities in h0's dtype, and on CPU the LSTM cell state then stays float32.
-        h0 = torch.tanh(self.bridge(final)).to(fused.sum_dtype(self.bridge.weight))  # (B, H)
+        h0 = torch.tanh(self.bridge(final)).to(outputlayer.sum_dtype(self.bridge.weight))  # (B, H)
         mask = torch.arange(S, device=src.device)[None, :] < src_lengths.to(src.device)[:, None]  # (B, S)
         return Encoded(memory=memory, keys=self.attn_U(memory), mask=mask, h0=h0, c0=torch.zeros_like(h0))
 
@@ -130,9 +130,9 @@ class Seq2Seq(nn.Module):
 
     def log_probs(self, h: Tensor) -> Tensor:
         """Next-token log-probabilities (..., V) from decoder states (..., H)."""
-        logits = fused.logits(self.drop(h), self.out.weight, self.out.bias, self.banned)  # as `score` computes them
+        logits = outputlayer.logits(self.drop(h), self.out.weight, self.out.bias, self.banned)  # as `score` computes them
         # Under autocast the logits come in bf16/fp16; normalised in float32, as phase two's logsumexp is.
-        return F.log_softmax(logits.to(fused.sum_dtype(self.out.weight)), dim=-1)
+        return F.log_softmax(logits.to(outputlayer.sum_dtype(self.out.weight)), dim=-1)
 
     def step(self, enc: Encoded, owner: Tensor, prev: Tensor, state):
         """One search step: new state and next-token log-probabilities (N, V)."""
@@ -160,7 +160,7 @@ class Seq2Seq(nn.Module):
     def score(self, enc: Encoded, tgt: Tensor, owner: Tensor) -> Tensor:
         """log p(tgt[i] | source owner[i]) for target rows tgt (N, T) = tokens, EOS, PAD...; returns (N,)."""
         h, target, row = self.decoder_states(enc, tgt, owner)
-        tok = fused.target_log_probs(h, self.out.weight, self.out.bias, target, self.banned)  # (M,)
+        tok = outputlayer.target_log_probs(h, self.out.weight, self.out.bias, target, self.banned)  # (M,)
         return tok.new_zeros(tgt.shape[0]).index_add_(0, row, tok)  # (N,): sum over each row's positions
 
     def sequence_log_probs(self, src: Tensor, src_lengths: Tensor, tgt: Tensor, owner: Tensor | None = None) -> Tensor:

@@ -24,7 +24,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from . import fused
+from . import outputlayer
 from .model import Seq2Seq
 from .search import Samples
 
@@ -132,7 +132,7 @@ def _grad_of(x: Tensor) -> Tensor:
 def _fused_output_grads(model: Seq2Seq, boundary, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list,
                         collect: bool):
     """`Seq2Seq.score`'s loss and gradients with the output layer differentiated by hand: the coefficients are
-    known before the decode, so `fused.target_log_probs_and_grads` computes each logit block once (autograd
+    known before the decode, so `outputlayer.target_log_probs_and_grads` computes each logit block once (autograd
     would recompute it in backward) and the decoder's graph is back-propagated from its output h. Without
     collect, everything is added into .grad here and the returned gradient list is empty."""
     h, target, row = model.decoder_states(boundary, tokens, owner)  # (M, H), (M,), (M,)
@@ -140,9 +140,9 @@ def _fused_output_grads(model: Seq2Seq, boundary, tokens: Tensor, owner: Tensor,
     with torch.no_grad():
         # (M,) d loss / d log p of each position: its row's coefficient, never rounded to a 16-bit h's dtype
         # (fp16 loss scaling puts coefficients far above fp16's range)
-        w = c.to(fused.sum_dtype(out.weight)).index_select(0, row)
+        w = c.to(outputlayer.sum_dtype(out.weight)).index_select(0, row)
         into = [None if collect or not p.requires_grad else _grad_of(p) for p in (out.weight, out.bias)]
-        tok, dh, dweight, dbias = fused.target_log_probs_and_grads(h, out.weight, out.bias, target, model.banned,
+        tok, dh, dweight, dbias = outputlayer.target_log_probs_and_grads(h, out.weight, out.bias, target, model.banned,
                                                                    w, dw=into[0], db=into[1])
         log_p = tok.new_zeros(len(c)).index_add_(0, row, tok)  # (C,), as `score` sums it
         loss = (c.to(log_p.dtype) * log_p).sum()
