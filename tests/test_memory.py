@@ -41,7 +41,8 @@ def test_target_log_probs_gradcheck(device, block):
     target = torch.tensor([2, 5, 3, 2, 4, 5, 3], device=device)
     banned = torch.zeros(6, dtype=torch.bool, device=device)
     banned[[PAD, BOS]] = True
-    assert torch.autograd.gradcheck(lambda *x: outputlayer.target_log_probs(*x, target, banned, block), (h, weight, bias))
+    fn = lambda *x: outputlayer.target_log_probs(*x, target, banned, block)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (h, weight, bias))
 
 
 def _plain_score(model, enc, tgt, owner):

@@ -5,7 +5,6 @@ Letters: B sources, K beam size, N = B*K rows, S source length, T max length, H 
 """
 from __future__ import annotations
 
-import os
 import resource
 import statistics
 import time
@@ -16,14 +15,10 @@ from . import objectives
 from .memstats import AllocationPeak, SavedTensorMeter
 from .model import Seq2Seq
 from .onephase import SeedStyleSeq2Seq, one_phase_backward, one_phase_beam_search
+from .profiling import reset_rss_peak, rss_bytes
 from .rescoring import rescore_backward
 from .search import beam_search
 from .vocab import EOS
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _reset_peak(device: torch.device) -> int:
@@ -32,12 +27,8 @@ def _reset_peak(device: torch.device) -> int:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
-    try:  # Linux: 5 resets the RSS high-water mark that getrusage reports
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # then the peak includes whatever the process reached before (imports, model creation)
-    return _rss()
+    reset_rss_peak()  # where that fails (not Linux), the peak includes imports and model creation
+    return rss_bytes()
 
 
 def _peak(device: torch.device) -> int:

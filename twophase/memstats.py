@@ -103,8 +103,9 @@ class SavedTensorMeter:
 class AllocationPeak:
     """Context manager: peak_bytes / end_bytes of CPU tensor memory allocated inside the block, above what was
     allocated when it began. Frees of tensors allocated before the block are not recorded (the profiler warns),
-    so those bytes count as still held: the figure is never an underestimate. Runs the profiler with memory events, so it slows the block down (measure on a
-    step that is not timed) and holds its event list until exit, which raises the block's RSS."""
+    so those bytes count as still held: the figure is never an underestimate. Runs the profiler with memory
+    events, so it slows the block down (measure on a step that is not timed) and holds its event list until
+    exit, which raises the block's RSS."""
 
     def __enter__(self) -> "AllocationPeak":
         self.peak_bytes = self.end_bytes = 0

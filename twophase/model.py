@@ -130,7 +130,8 @@ class Seq2Seq(nn.Module):
 
     def log_probs(self, h: Tensor) -> Tensor:
         """Next-token log-probabilities (..., V) from decoder states (..., H)."""
-        logits = outputlayer.logits(self.drop(h), self.out.weight, self.out.bias, self.banned)  # as `score` computes them
+        # the logits `score` computes
+        logits = outputlayer.logits(self.drop(h), self.out.weight, self.out.bias, self.banned)
         # Under autocast the logits come in bf16/fp16; normalised in float32, as phase two's logsumexp is.
         return F.log_softmax(logits.to(outputlayer.sum_dtype(self.out.weight)), dim=-1)
 

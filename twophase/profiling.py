@@ -23,7 +23,7 @@ from .memstats import SavedTensorMeter
 MB = 2**20
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * resource.getpagesize()
@@ -31,7 +31,7 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _reset_rss_peak() -> None:
+def reset_rss_peak() -> None:
     """Linux lets a process reset its resident-set high-water mark, so each section gets its own CPU peak."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -52,7 +52,7 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            _reset_rss_peak()
+            reset_rss_peak()
         start = time.perf_counter()
         with SavedTensorMeter() as meter:
             yield
@@ -60,7 +60,7 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
             allocated, peak = torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device)
         else:
-            allocated, peak = _rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            allocated, peak = rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self.rows.append({"section": name, "seconds": time.perf_counter() - start, "allocated_mb": allocated / MB,
                           "peak_mb": peak / MB, "graph_mb": meter.peak_bytes / MB})
 

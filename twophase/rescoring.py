@@ -11,9 +11,11 @@ On a GPU a chunk's gradient is computed with `torch.autograd.grad` and only then
 runs out of memory half-way through a chunk, nothing of it has been accumulated, so the chunk is redone at half
 the size and the step's gradient stays exact. That costs a second, transient copy of the gradients. Where no
 out-of-memory error can be caught and retried (the CPU, whose allocator failures are not CUDA's), autograd adds
-each chunk's gradient straight into `.grad` instead, and the output layer's by hand into the same tensors. Because c is known before a chunk is decoded, the output layer's forward and
-backward run together by hand (each V-sized logit block computed once) and autograd walks the decoder from its
-output states; a model whose `score` is replaced is differentiated through that `score` instead.
+each chunk's gradient straight into `.grad` instead, and the output layer's by hand into the same tensors.
+
+Because c is known before a chunk is decoded, the output layer's forward and backward run together by hand
+(each V-sized logit block computed once) and autograd walks the decoder from its output states; a model whose
+`score` is replaced is differentiated through that `score` instead.
 
 Letters: B sources, N candidate rows, C rows per chunk, T target length.
 """
@@ -142,8 +144,8 @@ def _fused_output_grads(model: Seq2Seq, boundary, tokens: Tensor, owner: Tensor,
         # (fp16 loss scaling puts coefficients far above fp16's range)
         w = c.to(outputlayer.sum_dtype(out.weight)).index_select(0, row)
         into = [None if collect or not p.requires_grad else _grad_of(p) for p in (out.weight, out.bias)]
-        tok, dh, dweight, dbias = outputlayer.target_log_probs_and_grads(h, out.weight, out.bias, target, model.banned,
-                                                                   w, dw=into[0], db=into[1])
+        tok, dh, dweight, dbias = outputlayer.target_log_probs_and_grads(
+            h, out.weight, out.bias, target, model.banned, w, dw=into[0], db=into[1])
         log_p = tok.new_zeros(len(c)).index_add_(0, row, tok)  # (C,), as `score` sums it
         loss = (c.to(log_p.dtype) * log_p).sum()
     if not collect:
