@@ -9,10 +9,12 @@ import math
 import pytest
 import torch
 
-from twophase import amp, beam_search, cli, objectives, outputlayer, rescore_backward, sample
-from twophase import trainer as trainer_module
-from twophase.checkpoint import load, save_atomic
-from twophase.config import Config
+from twophase.train import amp, cli
+from twophase import beam_search, objectives, rescore_backward, sample
+from twophase.models import outputlayer
+from twophase.train import trainer as trainer_module
+from twophase.train.checkpoint import load, save_atomic
+from twophase.train.config import Config
 from twophase.vocab import BOS, PAD
 
 from conftest import tiny_model, toy_batch
@@ -166,7 +168,7 @@ def test_train_with_amp_bf16_finishes_with_finite_losses(task, tmp_path, one_thr
 def test_sixteen_bit_boundary_gradients_are_summed_in_float32():
     """Each chunk's bf16 share of an encoder-output gradient moves into a float32 sum: 1 + 300 x 2^-9 stays
     1.5859375 there, where bf16 additions would stay at 1 (ulp 2^-7 at 1: every 2^-9 increment rounds away)."""
-    from twophase.model import Encoded
+    from twophase.models.seq2seq import Encoded
     from twophase.rescoring import _bank_boundary_grads
 
     leaf = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)

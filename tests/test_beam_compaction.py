@@ -3,7 +3,8 @@ one-phase gradients of the full step, also when whole sources finish early and t
 import pytest
 import torch
 
-from twophase import beam_search, fused, search
+from twophase import beam_search, search
+from twophase.models import fused
 from twophase.onephase import one_phase_beam_search
 from twophase.vocab import EOS
 

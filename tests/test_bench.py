@@ -3,25 +3,25 @@ import json
 
 import pytest
 
-from twophase import bench, benchcell
+from twophase.bench import __main__ as grid, cell
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cell(method, **kw):
-    sizes = bench.GRIDS["tiny"][0]
+    sizes = grid.GRIDS["tiny"][0]
     return dict(sizes, beam=3, method=method, chunk=4 if method == "two-phase" else None, device="cpu",
                 dtype="float32", warmup=1, steps=2, seed=0, grad_check=method != "two-phase", **kw)
 
 
 @pytest.mark.parametrize("method", ["two-phase", "one-phase", "seed-style"])
 def test_worker_reports_every_field(method):
-    out = bench.run_cell(_cell(method))
+    out = grid.run_cell(_cell(method))
     for key in ("peak_mb", "alloc_mb", "graph_mb", "step_s"):
         assert isinstance(out[key], float) and out[key] >= 0
     # A first step allocates at least the gradients and Adam's two moments: three copies of the parameters.
-    model = benchcell.build(_cell(method))[0]
+    model = cell.build(_cell(method))[0]
     assert out["alloc_mb"] * 2**20 >= 3 * sum(p.numel() * p.element_size() for p in model.parameters())
     assert len(out["step_times"]) == 2 and out["rows"] == 6
     assert out["target_len"] == out["max_len"]  # EOS banned: full length by construction
@@ -34,14 +34,14 @@ def test_worker_reports_every_field(method):
 
 def test_extrapolated_cells_scale_linearly_in_rows():
     cell = _cell("one-phase", batch=4)
-    out = bench.measure_capped(cell, cap=bench.estimate_bytes(cell) / 3, inline=True, timeout=60)
+    out = grid.measure_capped(cell, cap=grid.estimate_bytes(cell) / 3, inline=True, timeout=60)
     assert out["extrapolated"] and out["rows"] == 12
     assert out["measured_at"][0] * out["measured_at"][1] < 12
-    assert bench.fmt_cell(out).count("*") == 4
+    assert grid.fmt_cell(out).count("*") == 4
 
 
 def test_tiny_run_writes_the_report(tmp_path, capsys):
-    assert bench.main(["--tiny", "--inline", "--beams", "2", "--out", str(tmp_path)]) == 0
+    assert grid.main(["--tiny", "--inline", "--beams", "2", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert {(c["method"], c["chunk"]) for c in report["grid"]} == {("two-phase", 4), ("one-phase", None),
                                                                     ("seed-style", None)}
@@ -53,11 +53,11 @@ def test_tiny_run_writes_the_report(tmp_path, capsys):
 
 def test_methods_choose_the_grid_columns(tmp_path, capsys):
     argv = ["--tiny", "--inline", "--beams", "2", "--no-speed", "--out", str(tmp_path), "--methods", "two-phase"]
-    assert bench.main(argv) == 0
+    assert grid.main(argv) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert [(c["method"], c["chunk"]) for c in report["grid"]] == [("two-phase", 4)]
     with pytest.raises(SystemExit) as exit_info:
-        bench.parse_args(["--methods", "two-phase,naive"])
+        grid.parse_args(["--methods", "two-phase,naive"])
     assert exit_info.value.code == 2 and "--methods" in capsys.readouterr().err
 
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from twophase import checkpoint
-from twophase.checkpoint import CheckpointError, CheckpointManager, load, rng_state, save_atomic, set_rng_state
+from twophase.train import checkpoint
+from twophase.train.checkpoint import CheckpointError, CheckpointManager, load, rng_state, save_atomic, set_rng_state
 
 
 def _write_marker(path):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from twophase import cli, decode
+from twophase.train import cli, decode
 
 from tasks import write_task
 

@@ -4,7 +4,7 @@ import re
 import pytest
 import torch
 
-from twophase.data import (BatchSampler, DataError, Dataset, load_cmudict, load_tsv, pad_batch, pad_targets,
+from twophase.tasks.data import (BatchSampler, DataError, Dataset, load_cmudict, load_tsv, pad_batch, pad_targets,
                            tokenize_source)
 from twophase.vocab import EOS, PAD
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from twophase import cli, distributed
-from twophase.config import Config
+from twophase.train import cli, distributed
+from twophase.train.config import Config
 
 from tasks import write_task
 

@@ -3,8 +3,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from twophase import Samples, Seq2Seq, beam_search, fused, outputlayer
-from twophase.memstats import AllocationPeak, SavedTensorMeter, graph_bytes
+from twophase import Samples, Seq2Seq, beam_search
+from twophase.models import fused, outputlayer
+from twophase.train.memstats import AllocationPeak, SavedTensorMeter, graph_bytes
 from twophase.vocab import BOS, EOS, PAD
 
 from conftest import tiny_model, toy_batch

@@ -1,6 +1,6 @@
 import pytest
 
-from twophase.metrics import evaluate
+from twophase.tasks.metrics import evaluate
 
 
 def test_exact_match_with_any_reference_counts_right():

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from twophase import beam_search, objectives, rescore_backward, sample
-from twophase.onephase import SeedStyleSeq2Seq, one_phase_backward, one_phase_beam_search, one_phase_sample
+from twophase.bench.seedstyle import SeedStyleSeq2Seq
+from twophase.onephase import one_phase_backward, one_phase_beam_search, one_phase_sample
 from twophase.vocab import EOS
 
 from conftest import tiny_model, toy_batch
@@ -84,7 +85,7 @@ def test_seed_style_matches_one_phase(kind):
 def test_seed_style_search_runs_the_seed_code(monkeypatch):
     """Both search loops must reach `seed_style_advance` at every step (a regression once made the seed-style
     benchmark run the fused attention instead)."""
-    from twophase import onephase
+    from twophase.bench import seedstyle as onephase
 
     calls = []
     real = onephase.seed_style_advance
@@ -112,7 +113,7 @@ def test_one_phase_backward_checks_the_coefficients():
 @pytest.mark.parametrize("sampler", ["beam", "sample"])
 def test_trainer_one_phase_flag_takes_the_same_steps(tmp_path, sampler):
     """--one-phase only changes how the gradient is computed: the same losses, rewards and updates."""
-    from twophase import cli
+    from twophase.train import cli
     from tasks import write_task
 
     write_task(tmp_path / "train.tsv", "reverse", 40, seed=0)

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from twophase import Seq2Seq, beam_search
-from twophase.config import parse_chunk, parse_size
-from twophase.memstats import graph_bytes
-from twophase.profiling import ChunkPlanner, StepProfiler
+from twophase.train.config import parse_chunk, parse_size
+from twophase.train.memstats import graph_bytes
+from twophase.train.profiling import ChunkPlanner, StepProfiler
 from twophase.rescoring import rescore_backward
 
 from conftest import toy_batch
@@ -70,7 +70,7 @@ def test_train_with_profile_and_auto_chunk(tmp_path, capsys):
     import json
 
     from tasks import write_task
-    from twophase import cli
+    from twophase.train import cli
 
     write_task(tmp_path / "train.tsv", "copy", 100)
     write_task(tmp_path / "valid.tsv", "copy", 8, seed=1)

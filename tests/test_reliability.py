@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from twophase import cli, trainer as trainer_module
-from twophase.config import Config
-from twophase.interrupt import Interrupted
+from twophase.train import cli, trainer as trainer_module
+from twophase.train.config import Config
+from twophase.train.interrupt import Interrupted
 
 from tasks import task_dir
 
@@ -178,7 +178,7 @@ def test_out_of_memory_outside_phase_two_skips_the_batch(task, tmp_path, monkeyp
 
 
 def test_second_signal_exits_at_once():
-    code = ("import os, signal, time\nfrom twophase.interrupt import GracefulStop\nwith GracefulStop():\n"
+    code = ("import os, signal, time\nfrom twophase.train.interrupt import GracefulStop\nwith GracefulStop():\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(0.2)\n    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(30)\nprint('not reached')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, cwd=ROOT)

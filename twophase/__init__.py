@@ -4,7 +4,7 @@ Phase one searches (beam or sampling) without a graph; phase two re-decodes the 
 chunks, back-propagating per-sequence coefficients. See README.md.
 """
 from . import objectives, rewards, vocab
-from .model import Seq2Seq
+from .models.seq2seq import Seq2Seq
 from .rescoring import rescore_backward
 from .search import Samples, beam_search, greedy, sample
 

@@ -26,8 +26,8 @@ import contextlib
 import torch
 from torch import Tensor
 
-from . import outputlayer
-from .model import Seq2Seq
+from .models import outputlayer
+from .models.seq2seq import Seq2Seq
 from .search import Samples
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from . import fused
-from .model import Seq2Seq
+from .models import fused
+from .models.seq2seq import Seq2Seq
 from .vocab import BOS, EOS, PAD
 
 # Beam search runs the decoder on its open hypotheses only once at least this fraction of its B*K rows has

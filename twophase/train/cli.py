@@ -9,15 +9,16 @@ import sys
 
 import torch
 
-from . import amp, distributed, rewards
+from . import amp, distributed
+from .. import rewards
 from .config import Config, OneLineParser, add_config_flags, config_from_args
-from .data import DataError, load_cmudict, load_tsv
-from .model import Seq2Seq
+from ..tasks.data import DataError, load_cmudict, load_tsv
+from ..models.seq2seq import Seq2Seq
 from .checkpoint import CheckpointError, load
 from .report import summary_table
 from .interrupt import Interrupted
 from .trainer import Trainer
-from .vocab import Vocab
+from ..vocab import Vocab
 
 
 PROG = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(("train.py", "twophase-train")) \

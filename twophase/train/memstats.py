@@ -24,7 +24,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from .rescoring import rescore_backward
+from ..rescoring import rescore_backward
 
 
 def _storage_key(t: Tensor) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from . import fused, outputlayer
-from .vocab import BOS, PAD
+from ..vocab import BOS, PAD
 
 
 def _recording(*tensors: Tensor) -> bool:

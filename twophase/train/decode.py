@@ -1,4 +1,4 @@
-"""`twophase-decode` / `python -m twophase.decode`: the best hypothesis for each input line.
+"""`twophase-decode` / `python -m twophase.train.decode`: the best hypothesis for each input line.
 
 Loads a checkpoint written by training (weights only: nothing in it is executed), reads one source per line,
 and writes the highest-scoring beam hypothesis per line, in order. Empty lines give empty lines.
@@ -12,10 +12,10 @@ import torch
 from .checkpoint import CheckpointError, load
 from .cli import UsageError, pick_device
 from .config import OneLineParser
-from .data import DataError, pad_batch, read_lines, split_utf8_lines, tokenize_source
-from .model import Seq2Seq
-from .search import beam_search, best_rows
-from .vocab import Vocab
+from ..tasks.data import DataError, pad_batch, read_lines, split_utf8_lines, tokenize_source
+from ..models.seq2seq import Seq2Seq
+from ..search import beam_search, best_rows
+from ..vocab import Vocab
 
 
 def build_parser() -> OneLineParser:

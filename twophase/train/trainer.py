@@ -22,20 +22,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import amp, distributed, objectives
+from . import amp, distributed
+from .. import objectives
 from .checkpoint import CheckpointManager
 from .config import Config, parse_size
-from .data import BatchSampler, Dataset, pad_batch, pad_targets
+from ..tasks.data import BatchSampler, Dataset, pad_batch, pad_targets
 from .interrupt import GracefulStop, Interrupted
 from .evaluation import validate
-from .model import Seq2Seq
-from .onephase import one_phase_backward, one_phase_search
+from ..models.seq2seq import Seq2Seq
+from ..onephase import one_phase_backward, one_phase_search
 from .profiling import ChunkPlanner, StepProfiler
 from .report import fmt_scores, peak_memory_mb
 from .resumable import Resumable
-from .rescoring import rescore_backward
-from .search import Samples, beam_search, greedy, sample
-from .vocab import Vocab
+from ..rescoring import rescore_backward
+from ..search import Samples, beam_search, greedy, sample
+from ..vocab import Vocab
 
 
 class Trainer(Resumable):

@@ -11,14 +11,15 @@ import time
 
 import torch
 
-from . import objectives
-from .memstats import AllocationPeak, SavedTensorMeter
-from .model import Seq2Seq
-from .onephase import SeedStyleSeq2Seq, one_phase_backward, one_phase_beam_search
-from .profiling import reset_rss_peak, rss_bytes
-from .rescoring import rescore_backward
-from .search import beam_search
-from .vocab import EOS
+from .. import objectives
+from ..train.memstats import AllocationPeak, SavedTensorMeter
+from ..models.seq2seq import Seq2Seq
+from ..onephase import one_phase_backward, one_phase_beam_search
+from .seedstyle import SeedStyleSeq2Seq
+from ..train.profiling import reset_rss_peak, rss_bytes
+from ..rescoring import rescore_backward
+from ..search import beam_search
+from ..vocab import EOS
 
 
 def _reset_peak(device: torch.device) -> int:

