@@ -29,8 +29,8 @@ def _model():
 
 def _candidates(model, src, lens, kind):
     if kind == "beam":
-        return beam_search(model, src, lens, beam_size=4, max_len=6)
-    return sample(model, src, lens, num_samples=4, max_len=6, generator=torch.Generator().manual_seed(0))
+        return beam_search(model, (src, lens), beam_size=4, max_len=6)
+    return sample(model, (src, lens), num_samples=4, max_len=6, generator=torch.Generator().manual_seed(0))
 
 
 def _rel(got, want):
@@ -66,7 +66,7 @@ def test_chunked_gradient_equals_one_piece_under_bf16(one_thread):
         want = [p.grad.clone() for p in model.parameters()]
         for chunk, tol in ((len(s), 1e-5), (5, 3e-2), (1, 3e-2)):
             model.zero_grad()
-            rescore_backward(model, src, lens, s, c, chunk_size=chunk)
+            rescore_backward(model, (src, lens), s, c, chunk_size=chunk)
             for p, w in zip(model.parameters(), want):
                 assert p.grad.dtype == torch.float32  # parameters' .grad stays float32
                 assert _rel(p.grad, w) <= tol, (chunk, _rel(p.grad, w))

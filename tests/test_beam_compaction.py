@@ -62,7 +62,7 @@ def test_compaction_finds_the_same_beams(monkeypatch, case, blocks):
     if blocks:
         monkeypatch.setattr(fused, "BLOCK_BYTES", 2 * 4 * 7 * 8)  # two sources' (K*V) fp64 candidates per block
     seen = _spy(monkeypatch)
-    full, compact = _search_both(monkeypatch, lambda: beam_search(model, src, lens, beam_size=4, max_len=8))
+    full, compact = _search_both(monkeypatch, lambda: beam_search(model, (src, lens), beam_size=4, max_len=8))
     assert any(rows < n for _, rows, n in seen)  # finished rows were skipped
     if case == "whole sources finish early":
         assert min(b for b, _, _ in seen) < len(LENGTHS)  # sources left out
@@ -80,7 +80,7 @@ def test_no_finished_row_takes_the_full_step(monkeypatch):
     src, lens = toy_batch(lengths=LENGTHS)
     monkeypatch.setattr(search, "COMPACT_AT", ON)
     monkeypatch.setattr(search, "_compact_step", None)  # calling it would raise
-    s = beam_search(model, src, lens, beam_size=4, max_len=5)
+    s = beam_search(model, (src, lens), beam_size=4, max_len=5)
     assert torch.all(s.lengths == 5)
 
 
@@ -90,7 +90,7 @@ def test_compaction_keeps_the_one_phase_gradient(monkeypatch):
     seen = _spy(monkeypatch)
 
     def search_and_backward():
-        cand, log_p = one_phase_beam_search(model, src, lens, 4, 8)
+        cand, log_p = one_phase_beam_search(model, (src, lens), 4, 8)
         coef = torch.linspace(-1, 1, len(cand), dtype=log_p.dtype)
         (coef * log_p).sum().backward()
         grads = [p.grad.clone() for p in model.parameters()]

@@ -63,12 +63,12 @@ def test_fused_rescoring_equals_autograd_through_score(kind, chunk):
     s = _candidates(model, src, lens, kind)
     c = _coefficients("beam", s, B=3)
     model.zero_grad()
-    fast = rescore_backward(model, src, lens, s, c, chunk_size=chunk)
+    fast = rescore_backward(model, (src, lens), s, c, chunk_size=chunk)
     want = _grads(model)
     model.zero_grad()
     model.score = model.score  # an instance attribute: rescoring differentiates through it with autograd
     try:
-        plain = rescore_backward(model, src, lens, s, c, chunk_size=chunk)
+        plain = rescore_backward(model, (src, lens), s, c, chunk_size=chunk)
     finally:
         del model.score
     assert fast == pytest.approx(plain, rel=1e-12)

@@ -70,12 +70,12 @@ def _plain_score(model, enc, tgt, owner):
 def test_fused_score_matches_plain_autograd(dtype, tol):
     model = tiny_model(bidirectional=True).to(dtype)
     src, lens = toy_batch()
-    s = beam_search(model, src, lens, beam_size=4, max_len=5)
+    s = beam_search(model, (src, lens), beam_size=4, max_len=5)
     c = torch.linspace(-1, 2, len(s), dtype=dtype)
     grads = []
     for score in (model.score, lambda enc, tgt, owner: _plain_score(model, enc, tgt, owner)):
         model.zero_grad()
-        lp = score(model.encode(src, lens), s.tokens, s.owner)
+        lp = score(model.encode((src, lens)), s.tokens, s.owner)
         (c * lp).sum().backward()
         grads.append([lp.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
     assert len(grads[0]) == len(grads[1])
@@ -87,7 +87,7 @@ def test_graph_and_graph_free_attention_agree_bitwise():
     model = tiny_model()
     src, lens = toy_batch()
     owner = torch.tensor([0, 2, 2, 1])
-    enc = model.encode(src, lens)
+    enc = model.encode((src, lens))
     h = torch.randn(4, 16, dtype=torch.float64)
     with torch.no_grad():
         plain = model.attend(enc, owner, h)
@@ -132,12 +132,12 @@ def _candidates(V, K, T=6, B=2, seed=0):
 
 def _bytes(model, src, lens, s):
     c = torch.linspace(-1, 1, len(s))
-    return graph_bytes(model, src, lens, s, c, chunk_size=CHUNK)
+    return graph_bytes(model, (src, lens), s, c, chunk_size=CHUNK)
 
 
 def test_chunk_graph_does_not_grow_with_beam_size():
     model, (src, lens) = _model(V=300), _sources(S=10, B=2)
-    beams = {K: beam_search(model, src, lens, beam_size=K, max_len=6) for K in (8, 64)}
+    beams = {K: beam_search(model, (src, lens), beam_size=K, max_len=6) for K in (8, 64)}
     assert all(int(s.lengths.max()) == 6 for s in beams.values())  # both have a chunk of the longest rows
     small, big = (_bytes(model, src, lens, beams[K]) for K in (8, 64))
     assert big / small <= 1.3, (small, big)

@@ -20,10 +20,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _search(model, kind, src, lens, graph):
     if kind == "beam":
-        return (one_phase_beam_search if graph else beam_search)(model, src, lens, K, MAX_LEN)
+        return (one_phase_beam_search if graph else beam_search)(model, (src, lens), K, MAX_LEN)
     g = torch.Generator().manual_seed(7)
     fn = one_phase_sample if graph else sample
-    return fn(model, src, lens, K, MAX_LEN, generator=g)
+    return fn(model, (src, lens), K, MAX_LEN, generator=g)
 
 
 def _coefficients(objective, cand, B):
@@ -59,7 +59,7 @@ def test_one_phase_gradient_equals_two_phase(kind, objective):
     coef = _coefficients(objective, two, src.shape[0])
     one_loss = one_phase_backward(log_p, coef)
     g_one = _grads(model)
-    two_loss = rescore_backward(model, src, lens, two, coef, chunk_size=4)
+    two_loss = rescore_backward(model, (src, lens), two, coef, chunk_size=4)
     g_two = _grads(model)
     assert one_loss == pytest.approx(two_loss, rel=1e-9)
     assert any(g.abs().max() > 0 for g in g_two)

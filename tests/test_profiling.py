@@ -19,11 +19,11 @@ def _model(V=40):
 def test_profiler_reports_every_phase_two_section():
     model = _model()
     src, lens = toy_batch()
-    s = beam_search(model, src, lens, beam_size=6, max_len=6)
+    s = beam_search(model, (src, lens), beam_size=6, max_len=6)
     prof = StepProfiler(torch.device("cpu"))
     with prof.section("phase 1: search"):
-        beam_search(model, src, lens, beam_size=6, max_len=6)
-    rescore_backward(model, src, lens, s, torch.ones(len(s)), chunk_size=5, profiler=prof)
+        beam_search(model, (src, lens), beam_size=6, max_len=6)
+    rescore_backward(model, (src, lens), s, torch.ones(len(s)), chunk_size=5, profiler=prof)
     names = [r["section"] for r in prof.rows]
     chunks = [n for n in names if n.startswith("phase 2: chunk")]
     assert names[:2] == ["phase 1: search", "phase 2: encoder forward"] and names[-1] == "phase 2: encoder backward"
@@ -39,23 +39,25 @@ def test_profiler_reports_every_phase_two_section():
 def test_planned_chunk_fits_the_budget(budget):
     model = _model()
     src, lens = toy_batch(lengths=(5, 5, 5))
-    s = beam_search(model, src, lens, beam_size=16, max_len=8)
-    c = ChunkPlanner(budget).chunk_size(model, src, lens, s)
+    s = beam_search(model, (src, lens), beam_size=16, max_len=8)
+    c = ChunkPlanner(budget).chunk_size(model, (src, lens), s)
     assert 1 <= c <= len(s)
-    used = graph_bytes(model, src, lens, s, torch.ones(len(s)), chunk_size=c)
+    used = graph_bytes(model, (src, lens), s, torch.ones(len(s)), chunk_size=c)
     assert used <= budget or c == 1
     if c < len(s):  # and it is not needlessly small: twice the rows would not fit
-        assert graph_bytes(model, src, lens, s, torch.ones(len(s)), chunk_size=min(2 * c + 1, len(s))) > 0.9 * budget
+        assert graph_bytes(model, (src, lens), s, torch.ones(len(s)), chunk_size=min(2 * c + 1, len(s))) > 0.9 * budget
 
 
 def test_planner_probes_again_for_longer_sources():
     model = _model()
     planner = ChunkPlanner(10**6)
     short, short_len = toy_batch(lengths=(2, 2))
-    planner.chunk_size(model, short, short_len, beam_search(model, short, short_len, beam_size=4, max_len=5))
+    planner.chunk_size(model, (short, short_len), beam_search(model, (short, short_len), beam_size=4, max_len=5))
+    first = planner.per_row_step
+    assert planner.probed_source_size == 3  # elements per source: 2 tokens and a length
     long_, long_len = toy_batch(lengths=(9, 9))
-    planner.chunk_size(model, long_, long_len, beam_search(model, long_, long_len, beam_size=4, max_len=5))
-    assert planner.probed_source_len == 9
+    planner.chunk_size(model, (long_, long_len), beam_search(model, (long_, long_len), beam_size=4, max_len=5))
+    assert planner.probed_source_size == 10 and planner.per_row_step > first  # attention reads S per row-step
 
 
 def test_flag_parsers():

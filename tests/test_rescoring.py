@@ -3,14 +3,15 @@ import pytest
 import torch
 
 from twophase import Samples, beam_search, objectives, rescore_backward, sample
+from twophase.vocab import PAD
 
 from conftest import tiny_model, toy_batch
 
 
 def _candidates(model, src, lens, kind):
     if kind == "beam":
-        return beam_search(model, src, lens, beam_size=4, max_len=5)
-    return sample(model, src, lens, num_samples=4, max_len=5, generator=torch.Generator().manual_seed(0))
+        return beam_search(model, (src, lens), beam_size=4, max_len=5)
+    return sample(model, (src, lens), num_samples=4, max_len=5, generator=torch.Generator().manual_seed(0))
 
 
 def _coefficients(name, s, B):
@@ -52,7 +53,7 @@ def test_chunked_gradient_equals_one_piece_gradient(kind, objective):
     for chunk in range(1, N + 2):
         for oom_retry in (False, True):  # straight into .grad (CPU default), or collected first (CUDA default)
             model.zero_grad()
-            value = rescore_backward(model, src, lens, s, c, chunk_size=chunk, oom_retry=oom_retry)
+            value = rescore_backward(model, (src, lens), s, c, chunk_size=chunk, oom_retry=oom_retry)
             assert value == pytest.approx(float((c * lp).sum().detach()), abs=1e-10)
             for g, w in zip(_grads(model), want):
                 torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
@@ -66,10 +67,10 @@ def test_chunks_split_sources_and_rows_in_any_order():
     shuffled = s.select(perm)
     c = torch.linspace(-1, 1, len(s), dtype=torch.float64)
     model.zero_grad()
-    rescore_backward(model, src, lens, s, c, chunk_size=len(s))
+    rescore_backward(model, (src, lens), s, c, chunk_size=len(s))
     want = _grads(model)
     model.zero_grad()
-    rescore_backward(model, src, lens, shuffled, c[perm], chunk_size=3)
+    rescore_backward(model, (src, lens), shuffled, c[perm], chunk_size=3)
     for g, w in zip(_grads(model), want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
 
@@ -80,9 +81,9 @@ def test_gradient_accumulates_into_existing_grad():
     s = _candidates(model, src, lens, "sample")
     c = torch.ones(len(s), dtype=torch.float64)
     model.zero_grad()
-    rescore_backward(model, src, lens, s, c, chunk_size=2)
+    rescore_backward(model, (src, lens), s, c, chunk_size=2)
     once = _grads(model)
-    rescore_backward(model, src, lens, s, c, chunk_size=5)
+    rescore_backward(model, (src, lens), s, c, chunk_size=5)
     for g, w in zip(_grads(model), once):
         torch.testing.assert_close(g, 2 * w, rtol=1e-9, atol=1e-12)
 
@@ -92,7 +93,7 @@ def test_zero_coefficients_touch_nothing():
     src, lens = toy_batch()
     s = _candidates(model, src, lens, "beam")
     model.zero_grad(set_to_none=True)
-    assert rescore_backward(model, src, lens, s, torch.zeros(len(s), dtype=torch.float64), chunk_size=2) == 0.0
+    assert rescore_backward(model, (src, lens), s, torch.zeros(len(s), dtype=torch.float64), chunk_size=2) == 0.0
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -105,14 +106,14 @@ def test_mixed_reference_and_candidate_rows():
                    owner=torch.tensor([0, 1, 2]), scores=torch.zeros(3, dtype=torch.float64))
     rl = objectives.beam(torch.rand(len(s), dtype=torch.float64), s.scores, s.owner, 3)
     c = objectives.mix(rl, objectives.mle(refs.owner, 3), mle_weight=0.3)
-    both = Samples.cat([s, refs])
+    both = Samples.cat([s, refs], PAD)
     model.zero_grad()
     lp = torch.cat([model.sequence_log_probs(src, lens, s.tokens, s.owner),
                     model.sequence_log_probs(src, lens, refs.tokens, refs.owner)])
     (c * lp).sum().backward()
     want = _grads(model)
     model.zero_grad()
-    rescore_backward(model, src, lens, both, c, chunk_size=4)
+    rescore_backward(model, (src, lens), both, c, chunk_size=4)
     for g, w in zip(_grads(model), want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
 
@@ -123,7 +124,7 @@ def test_impossible_chunk_size_is_refused(bad):
     src, lens = toy_batch()
     s = _candidates(model, src, lens, "beam")
     with pytest.raises(ValueError, match="chunk_size"):
-        rescore_backward(model, src, lens, s, torch.ones(len(s)), chunk_size=bad)
+        rescore_backward(model, (src, lens), s, torch.ones(len(s)), chunk_size=bad)
 
 
 @pytest.mark.parametrize("path", ["decoder_states", "score"])
@@ -135,7 +136,7 @@ def test_out_of_memory_halves_the_chunk_and_stays_exact(monkeypatch, path):
     s = _candidates(model, src, lens, "beam")
     c = _coefficients("beam", s, B=3)
     model.zero_grad()
-    rescore_backward(model, src, lens, s, c, chunk_size=len(s))
+    rescore_backward(model, (src, lens), s, c, chunk_size=len(s))
     want = _grads(model)
 
     sizes = []
@@ -153,9 +154,11 @@ def test_out_of_memory_halves_the_chunk_and_stays_exact(monkeypatch, path):
         return grad
 
     monkeypatch.setattr(model, path, counted)
+    if path == "score":  # the generic path: autograd through `score`, not the output layer by hand
+        monkeypatch.setattr(model, "weighted_score_backward", None)
     handle = model.cell.weight_ih.register_hook(fail_late_in_backward)
     model.zero_grad()
-    rescore_backward(model, src, lens, s, c, chunk_size=8, oom_retry=True)  # the default on CUDA
+    rescore_backward(model, (src, lens), s, c, chunk_size=8, oom_retry=True)  # the default on CUDA
     handle.remove()
     assert sizes[:3] == [8, 4, 2] and max(sizes[3:]) <= 2  # halved twice, then the rest at the new size
     for g, w in zip(_grads(model), want):
@@ -174,8 +177,9 @@ def test_out_of_memory_without_retry_is_raised(monkeypatch):
         raise torch.cuda.OutOfMemoryError("injected")
 
     monkeypatch.setattr(model, "score", score)
+    monkeypatch.setattr(model, "weighted_score_backward", None)
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        rescore_backward(model, src, lens, s, torch.ones(len(s), dtype=torch.float64), chunk_size=8)
+        rescore_backward(model, (src, lens), s, torch.ones(len(s), dtype=torch.float64), chunk_size=8)
     assert sizes == [8]
 
 
@@ -188,5 +192,6 @@ def test_out_of_memory_with_a_single_row_is_raised(monkeypatch):
         raise torch.cuda.OutOfMemoryError("injected")
 
     monkeypatch.setattr(model, "score", score)
+    monkeypatch.setattr(model, "weighted_score_backward", None)
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        rescore_backward(model, src, lens, s, torch.ones(len(s), dtype=torch.float64), chunk_size=2, oom_retry=True)
+        rescore_backward(model, (src, lens), s, torch.ones(len(s), dtype=torch.float64), chunk_size=2, oom_retry=True)

@@ -28,9 +28,9 @@ def test_scores_equal_teacher_forced_log_probs(kind, bidirectional):
     model = tiny_model(bidirectional=bidirectional)
     src, lens = toy_batch()
     if kind == "beam":
-        s = beam_search(model, src, lens, beam_size=6, max_len=5)
+        s = beam_search(model, (src, lens), beam_size=6, max_len=5)
     else:
-        s = sample(model, src, lens, num_samples=6, max_len=5, generator=torch.Generator().manual_seed(0))
+        s = sample(model, (src, lens), num_samples=6, max_len=5, generator=torch.Generator().manual_seed(0))
     _check_rows(s, 5)
     assert set(s.owner.tolist()) == {0, 1, 2}
     with torch.no_grad():
@@ -39,7 +39,7 @@ def test_scores_equal_teacher_forced_log_probs(kind, bidirectional):
 
 
 def test_beam_is_sorted_best_first_per_source(model, batch):
-    s = beam_search(model, *batch, beam_size=5, max_len=4)
+    s = beam_search(model, batch, beam_size=5, max_len=4)
     for b in range(3):
         sc = s.scores[s.owner == b]
         assert torch.all(sc[:-1] >= sc[1:])
@@ -67,7 +67,7 @@ def test_exhaustive_beam_equals_brute_force(beam_size, compact_at, monkeypatch):
     rows = torch.full((len(seqs), max_len), PAD, dtype=torch.long)
     for i, q in enumerate(seqs):
         rows[i, : len(q)] = torch.tensor(q)
-    s = beam_search(model, src, lens, beam_size=beam_size, max_len=max_len)
+    s = beam_search(model, (src, lens), beam_size=beam_size, max_len=max_len)
     for b in range(2):
         with torch.no_grad():
             lp = model.sequence_log_probs(src, lens, rows, torch.full((len(seqs),), b))
@@ -87,7 +87,7 @@ def test_sampling_frequencies_follow_the_model():
         model.out.weight.mul_(0.2)  # flatter distribution: many sequences with visible mass
     src, lens = toy_batch(lengths=(2,))
     n = 20000
-    s = sample(model, src, lens, num_samples=n, max_len=2, generator=torch.Generator().manual_seed(0))
+    s = sample(model, (src, lens), num_samples=n, max_len=2, generator=torch.Generator().manual_seed(0))
     counts = Counter(tuple(r) for r in s.tokens.tolist())
     probs = {}
     for row, sc in zip(s.tokens.tolist(), s.scores.tolist()):
@@ -100,7 +100,7 @@ def test_sampling_frequencies_follow_the_model():
 
 
 def test_samples_are_independent_per_row(model, batch):
-    s = sample(model, *batch, num_samples=50, max_len=4, generator=torch.Generator().manual_seed(0))
+    s = sample(model, batch, num_samples=50, max_len=4, generator=torch.Generator().manual_seed(0))
     distinct = {tuple(r) for r in s.tokens[s.owner == 0].tolist()}
     assert len(distinct) > 1
 
@@ -110,11 +110,11 @@ def test_eos_first_token_gives_length_one_rows():
     with torch.no_grad():
         model.out.bias[EOS] = 100.0
     src, lens = toy_batch()
-    s = beam_search(model, src, lens, beam_size=3, max_len=4)
+    s = beam_search(model, (src, lens), beam_size=3, max_len=4)
     top = s.select(torch.tensor([0, len(s) // 3, 2 * len(s) // 3]))
     assert torch.all(s.tokens[:, 0][s.lengths == 1] == EOS)
     assert (s.lengths == 1).sum() == 3  # the best of each source is EOS alone
-    r = sample(model, src, lens, num_samples=4, max_len=4, generator=torch.Generator().manual_seed(0))
+    r = sample(model, (src, lens), num_samples=4, max_len=4, generator=torch.Generator().manual_seed(0))
     assert r.tokens.shape == (12, 1) and torch.all(r.tokens == EOS)
     with torch.no_grad():
         for x in (s, r, top):
@@ -127,8 +127,8 @@ def test_no_eos_within_max_len():
     with torch.no_grad():
         model.out.bias[EOS] = -100.0
     src, lens = toy_batch()
-    for s in (beam_search(model, src, lens, beam_size=3, max_len=4),
-              sample(model, src, lens, num_samples=3, max_len=4, generator=torch.Generator().manual_seed(0))):
+    for s in (beam_search(model, (src, lens), beam_size=3, max_len=4),
+              sample(model, (src, lens), num_samples=3, max_len=4, generator=torch.Generator().manual_seed(0))):
         assert torch.all(s.lengths == 4) and not torch.any(s.tokens == EOS)
         with torch.no_grad():
             torch.testing.assert_close(model.sequence_log_probs(src, lens, s.tokens, s.owner), s.scores,
@@ -138,8 +138,8 @@ def test_no_eos_within_max_len():
 def test_source_padding_is_ignored(model):
     # The same source alone and padded inside a batch with a longer one must score identically.
     src, lens = toy_batch(lengths=(1, 6))
-    alone = beam_search(model, src[:1, :1], lens[:1], beam_size=4, max_len=5)
-    inside = beam_search(model, src, lens, beam_size=4, max_len=5)
+    alone = beam_search(model, (src[:1, :1], lens[:1]), beam_size=4, max_len=5)
+    inside = beam_search(model, (src, lens), beam_size=4, max_len=5)
     first = inside.select(torch.nonzero(inside.owner == 0).squeeze(1))
     assert alone.tokens.tolist() == first.tokens[:, : alone.tokens.shape[1]].tolist()
     torch.testing.assert_close(alone.scores, first.scores, rtol=0, atol=1e-9)
@@ -150,8 +150,8 @@ def test_beam_search_in_source_blocks_finds_the_same_beams(monkeypatch):
 
     model = tiny_model()
     src, lens = toy_batch(lengths=(3, 1, 5, 2, 4))
-    whole = beam_search(model, src, lens, beam_size=4, max_len=6)
+    whole = beam_search(model, (src, lens), beam_size=4, max_len=6)
     monkeypatch.setattr(fused, "BLOCK_BYTES", 4 * 7 * 8 * 2)  # two sources' (K*V) candidates per block
-    blocked = beam_search(model, src, lens, beam_size=4, max_len=6)
+    blocked = beam_search(model, (src, lens), beam_size=4, max_len=6)
     assert torch.equal(blocked.tokens, whole.tokens) and torch.equal(blocked.owner, whole.owner)
     torch.testing.assert_close(blocked.scores, whole.scores, rtol=1e-12, atol=1e-12)  # not bitwise: see test_fast_paths

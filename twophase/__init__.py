@@ -1,12 +1,22 @@
-"""twophase: memory-bounded sequence-level RL for seq2seq models.
+"""twophase: memory-bounded sequence-level RL for any sequence model.
 
 Phase one searches (beam or sampling) without a graph; phase two re-decodes the candidates teacher-forced, in
-chunks, back-propagating per-sequence coefficients. See README.md.
+chunks, back-propagating per-sequence coefficients. Any model that follows `SequenceModel` (twophase.protocol)
+can be trained; the built-in LSTM is `twophase.Seq2Seq`. See README.md.
 """
-from . import objectives, rewards, vocab
-from .models.seq2seq import Seq2Seq
+from . import objectives, rewards, tree, vocab
+from .protocol import SequenceModel
 from .rescoring import rescore_backward
-from .search import Samples, beam_search, greedy, sample
+from .samples import Samples, best_rows
+from .search import beam_search, greedy, sample
 
-__all__ = ["Seq2Seq", "Samples", "beam_search", "sample", "greedy", "rescore_backward", "vocab", "rewards",
-           "objectives"]
+__all__ = ["SequenceModel", "Seq2Seq", "Samples", "beam_search", "sample", "greedy", "rescore_backward",
+           "best_rows", "tree", "vocab", "rewards", "objectives"]
+
+
+def __getattr__(name: str):
+    # The core never imports a model; `from twophase import Seq2Seq` still works, loading it on first use.
+    if name == "Seq2Seq":
+        from .models.seq2seq import Seq2Seq
+        return Seq2Seq
+    raise AttributeError(f"module 'twophase' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The one-phase baseline: search with the autograd graph of every decoding step kept, then one backward.
 
 This is what sequence-level RL costs without twophase, kept for comparison (`--one-phase`, `twophase.bench`):
-`one_phase_beam_search` / `one_phase_sample` run the very loops of `twophase.search` (same `Seq2Seq` functions,
+`one_phase_beam_search` / `one_phase_sample` run the very loops of `twophase.search` (same model functions,
 same tie-breaking, same generator draws) with gradients enabled, so they return the same candidates as phase one
 plus their sequence log-probabilities WITH the graph of the whole search, beam reorders included.
 `one_phase_backward` then back-propagates sum_i c_i log p_i in one go: the same gradient `rescore_backward`
@@ -17,40 +17,39 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .models.seq2seq import Encoded, Seq2Seq
+from .protocol import scoring_mode
 from .search import Samples, _beam_search, _finish, _sample
 
 
-def _with_graph(found: tuple[Tensor, Tensor, Tensor]) -> tuple[Samples, Tensor]:
+def _with_graph(model, found: tuple[Tensor, Tensor, Tensor]) -> tuple[Samples, Tensor]:
     """Split the loop's output into plain Samples (detached scores, as phase one gives them) and the graph."""
-    samples = _finish(*found)
+    samples = _finish(model, *found)
     log_probs = samples.scores  # (N,) with the search's graph
     samples.scores = log_probs.detach()
     return samples, log_probs
 
 
-def one_phase_beam_search(model: Seq2Seq, src: Tensor, src_lengths: Tensor, beam_size: int,
-                          max_len: int) -> tuple[Samples, Tensor]:
+def one_phase_beam_search(model, source, beam_size: int, max_len: int) -> tuple[Samples, Tensor]:
     """`beam_search` with gradients: the same candidates, and their (N,) log-probabilities with graph."""
-    with torch.enable_grad():
-        return _with_graph(_beam_search(model, src, src_lengths, beam_size, max_len))
+    with torch.enable_grad(), scoring_mode(model):
+        return _with_graph(model, _beam_search(model, source, beam_size, max_len))
 
 
-def one_phase_sample(model: Seq2Seq, src: Tensor, src_lengths: Tensor, num_samples: int, max_len: int,
-                     temperature: float = 1.0, generator: torch.Generator | None = None) -> tuple[Samples, Tensor]:
+def one_phase_sample(model, source, num_samples: int, max_len: int, temperature: float = 1.0,
+                     generator: torch.Generator | None = None) -> tuple[Samples, Tensor]:
     """`sample` with gradients: the same draws for the same generator state, and their (N,) log-probabilities
     with graph."""
-    with torch.enable_grad():
-        return _with_graph(_sample(model, src, src_lengths, num_samples, max_len, temperature, generator))
+    with torch.enable_grad(), scoring_mode(model):
+        return _with_graph(model, _sample(model, source, num_samples, max_len, temperature, generator))
 
 
-def one_phase_search(model: Seq2Seq, src: Tensor, src_lengths: Tensor, sampler: str, num: int, max_len: int,
-                     temperature: float = 1.0, generator: torch.Generator | None = None) -> tuple[Samples, Tensor]:
+def one_phase_search(model, source, sampler: str, num: int, max_len: int, temperature: float = 1.0,
+                     generator: torch.Generator | None = None) -> tuple[Samples, Tensor]:
     """--one-phase's phase one: `num` candidates per source from sampler 'beam' or 'sample', and their
     log-probabilities with the graph of the whole search."""
     if sampler == "beam":
-        return one_phase_beam_search(model, src, src_lengths, num, max_len)
-    return one_phase_sample(model, src, src_lengths, num, max_len, temperature, generator)
+        return one_phase_beam_search(model, source, num, max_len)
+    return one_phase_sample(model, source, num, max_len, temperature, generator)
 
 
 def one_phase_backward(log_probs: Tensor, coefficients: Tensor) -> float:

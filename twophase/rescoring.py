@@ -13,9 +13,9 @@ the size and the step's gradient stays exact. That costs a second, transient cop
 out-of-memory error can be caught and retried (the CPU, whose allocator failures are not CUDA's), autograd adds
 each chunk's gradient straight into `.grad` instead, and the output layer's by hand into the same tensors.
 
-Because c is known before a chunk is decoded, the output layer's forward and backward run together by hand
-(each V-sized logit block computed once) and autograd walks the decoder from its output states; a model whose
-`score` is replaced is differentiated through that `score` instead.
+A model may do a chunk's forward and backward itself (`weighted_score_backward`, see `twophase.protocol`): the
+built-in LSTM differentiates its output layer by hand, computing each V-sized logit block once. Otherwise
+autograd differentiates the model's `score`, or `step` run over the rows when it has no `score`.
 
 Letters: B sources, N candidate rows, C rows per chunk, T target length.
 """
@@ -26,24 +26,25 @@ import contextlib
 import torch
 from torch import Tensor
 
-from .models import outputlayer
-from .models.seq2seq import Seq2Seq
-from .search import Samples
+from . import protocol, tree
+from .samples import Samples
 
 
-def rescore_backward(model: Seq2Seq, src: Tensor, src_lengths: Tensor, samples: Samples,
-                     coefficients: Tensor, chunk_size: int, profiler=None, oom_retry: bool | None = None) -> float:
-    """Accumulate into .grad the gradient of sum_i coefficients[i] * log p(samples.tokens[i] | src[owner[i]]),
+def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chunk_size: int, profiler=None,
+                     oom_retry: bool | None = None, keep_mode: bool = False) -> float:
+    """Accumulate into .grad the gradient of sum_i coefficients[i] * log p(samples.tokens[i] | source[owner[i]]),
     decoding at most chunk_size rows at a time. Returns the value of that sum.
 
     On CUDA out-of-memory inside a chunk, the chunk is freed and redone with half as many rows (down to one).
     oom_retry (default: on for CUDA tensors) chooses that retry-safe accumulation; off, an out-of-memory error
     propagates and the chunk's gradient goes straight into .grad, saving a chunk-time copy of the gradients.
-    `profiler` (optional, see twophase.profiling) gets a section per encoder pass and per chunk.
+    The model runs in evaluation mode, as search ran it, unless keep_mode (e.g. MLE rows with dropout).
+    `profiler` (optional, see twophase.train.profiling) gets a section per encoder pass and per chunk.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    coefficients = torch.as_tensor(coefficients, device=src.device)
+    device = samples.tokens.device
+    coefficients = torch.as_tensor(coefficients, device=device)
     if coefficients.shape != (len(samples),):
         raise ValueError(f"expected {len(samples)} coefficients, got shape {tuple(coefficients.shape)}")
     # Rows with a zero coefficient add nothing to the gradient (e.g. every candidate of a source equally good).
@@ -52,12 +53,12 @@ def rescore_backward(model: Seq2Seq, src: Tensor, src_lengths: Tensor, samples: 
         return 0.0
     samples, coefficients = samples.select(live), coefficients[live]
     if oom_retry is None:
-        oom_retry = src.device.type == "cuda"
+        oom_retry = device.type == "cuda"
     section = profiler.section if profiler is not None else (lambda name: contextlib.nullcontext())
-    with torch.enable_grad():
+    with torch.enable_grad(), protocol.scoring_mode(model, keep=keep_mode):
         with section("phase 2: encoder forward"):
-            enc = model.encode(src, src_lengths)
-        boundary = enc.detached()
+            enc = model.encode(source)
+        boundary = tree.cut_floating(enc)
         params = [p for p in model.parameters() if p.requires_grad]
         total, start, size, sums = 0.0, 0, chunk_size, {}
         while start < len(samples):
@@ -75,9 +76,9 @@ def rescore_backward(model: Seq2Seq, src: Tensor, src_lengths: Tensor, samples: 
             start += size
         with section("phase 2: encoder backward"):
             outputs, grads = [], []
-            for i, (x, leaf) in enumerate(zip(enc.float_tensors(), boundary.float_tensors())):
+            for i, (x, leaf) in enumerate(zip(tree.floating(enc), tree.floating(boundary))):
                 g = sums[i].to(x.dtype) if i in sums else leaf.grad
-                if g is not None:
+                if g is not None and x.requires_grad:
                     outputs.append(x)
                     grads.append(g)
             if outputs:
@@ -88,31 +89,20 @@ def rescore_backward(model: Seq2Seq, src: Tensor, src_lengths: Tensor, samples: 
 def _bank_boundary_grads(boundary, sums: dict) -> None:
     """Under autocast the encoder outputs, hence their leaves' .grad, are 16-bit: summed over many chunks they
     would round at every addition, so each chunk's share moves into a float32 sum (sums: index -> tensor)."""
-    for i, leaf in enumerate(boundary.float_tensors()):
+    for i, leaf in enumerate(tree.floating(boundary)):
         if leaf.grad is not None and leaf.grad.dtype in (torch.float16, torch.bfloat16):
             g = leaf.grad.float()
             sums[i] = sums[i].add_(g) if i in sums else g
             leaf.grad = None
 
 
-def _chunk(model: Seq2Seq, boundary, samples: Samples, coefficients: Tensor, rows: slice, params,
-           collect: bool) -> float:
+def _chunk(model, boundary, samples: Samples, coefficients: Tensor, rows: slice, params, collect: bool) -> float:
     """Decode rows, then add d(sum c_i log p_i)/d(params, boundary) into their .grad; returns the sum. With
     collect, the whole chunk's gradient exists before any of it is added (see the module docstring)."""
     T = int(samples.lengths[rows].max())  # no steps past the chunk's longest row
-    tokens, owner, c = samples.tokens[rows, :T], samples.owner[rows], coefficients[rows]
-    inputs = params + [x for x in boundary.float_tensors() if x.requires_grad]
-    # A model (or a wrapper such as memstats.graph_bytes) that replaces `score` is differentiated through it.
-    if type(model).score is Seq2Seq.score and "score" not in vars(model):
-        loss, grads = _fused_output_grads(model, boundary, tokens, owner, c, inputs, collect)
-    else:
-        log_p = model.score(boundary, tokens, owner)  # (C,)
-        loss = (c.to(log_p.dtype) * log_p).sum()
-        if collect:
-            grads = torch.autograd.grad(loss, inputs, allow_unused=True)  # frees this chunk's graph
-        else:
-            grads = []
-            loss.backward(inputs=inputs)
+    inputs = params + [x for x in tree.floating(boundary) if x.requires_grad]
+    loss, grads = chunk_gradients(model, boundary, samples.tokens[rows, :T], samples.owner[rows], coefficients[rows],
+                                  inputs, collect)
     with torch.no_grad():
         for x, g in zip(inputs, grads):
             if g is None:
@@ -124,39 +114,16 @@ def _chunk(model: Seq2Seq, boundary, samples: Samples, coefficients: Tensor, row
     return loss.item()
 
 
-def _grad_of(x: Tensor) -> Tensor:
-    """x.grad, created as zeros if it does not exist yet: a buffer to accumulate into."""
-    if x.grad is None:
-        x.grad = torch.zeros_like(x)
-    return x.grad
-
-
-def _fused_output_grads(model: Seq2Seq, boundary, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list,
-                        collect: bool):
-    """`Seq2Seq.score`'s loss and gradients with the output layer differentiated by hand: the coefficients are
-    known before the decode, so `outputlayer.target_log_probs_and_grads` computes each logit block once (autograd
-    would recompute it in backward) and the decoder's graph is back-propagated from its output h. Without
-    collect, everything is added into .grad here and the returned gradient list is empty."""
-    h, target, row = model.decoder_states(boundary, tokens, owner)  # (M, H), (M,), (M,)
-    out = model.out
-    with torch.no_grad():
-        # (M,) d loss / d log p of each position: its row's coefficient, never rounded to a 16-bit h's dtype
-        # (fp16 loss scaling puts coefficients far above fp16's range)
-        w = c.to(outputlayer.sum_dtype(out.weight)).index_select(0, row)
-        into = [None if collect or not p.requires_grad else _grad_of(p) for p in (out.weight, out.bias)]
-        tok, dh, dweight, dbias = outputlayer.target_log_probs_and_grads(
-            h, out.weight, out.bias, target, model.banned, w, dw=into[0], db=into[1])
-        log_p = tok.new_zeros(len(c)).index_add_(0, row, tok)  # (C,), as `score` sums it
-        loss = (c.to(log_p.dtype) * log_p).sum()
-    if not collect:
-        if h.requires_grad:
-            h.backward(dh, inputs=[x for x in inputs if x is not out.weight and x is not out.bias])
-        return loss, []
-    grads = [None] * len(inputs)
-    if h.requires_grad:
-        grads = list(torch.autograd.grad(h, inputs, dh, allow_unused=True))  # frees this chunk's graph
-    for extra, param in ((dweight, out.weight), (dbias, out.bias)):
-        for j, x in enumerate(inputs):
-            if x is param:
-                grads[j] = extra if grads[j] is None else grads[j] + extra
-    return loss, grads
+def chunk_gradients(model, enc, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list, collect: bool):
+    """loss = sum_i c_i log p(tokens[i] | enc[owner[i]]) and, with collect, its gradients with respect to inputs
+    (without, they go into .grad and the list is empty): the model's `weighted_score_backward`, or autograd
+    through its `score` (through `step` where it has none)."""
+    by_hand = getattr(model, "weighted_score_backward", None)
+    if by_hand is not None:
+        return by_hand(enc, tokens, owner, c, inputs, collect)
+    log_p = protocol.score(model, enc, tokens, owner)  # (C,)
+    loss = (c.to(log_p.dtype) * log_p).sum()
+    if collect:
+        return loss, torch.autograd.grad(loss, inputs, allow_unused=True)  # frees this chunk's graph
+    loss.backward(inputs=inputs)
+    return loss, []

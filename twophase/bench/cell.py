@@ -79,10 +79,10 @@ def train_step(cell: dict, model, optimizer, src, src_lengths) -> int:
     B, K, T = cell["batch"], cell["beam"], cell["max_len"]
     optimizer.zero_grad(set_to_none=True)
     if cell["method"] == "two-phase":
-        cand = beam_search(model, src, src_lengths, K, T)
-        rescore_backward(model, src, src_lengths, cand, _coefficients(cand, B, cell["seed"]), cell["chunk"])
+        cand = beam_search(model, (src, src_lengths), K, T)
+        rescore_backward(model, (src, src_lengths), cand, _coefficients(cand, B, cell["seed"]), cell["chunk"])
     else:
-        cand, log_p = one_phase_beam_search(model, src, src_lengths, K, T)
+        cand, log_p = one_phase_beam_search(model, (src, src_lengths), K, T)
         one_phase_backward(log_p, _coefficients(cand, B, cell["seed"]))
         del log_p
         if isinstance(model, SeedStyleSeq2Seq):
@@ -96,14 +96,14 @@ def grad_difference(cell: dict, model, src, src_lengths) -> tuple[float, float]:
     through the search graph against `rescore_backward` on the same candidates and coefficients. The beam
     coefficients sum to zero per source, so tensors with small, heavily cancelling gradients (the bridge) show
     fp32 rounding far above the global figure; in fp64 both are ~1e-12."""
-    cand, log_p = one_phase_beam_search(model, src, src_lengths, cell["beam"], cell["max_len"])
+    cand, log_p = one_phase_beam_search(model, (src, src_lengths), cell["beam"], cell["max_len"])
     coef = _coefficients(cand, cell["batch"], cell["seed"])
     model.zero_grad(set_to_none=True)
     one_phase_backward(log_p, coef)
     del log_p
     one = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    rescore_backward(model, src, src_lengths, cand, coef, cell.get("chunk") or 64)
+    rescore_backward(model, (src, src_lengths), cand, coef, cell.get("chunk") or 64)
     diff = torch.stack([(g1 - p.grad).norm() for g1, p in zip(one, model.parameters())]).double()  # (P,)
     norm = torch.stack([p.grad.norm() for p in model.parameters()]).double()  # (P,)
     model.zero_grad(set_to_none=True)

@@ -18,7 +18,7 @@ or V-sized tensor per step; without one (search) the same helpers run directly, 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from . import fused, outputlayer
-from ..vocab import BOS, PAD
+from ..vocab import BOS, EOS, PAD
 
 
 def _recording(*tensors: Tensor) -> bool:
@@ -49,20 +49,14 @@ class Encoded:
     h0: Tensor  # (B, H) initial decoder state
     c0: Tensor  # (B, H)
 
-    def detached(self) -> "Encoded":
-        """Leaves at the encoder/decoder boundary: decoder chunks back-propagate into their .grad, so the
-        encoder's own graph is walked once, after the last chunk."""
-        out = {}
-        for f in fields(self):
-            x = getattr(self, f.name)
-            out[f.name] = x.detach().requires_grad_(x.requires_grad) if x.is_floating_point() else x
-        return Encoded(**out)
-
-    def float_tensors(self) -> list[Tensor]:
-        return [getattr(self, f.name) for f in fields(self) if getattr(self, f.name).is_floating_point()]
-
 
 class Seq2Seq(nn.Module):
+    """A `twophase.SequenceModel` whose source is the pair (src (B, S) right-padded with PAD, src_lengths (B,)).
+    Beside the protocol's three methods it offers its fast paths: `advance`/`log_probs` (search builds V-sized
+    temporaries per block) and `weighted_score_backward` (phase two's output layer differentiated by hand)."""
+
+    pad_id, bos_id, eos_id = PAD, BOS, EOS
+
     def __init__(self, src_vocab_size: int, tgt_vocab_size: int, embed_dim: int = 256, hidden_size: int = 512,
                  dropout: float = 0.0, bidirectional: bool = False):
         super().__init__()
@@ -86,7 +80,12 @@ class Seq2Seq(nn.Module):
         self.register_buffer("banned", banned, persistent=False)
 
     # ---------------------------------------------------------------- source side
-    def encode(self, src: Tensor, src_lengths: Tensor) -> Encoded:
+    @property
+    def vocab_size(self) -> int:
+        return self.out.out_features
+
+    def encode(self, source: tuple[Tensor, Tensor]) -> Encoded:
+        src, src_lengths = source
         B, S = src.shape
         emb = self.drop(self.src_embed(src))  # (B, S, E)
         packed = pack_padded_sequence(emb, src_lengths.cpu(), batch_first=True, enforce_sorted=False)
@@ -128,17 +127,17 @@ class Seq2Seq(nn.Module):
         x = torch.cat([emb, ctx], dim=-1)  # (N, E + D)
         return self.cell(x, state)
 
-    def log_probs(self, h: Tensor) -> Tensor:
-        """Next-token log-probabilities (..., V) from decoder states (..., H)."""
+    def log_probs(self, state: tuple[Tensor, Tensor]) -> Tensor:
+        """Next-token log-probabilities (N, V) from decoder states (h, c), each (N, H)."""
         # the logits `score` computes
-        logits = outputlayer.logits(self.drop(h), self.out.weight, self.out.bias, self.banned)
+        logits = outputlayer.logits(self.drop(state[0]), self.out.weight, self.out.bias, self.banned)
         # Under autocast the logits come in bf16/fp16; normalised in float32, as phase two's logsumexp is.
         return F.log_softmax(logits.to(outputlayer.sum_dtype(self.out.weight)), dim=-1)
 
     def step(self, enc: Encoded, owner: Tensor, prev: Tensor, state):
         """One search step: new state and next-token log-probabilities (N, V)."""
         state = self.advance(enc, owner, prev, state)
-        return state, self.log_probs(state[0])
+        return state, self.log_probs(state)
 
     # ---------------------------------------------------------------- teacher forcing
     def decoder_states(self, enc: Encoded, tgt: Tensor, owner: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -168,4 +167,42 @@ class Seq2Seq(nn.Module):
         """(N,) log-probabilities, with grad, of target rows tgt (N, T) given src (B, S)."""
         if owner is None:
             owner = torch.arange(tgt.shape[0], device=tgt.device)
-        return self.score(self.encode(src, src_lengths), tgt, owner)
+        return self.score(self.encode((src, src_lengths)), tgt, owner)
+
+    def weighted_score_backward(self, enc: Encoded, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list,
+                                collect: bool):
+        """Phase two's chunk (see `twophase.protocol`): sum_i c_i log p_i and its gradients with the output layer
+        differentiated by hand. The coefficients are known before the decode, so
+        `outputlayer.target_log_probs_and_grads` computes each logit block once (autograd would recompute it in
+        backward) and the decoder's graph is back-propagated from its output h. Without collect, everything is
+        added into .grad here and the returned gradient list is empty."""
+        h, target, row = self.decoder_states(enc, tokens, owner)  # (M, H), (M,), (M,)
+        out = self.out
+        with torch.no_grad():
+            # (M,) d loss / d log p of each position: its row's coefficient, never rounded to a 16-bit h's dtype
+            # (fp16 loss scaling puts coefficients far above fp16's range)
+            w = c.to(outputlayer.sum_dtype(out.weight)).index_select(0, row)
+            into = [None if collect or not p.requires_grad else _grad_of(p) for p in (out.weight, out.bias)]
+            tok, dh, dweight, dbias = outputlayer.target_log_probs_and_grads(
+                h, out.weight, out.bias, target, self.banned, w, dw=into[0], db=into[1])
+            log_p = tok.new_zeros(len(c)).index_add_(0, row, tok)  # (C,), as `score` sums it
+            loss = (c.to(log_p.dtype) * log_p).sum()
+        if not collect:
+            if h.requires_grad:
+                h.backward(dh, inputs=[x for x in inputs if x is not out.weight and x is not out.bias])
+            return loss, []
+        grads = [None] * len(inputs)
+        if h.requires_grad:
+            grads = list(torch.autograd.grad(h, inputs, dh, allow_unused=True))  # frees this chunk's graph
+        for extra, param in ((dweight, out.weight), (dbias, out.bias)):
+            for j, x in enumerate(inputs):
+                if x is param:
+                    grads[j] = extra if grads[j] is None else grads[j] + extra
+        return loss, grads
+
+
+def _grad_of(x: Tensor) -> Tensor:
+    """x.grad, created as zeros if it does not exist yet: a buffer to accumulate into."""
+    if x.grad is None:
+        x.grad = torch.zeros_like(x)
+    return x.grad

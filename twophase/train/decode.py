@@ -14,7 +14,8 @@ from .cli import UsageError, pick_device
 from .config import OneLineParser
 from ..tasks.data import DataError, pad_batch, read_lines, split_utf8_lines, tokenize_source
 from ..models.seq2seq import Seq2Seq
-from ..search import beam_search, best_rows
+from ..samples import best_rows
+from ..search import beam_search
 from ..vocab import Vocab
 
 
@@ -49,8 +50,8 @@ def decode_lines(model, src_vocab, tgt_vocab, lines, char_source, char_target, b
     joiner = "" if char_target else " "
     for start in range(0, len(todo), batch_size):
         chunk = todo[start:start + batch_size]
-        src, src_len = pad_batch([ids for _, ids in chunk], device)
-        best = best_rows(beam_search(model, src, src_len, beam_size, max_len))  # (B, T)
+        source = pad_batch([ids for _, ids in chunk], device)  # (B, S), (B,)
+        best = best_rows(beam_search(model, source, beam_size, max_len))  # (B, T)
         for (i, _), row in zip(chunk, best.tolist()):
             out[i] = joiner.join(tgt_vocab.decode(row))
     return out

@@ -10,7 +10,8 @@ import torch
 from . import distributed
 from ..tasks.data import Dataset, pad_batch
 from ..tasks.metrics import evaluate_sums, scores_from_sums
-from ..search import beam_search, best_rows
+from ..samples import best_rows
+from ..search import beam_search
 from ..vocab import Vocab
 
 
@@ -23,8 +24,8 @@ def validate(model, data: Dataset, src_vocab: Vocab, tgt_vocab: Vocab, reward, b
     share = distributed.shard(list(range(n)))
     hyps = []
     for start in range(0, len(share), batch_size):
-        src, src_len = pad_batch([src_vocab.encode(data.sources[i]) for i in share[start:start + batch_size]], device)
-        s = beam_search(model, src, src_len, beam_size, max_len)
+        source = pad_batch([src_vocab.encode(data.sources[i]) for i in share[start:start + batch_size]], device)
+        s = beam_search(model, source, beam_size, max_len)
         hyps += [tgt_vocab.decode(r) for r in best_rows(s).tolist()]
     refs = [data.references[i] for i in share]
     sums = evaluate_sums(hyps, refs)

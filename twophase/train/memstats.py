@@ -24,6 +24,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
+from .. import tree
 from ..rescoring import rescore_backward
 
 
@@ -127,10 +128,10 @@ class AllocationPeak:
         del self._prof
 
 
-def graph_bytes(model, src: Tensor, src_lengths: Tensor, samples, coefficients: Tensor, chunk_size: int) -> int:
+def graph_bytes(model, source, samples, coefficients: Tensor, chunk_size: int) -> int:
     """Peak bytes saved for backward by the largest chunk of one `rescore_backward` call.
 
-    Each chunk's graph is freed before the next is built, so the call's graph footprint is the maximum over
+    For the built-in `Seq2Seq`. Each chunk's graph is freed before the next is built, so the call's graph footprint is the maximum over
     chunks. Phase two's only graph is the decoder's, built inside `model.decoder_states` (the output layer is
     differentiated by hand, without a graph), so that method is wrapped for the duration of the call (an instance
     attribute shadowing it, removed afterwards). Parameters, buffers and its arguments (shared encoder outputs;
@@ -141,14 +142,14 @@ def graph_bytes(model, src: Tensor, src_lengths: Tensor, samples, coefficients: 
     decoder_states = model.decoder_states
 
     def measured(enc, tgt, owner):
-        with SavedTensorMeter(resident + enc.float_tensors() + [tgt, owner]) as meter:
+        with SavedTensorMeter(resident + tree.floating(enc) + [tgt, owner]) as meter:
             out = decoder_states(enc, tgt, owner)
         per_chunk.append(meter.peak_bytes)
         return out
 
     model.decoder_states = measured
     try:
-        rescore_backward(model, src, src_lengths, samples, coefficients, chunk_size)
+        rescore_backward(model, source, samples, coefficients, chunk_size)
     finally:
         del model.decoder_states
     return max(per_chunk, default=0)

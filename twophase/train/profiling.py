@@ -18,6 +18,9 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
+from .. import tree
+from ..protocol import scoring_mode
+from ..rescoring import chunk_gradients
 from .memstats import SavedTensorMeter
 
 MB = 2**20
@@ -88,8 +91,8 @@ class ChunkPlanner:
 
     Graph bytes grow with rows x steps, so one probe (a few rows, teacher-forced with grad, measured by a
     saved-tensor meter, then dropped) gives bytes per row-step; a step's chunk is then budget / (that x T).
-    The probe is repeated when a batch has longer sources than any probed so far (attention keeps S-sized
-    tensors per row-step), so the estimate never undercounts. The budget is for the graph: the output layer's
+    The probe is repeated when a batch has larger sources (elements per source) than any probed so far
+    (attention keeps S-sized tensors per row-step), so the estimate never undercounts. The budget is for the graph: the output layer's
     transient logit blocks (fused.py, at most a fixed block of rows at a time) and the gradients come on top.
     """
 
@@ -97,24 +100,34 @@ class ChunkPlanner:
         self.budget = budget_bytes
         self.probe_rows = probe_rows
         self.per_row_step = 0.0
-        self.probed_source_len = 0
+        self.probed_source_size = 0.0
 
-    def chunk_size(self, model, src: torch.Tensor, src_lengths: torch.Tensor, samples) -> int:
+    def chunk_size(self, model, source, samples) -> int:
         if len(samples) == 0:
             return 1
-        if src.shape[1] > self.probed_source_len:
-            self._probe(model, src, src_lengths, samples)
+        size = _source_size(source)
+        if size > self.probed_source_size:
+            self._probe(model, source, samples)
+            self.probed_source_size = size
         T = max(int(samples.tokens.shape[1]), 1)
         return max(1, min(len(samples), int(self.budget // max(self.per_row_step * T, 1.0))))
 
-    def _probe(self, model, src, src_lengths, samples) -> None:
+    def _probe(self, model, source, samples) -> None:
+        """One phase-two chunk of a few rows, forward and backward, its gradients returned and dropped."""
         rows = samples.select(torch.arange(min(self.probe_rows, len(samples)), device=samples.tokens.device))
         T = int(rows.lengths.max())
-        with torch.enable_grad():
-            boundary = model.encode(src, src_lengths).detached()
-            resident = list(model.parameters()) + list(model.buffers()) + boundary.float_tensors()
-            with SavedTensorMeter(resident) as meter:  # phase two's graph: the decoder's (see rescoring)
-                states = model.decoder_states(boundary, rows.tokens[:, :T], rows.owner)
-            del states  # the probe's graph is released here, never back-propagated
+        with torch.enable_grad(), scoring_mode(model):
+            boundary = tree.cut_floating(model.encode(source))
+            params = [p for p in model.parameters() if p.requires_grad]
+            resident = list(model.parameters()) + list(model.buffers()) + tree.floating(boundary)
+            inputs = params + [x for x in tree.floating(boundary) if x.requires_grad]
+            ones = torch.ones(len(rows), dtype=torch.float64, device=rows.tokens.device)
+            with SavedTensorMeter(resident) as meter:  # phase two's graph, as rescore_backward builds it
+                chunk_gradients(model, boundary, rows.tokens[:, :T], rows.owner, ones, inputs, collect=True)
         self.per_row_step = max(self.per_row_step, meter.peak_bytes / (len(rows) * T))
-        self.probed_source_len = int(src.shape[1])
+
+
+def _source_size(source) -> float:
+    """Elements per source in a batch of sources: what grows when longer sources arrive."""
+    parts = tree.tensors(source)
+    return sum(x.numel() for x in parts) / max(1, tree.leading_size(source)) if parts else 0.0

@@ -35,7 +35,8 @@ from .profiling import ChunkPlanner, StepProfiler
 from .report import fmt_scores, peak_memory_mb
 from .resumable import Resumable
 from ..rescoring import rescore_backward
-from ..search import Samples, beam_search, greedy, sample
+from ..samples import Samples
+from ..search import beam_search, greedy, sample
 from ..vocab import Vocab
 
 
@@ -82,20 +83,20 @@ class Trainer(Resumable):
     def mle_step(self) -> dict:
         batch = next(self.mle_batches)  # the global batch: every process draws it, then takes its share
         pairs = [self.pairs[k] for k in distributed.shard(batch)]
-        src, src_len = self._sources([i for i, _ in pairs])
+        source = self._sources([i for i, _ in pairs])
         tgt = pad_targets([self.ref_ids[i][j] for i, j in pairs], self.device)  # (B, T)
         owner = torch.arange(len(pairs), device=self.device)
-        refs = Samples.of_targets(tgt, owner)
+        refs = Samples.of_targets(tgt, owner, self.model.pad_id, self.model.eos_id)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.phase_two(src, src_len, refs, objectives.mle(owner, len(batch)))
+        loss = self.phase_two(source, refs, objectives.mle(owner, len(batch)), keep_mode=True)
         loss = distributed.reduce_sums({"loss": loss})["loss"]
         return {"loss": loss, **self._update(loss)}
 
     def rl_step(self) -> dict:
         cfg, batch = self.cfg, next(self.rl_batches)
         B, idx = len(batch), distributed.shard(batch)  # B counts the global batch; idx is this process's share
-        src, src_len = self._sources(idx)
+        source = self._sources(idx)
         references = [[" ".join(r) for r in self.train.references[i]] for i in idx]
         self.model.eval()  # phase one and phase two must score with the same function: no dropout in either
 
@@ -103,51 +104,52 @@ class Trainer(Resumable):
         log_p = None  # under --one-phase: the log-probabilities with the search's graph, and no phase two
         with self.section("phase 1: search" + (" with graph (--one-phase)" if cfg.one_phase else "")), self.autocast():
             if cfg.one_phase:
-                cand, log_p = one_phase_search(self.model, src, src_len, cfg.sampler, cfg.beam_size, cfg.max_len,
+                cand, log_p = one_phase_search(self.model, source, cfg.sampler, cfg.beam_size, cfg.max_len,
                                                cfg.temperature, self.sampling)
             elif cfg.sampler == "beam":
-                cand = beam_search(self.model, src, src_len, cfg.beam_size, cfg.max_len)
+                cand = beam_search(self.model, source, cfg.beam_size, cfg.max_len)
             else:
-                cand = sample(self.model, src, src_len, cfg.beam_size, cfg.max_len, cfg.temperature, self.sampling)
+                cand = sample(self.model, source, cfg.beam_size, cfg.max_len, cfg.temperature, self.sampling)
         # 2. Rewards of every candidate against all references of its source.
         with self.section("rewards"):
             rewards = torch.tensor(self.reward(self.detokenize(cand.tokens), [references[o] for o in cand.owner]),
                                    dtype=torch.float64, device=self.device)  # (N,)
         # 3. Coefficients: the objective's weight on each log p(candidate).
-        coef = self.coefficients(cand, rewards, src, src_len, references, B)
+        coef = self.coefficients(cand, rewards, source, references, B)
         rows = cand
         if cfg.mle_weight > 0:  # the MLE term rides along as extra rows, chunked like the candidates
             refs = self._reference_rows(idx)
-            rows = Samples.cat([cand, refs])
+            rows = Samples.cat([cand, refs], self.model.pad_id)
             coef = objectives.mix(coef, objectives.mle(refs.owner, B), cfg.mle_weight)
         # 4. Phase two: chunked teacher-forced re-decoding; .grad = d/dtheta sum_i c_i log p_i, exactly.
         self.optimizer.zero_grad(set_to_none=True)
         if log_p is None:
-            loss = self.phase_two(src, src_len, rows, coef)
+            loss = self.phase_two(source, rows, coef)
         else:
-            loss = self.one_phase_backward(log_p, src, src_len, rows, coef)
+            loss = self.one_phase_backward(log_p, source, rows, coef)
         # 5. Update (several processes: statistics summed here, gradients in _update).
         total = distributed.reduce_sums({"loss": loss, "reward": float(rewards.sum()), "candidates": len(cand)})
         return {"loss": total["loss"], "reward_mean": total["reward"] / total["candidates"],
                 "reward_max": distributed.reduce_max(float(rewards.max())), "candidates": int(total["candidates"]),
                 **self._update(total["loss"])}
 
-    def phase_two(self, src, src_len, rows: Samples, coef) -> float:
+    def phase_two(self, source, rows: Samples, coef, keep_mode: bool = False) -> float:
         """rescore_backward with the configured chunk size, or the largest within --memory-budget, under the
         autocast phase one ran in; with fp16 the coefficients carry the loss scale (the returned loss does not)."""
         coef, scale = amp.scale_coefficients(coef, self.scaler)
         with self.autocast():
             chunk = self.cfg.rescore_chunk
             if chunk == "auto":
-                chunk = self.chunk_planner.chunk_size(self.model, src, src_len, rows)
+                chunk = self.chunk_planner.chunk_size(self.model, source, rows)
                 self.last_chunk = chunk
-            return rescore_backward(self.model, src, src_len, rows, coef, chunk, profiler=self.profiler) / scale
+            return rescore_backward(self.model, source, rows, coef, chunk, profiler=self.profiler,
+                                    keep_mode=keep_mode) / scale
 
     def section(self, name: str):
         """A --profile-memory section of the current step (a no-op otherwise)."""
         return self.profiler.section(name) if self.profiler is not None else contextlib.nullcontext()
 
-    def one_phase_backward(self, log_p, src, src_len, rows: Samples, coef) -> float:
+    def one_phase_backward(self, log_p, source, rows: Samples, coef) -> float:
         """--one-phase: one backward through the search graph of the candidates (the first len(log_p) rows);
         reference rows of --mle-weight have no search graph, so phase two scores those."""
         n = len(log_p)
@@ -155,10 +157,10 @@ class Trainer(Resumable):
         loss = one_phase_backward(log_p, scaled) / scale
         if len(rows) > n:
             refs = rows.select(torch.arange(n, len(rows), device=coef.device))
-            loss += self.phase_two(src, src_len, refs, coef[n:])
+            loss += self.phase_two(source, refs, coef[n:])
         return loss
 
-    def coefficients(self, cand: Samples, rewards, src, src_len, references, num_sources: int) -> torch.Tensor:
+    def coefficients(self, cand: Samples, rewards, source, references, num_sources: int) -> torch.Tensor:
         """num_sources: the global batch size, which every loss is averaged over (cand.owner indexes src)."""
         cfg, B = self.cfg, num_sources
         if cfg.objective == "beam":
@@ -168,7 +170,7 @@ class Trainer(Resumable):
         greedy_rewards = None
         if cfg.baseline == "greedy":  # self-critical: the greedy decode's reward is the baseline
             with self.autocast():
-                best = greedy(self.model, src, src_len, cfg.max_len)
+                best = greedy(self.model, source, cfg.max_len)
             greedy_rewards = torch.tensor(self.reward(self.detokenize(best.tokens), references),
                                           dtype=torch.float64, device=self.device)  # (B,)
         return objectives.reinforce(rewards, cand.owner, B, cfg.baseline, greedy_rewards)
@@ -177,7 +179,7 @@ class Trainer(Resumable):
         owner = [b for b, i in enumerate(idx) for _ in self.ref_ids[i]]
         tgt = pad_targets([r for i in idx for r in self.ref_ids[i]], self.device)  # (R, T)
         owner = torch.tensor(owner, device=self.device)
-        return Samples.of_targets(tgt, owner)
+        return Samples.of_targets(tgt, owner, self.model.pad_id, self.model.eos_id)
 
     def _update(self, loss: float) -> dict:
         """Clip and step, unless the loss or the gradient norm is not finite: then the parameters stay as they

@@ -1,0 +1,116 @@
+"""`SequenceModel`: all that phase one, phase two, the one-phase baseline and validation call on a model.
+
+Three ids and three methods make a model; two optional methods make it faster:
+
+    pad_id, bos_id, eos_id                        ints: the model's special ids (nothing assumes 0/1/2)
+    encode(source) -> enc                         once per batch of B sources
+    init_state(enc, owner) -> state               the decoder state of N rows
+    step(enc, owner, prev, state) -> (state, log_probs)
+    score(enc, tokens, owner) -> (N,)             optional: teacher-forced log p, with gradients
+    weighted_score_backward(enc, tokens, owner, coefficients, inputs, collect) -> (loss, grads)
+                                                  optional: phase two's chunk done by the model (see below)
+
+`source` is whatever the task's batches hold: the pair (src, src_lengths) for the built-in `Seq2Seq`, a
+tokenizer's dict, a float tensor of grids. `enc` and `state` are trees (`twophase.tree`): a tensor, tuple, list,
+dict or dataclass of tensors, of any dtypes and shapes, whose leading dimension is B for `enc` and N for `state`.
+Search reorders `state` by selecting rows; phase two cuts every floating tensor of `enc` out of the graph and
+back-propagates the encoder once per step.
+
+Letters: B sources, N rows, T target length, V vocabulary.
+    owner (N,)      long: each row's source, an index into the B sources of `enc`
+    prev (N,)       long: the previous tokens (bos_id at the first step)
+    log_probs (N, V) normalised log-probabilities of the next token
+    tokens (N, T)   candidate rows: tokens, then eos_id (when produced), then pad_id; never bos_id. A row ends at
+                    its first eos_id, so pad_id may equal eos_id (as in GPT-2).
+
+Search never proposes pad_id or bos_id (a model should give them probability zero); a candidate's score is the
+sum of its tokens' log-probabilities, which `score` must reproduce: both phases call the model's own functions,
+in evaluation mode (no dropout) unless told otherwise.
+
+`weighted_score_backward` lets a model differentiate its output layer by hand (the built-in LSTM computes each
+V-sized logit block once instead of twice): given coefficients c (C,) it returns loss = sum_i c_i log p_i (a
+0-dim tensor) and, with `collect`, the gradients of that loss with respect to `inputs` (a list aligned with
+`inputs`, None where unused); without `collect` it adds them into each input's .grad itself and returns [].
+
+A model that splits `step` into `advance(enc, owner, prev, state) -> state` and `log_probs(state) -> (N, V)`
+lets beam search build its (rows, V) candidate scores a block of sources at a time (a wide beam's largest
+temporaries); `vocab_size`, where present, sizes those blocks before the first one is computed.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from . import tree
+
+
+@runtime_checkable
+class SequenceModel(Protocol):
+    pad_id: int
+    bos_id: int
+    eos_id: int
+
+    def encode(self, source: Any) -> Any:
+        """The encoder output for B sources: a tree of tensors with leading dimension B."""
+
+    def init_state(self, enc: Any, owner: Tensor) -> Any:
+        """The initial decoder state of N rows, row i decoding source owner[i]: a tree of (N, ...) tensors."""
+
+    def step(self, enc: Any, owner: Tensor, prev: Tensor, state: Any) -> tuple[Any, Tensor]:
+        """Consume prev (N,) and return the new state and the next token's log-probabilities (N, V)."""
+
+
+def target_mask(tokens: Tensor, pad_id: int, eos_id: int) -> Tensor:
+    """(N, T) True at the positions a row scores: its tokens up to and including its first eos_id."""
+    is_eos = tokens == eos_id
+    eos_before = is_eos.long().cumsum(1) - is_eos.long()  # (N, T) EOS strictly before each position
+    return (eos_before == 0) & ((tokens != pad_id) | is_eos)
+
+
+def teacher_forced_inputs(tokens: Tensor, bos_id: int) -> Tensor:
+    """(N, T) the token each position is predicted from: bos_id, then the row shifted right by one."""
+    bos = torch.full_like(tokens[:, :1], bos_id)
+    return torch.cat([bos, tokens[:, :-1]], dim=1)
+
+
+def step_score(model: SequenceModel, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:
+    """(N,) log p(tokens[i] | source owner[i]) by running `step` over the rows, teacher-forced: the default
+    `score` of a model that has none, with the very numbers search summed."""
+    mask = target_mask(tokens, model.pad_id, model.eos_id)  # (N, T)
+    prev = teacher_forced_inputs(tokens, model.bos_id)  # (N, T)
+    state, total = model.init_state(enc, owner), None
+    for t in range(tokens.shape[1]):
+        state, log_probs = model.step(enc, owner, prev[:, t], state)  # (N, V)
+        tok = log_probs.gather(1, tokens[:, t:t + 1]).squeeze(1)  # (N,)
+        tok = torch.where(mask[:, t], tok, torch.zeros_like(tok))  # a pad position's gather may read -inf
+        total = tok if total is None else total + tok
+    return total if total is not None else torch.zeros(len(owner), device=tokens.device)
+
+
+def score(model: SequenceModel, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:
+    """(N,) teacher-forced log-probabilities with gradients: the model's `score`, or `step_score`."""
+    own = getattr(model, "score", None)
+    return own(enc, tokens, owner) if own is not None else step_score(model, enc, tokens, owner)
+
+
+def num_sources(enc: Any) -> int:
+    return tree.leading_size(enc)
+
+
+@contextlib.contextmanager
+def scoring_mode(model: Any, keep: bool = False):
+    """The model in evaluation mode (no dropout) for the block, then back in the mode it had. Search and phase
+    two must score with one function, or search scores stop being the log-probabilities phase two
+    differentiates; `keep=True` leaves the mode alone (the MLE steps' dropout, where no search scored)."""
+    was = getattr(model, "training", None)
+    if keep or not was:
+        yield
+        return
+    model.train(False)
+    try:
+        yield
+    finally:
+        model.train(was)

@@ -1,0 +1,48 @@
+"""`Samples`: candidate rows from phase one (or reference rows for MLE), with their sources and scores.
+
+Letters: N rows, T longest row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from .protocol import target_mask
+
+
+@dataclass
+class Samples:
+    """Candidate sequences: tokens, then eos_id (when produced within max_len), then pad_id; never bos_id."""
+
+    tokens: Tensor  # (N, T) long
+    lengths: Tensor  # (N,) positions each row scores: its tokens, EOS included
+    owner: Tensor  # (N,) index of each row's source
+    scores: Tensor  # (N,) sum of the tokens' log-probabilities at search time (0 for reference rows)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @staticmethod
+    def of_targets(tgt: Tensor, owner: Tensor, pad_id: int, eos_id: int) -> "Samples":
+        """Target rows (N, T) that no search scored: references, the MLE rows."""
+        lengths = target_mask(tgt, pad_id, eos_id).sum(1)
+        return Samples(tgt, lengths, owner, torch.zeros(len(owner), device=tgt.device))
+
+    def select(self, rows: Tensor) -> "Samples":
+        return Samples(*(getattr(self, f.name)[rows] for f in fields(self)))
+
+    @staticmethod
+    def cat(parts: list["Samples"], pad_id: int) -> "Samples":
+        T = max(p.tokens.shape[1] for p in parts)
+        tokens = torch.cat([torch.nn.functional.pad(p.tokens, (0, T - p.tokens.shape[1]), value=pad_id)
+                            for p in parts])  # (sum N, T)
+        return Samples(tokens, *(torch.cat([getattr(p, f) for p in parts]) for f in ("lengths", "owner", "scores")))
+
+
+def best_rows(s: Samples) -> Tensor:
+    """(B', T) the first row of each source present: the best one, as search returns rows best first."""
+    first = torch.ones(len(s), dtype=torch.bool, device=s.owner.device)
+    first[1:] = s.owner[1:] != s.owner[:-1]
+    return s.tokens[first]
