@@ -1,0 +1,100 @@
+"""What a task supplies to training, validation and decoding; the trainer knows nothing else about the data.
+
+A task holds three splits of `Example`s and knows how a batch of them becomes a model's `source` (`collate`),
+which model to build, how a candidate row becomes the string a reward sees (`detokenize`), and how
+validation scores best candidates (`metric_sums`, added up over batches and processes, then `scores`).
+Its `state_dict` (vocabularies, say) goes into every checkpoint, so decoding and `--resume` rebuild the same
+ids without the data.
+
+A task is found by `--task NAME` (see twophase.tasks.get): `package.module:callable`, an entry point of the
+group `twophase.tasks`, or a built-in (`g2p`, `tsv`). The callable takes the training `Config` and returns a
+`Task`; it should be cheap: data is read by `load_data`, which runs after `load_state_dict` on --resume.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Example:
+    """One source with its references and any extra data a reward may ask for."""
+
+    source: Any  # the raw source: what a reward's `sources` keyword receives (a string for text tasks)
+    references: list[str] = field(default_factory=list)  # target strings, tokens joined by single spaces
+    fields: dict = field(default_factory=dict)  # extra per-example data; each key becomes a reward keyword
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A validation score: its key in `scores`, the label of the summary table, and its direction."""
+
+    key: str
+    label: str
+    fmt: str = "{:.2%}"
+    higher_is_better: bool = True
+
+
+class Task:
+    """The base of every task; subclasses fill in the data and the methods below."""
+
+    name = "task"
+    default_reward = "edit"
+    metrics: tuple[Metric, ...] = ()  # the first is the main one (checkpoint_best.pt, unless --best-metric)
+
+    def __init__(self):
+        self.train: list[Example] = []
+        self.valid: list[Example] = []
+        self.test: list[Example] = []
+
+    # ---- data and state
+    def load_data(self) -> None:
+        """Read or generate the splits (and build vocabularies not restored by load_state_dict)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """Plain data (lists, dicts, numbers, strings) that rebuilds this task's ids without the data."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    # ---- model
+    def build_model(self):
+        """A fresh `twophase.SequenceModel` (an nn.Module) for this task's ids."""
+        raise NotImplementedError
+
+    def collate(self, examples: list[Example], device) -> Any:
+        """The model's `source` for a batch of examples, on `device`."""
+        raise NotImplementedError
+
+    def target_ids(self, example: Example) -> list[list[int]]:
+        """Each reference as target ids, without EOS: the rows MLE trains on."""
+        raise NotImplementedError
+
+    def detokenize(self, ids: list[int]) -> str:
+        """A candidate row (ids up to its EOS, padding after) as the string rewards and metrics see."""
+        raise NotImplementedError
+
+    # ---- decoding
+    def parse_source(self, line: str) -> Any:
+        """An input line of `twophase-decode` as an `Example.source`."""
+        return line
+
+    def format_output(self, hypothesis: str) -> str:
+        """A decoded hypothesis as `twophase-decode` writes it."""
+        return hypothesis
+
+    def unknown_source_tokens(self, source: Any) -> list[str]:
+        """Tokens of a source the task cannot represent (decode reports them); none by default."""
+        return []
+
+    # ---- validation
+    def metric_sums(self, hypotheses: list[str], examples: list[Example]) -> dict:
+        """Additive statistics of the best hypotheses of `examples` (summed over batches and processes);
+        must include "n", the number of examples."""
+        return {"n": len(examples)}
+
+    def scores(self, sums: dict) -> dict:
+        """The metrics from summed `metric_sums`."""
+        return {}

