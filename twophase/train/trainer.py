@@ -162,9 +162,9 @@ class Trainer(Resumable):
         """num_sources: the global batch size, which every loss is averaged over (cand.owner indexes src)."""
         cfg, B = self.cfg, num_sources
         if cfg.objective == "beam":
-            return objectives.beam(rewards, cand.scores, cand.owner, B)
+            return objectives.beam(rewards, cand.scores, cand.owner, B, tokens=cand.tokens)
         if cfg.objective == "mrt":
-            return objectives.mrt(rewards, cand.scores, cand.owner, B, cfg.mrt_alpha)
+            return objectives.mrt(rewards, cand.scores, cand.owner, B, cfg.mrt_alpha, tokens=cand.tokens)
         greedy_rewards = None
         if cfg.baseline == "greedy":  # self-critical: the greedy decode's reward is the baseline
             with self.autocast():
