@@ -166,12 +166,12 @@ class Trainer(Resumable):
         if cfg.objective == "mrt":
             return objectives.mrt(rewards, cand.scores, cand.owner, B, cfg.mrt_alpha, tokens=cand.tokens)
         greedy_rewards = None
-        if cfg.baseline == "greedy":  # self-critical: the greedy decode's reward is the baseline
+        if cfg.reinforce_baseline == "greedy":  # self-critical: the greedy decode's reward is the baseline
             with self.autocast():
                 best = greedy(self.model, src, src_len, cfg.max_len)
             greedy_rewards = torch.tensor(self.reward(self.detokenize(best.tokens), references),
                                           dtype=torch.float64, device=self.device)  # (B,)
-        return objectives.reinforce(rewards, cand.owner, B, cfg.baseline, greedy_rewards)
+        return objectives.reinforce(rewards, cand.owner, B, cfg.reinforce_baseline, greedy_rewards)
 
     def _reference_rows(self, idx: list[int]) -> Samples:
         owner = [b for b, i in enumerate(idx) for _ in self.ref_ids[i]]
