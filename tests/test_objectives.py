@@ -72,7 +72,8 @@ def test_renormalised_coefficients_are_the_derivative_of_the_loss(alpha):
 
 
 def test_mrt_alpha_one_is_beam():
-    torch.testing.assert_close(objectives.mrt(R, S, OWNER, 2, 1.0, tokens=TOK), objectives.beam(R, S, OWNER, 2, tokens=TOK))
+    torch.testing.assert_close(objectives.mrt(R, S, OWNER, 2, 1.0, tokens=TOK),
+                               objectives.beam(R, S, OWNER, 2, tokens=TOK))
 
 
 @pytest.mark.parametrize("alpha", [1.0, 0.5])
