@@ -60,7 +60,7 @@ def test_chunked_gradient_equals_one_piece_under_bf16(one_thread):
     with torch.autocast(**BF16):
         s = _candidates(model, src, lens, "beam")
         c = objectives.beam(torch.rand(len(s), dtype=torch.float64, generator=torch.Generator().manual_seed(5)),
-                            s.scores, s.owner, 3)
+                            s.scores, s.owner, 3, tokens=s.tokens)
         model.zero_grad()
         (c * model.sequence_log_probs(src, lens, s.tokens, s.owner)).sum().backward()
         want = [p.grad.clone() for p in model.parameters()]

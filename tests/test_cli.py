@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from twophase.train import cli, decode
+from twophase.train.config import Config
 
 from tasks import write_task
 
@@ -85,9 +86,53 @@ def _fails_with_one_line(argv, capsys, match, entry=cli.main):
     (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device"),
     (["--amp", "fp16", "--device", "cpu"], "--amp fp16 needs a CUDA device"),
     (["--amp", "fp32"], "--amp"),
+    (["--objective", "reinforce", "--sampler", "sample", "--temperature", "0.7"],
+     "--objective reinforce with --temperature 0.7 is biased"),
+    (["--temperature", "0.7"], "--temperature applies to --sampler sample only"),
+    (["--beam-size", "1"], "--beam-size 1 with --objective beam trains nothing"),
+    (["--beam-size", "1", "--objective", "mrt", "--sampler", "sample"], "--beam-size 1 with --objective mrt"),
+    (["--beam-size", "1", "--objective", "reinforce", "--sampler", "sample"],
+     "--beam-size 1 with --objective reinforce --baseline mean trains nothing"),
+    (["--beam-size", "1", "--objective", "reinforce", "--baseline", "mean"], "--baseline mean trains nothing"),
+    (["--beam-size", "1", "--objective", "reinforce", "--baseline", "loo"], "--baseline loo needs --beam-size"),
+    (["--baseline", "mean"], "--baseline applies to --objective reinforce only, not --objective beam"),
+    (["--baseline", "none", "--objective", "mrt"], "--baseline applies to --objective reinforce only"),
+    (["--memory-budget", "2GiB"], "--memory-budget applies to --rescore-chunk auto only, not --rescore-chunk 128"),
+    (["--memory-budget", "2GiB", "--rl-steps", "0"], "--memory-budget applies to --rescore-chunk auto only"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, match, capsys, tmp_path):
     _fails_with_one_line(argv + ["--save-dir", str(tmp_path / "run")], capsys, match)
+
+
+@pytest.mark.parametrize("flags", [
+    dict(rl_steps=0, beam_size=1, baseline="mean", temperature=0.5),  # MLE only: the RL flags are never read
+    dict(rl_steps=0, objective="reinforce", sampler="sample", temperature=0.5),
+    dict(beam_size=1, objective="reinforce", baseline="none"),
+    dict(beam_size=1, objective="reinforce", baseline="greedy"),
+    dict(objective="reinforce", sampler="sample", baseline="loo", beam_size=2),
+    dict(objective="mrt", sampler="sample", temperature=0.5),
+    dict(rescore_chunk="auto", memory_budget="2GiB"),
+])
+def test_configurations_that_train_are_accepted(flags):
+    Config(**flags).validate()
+
+
+def test_reinforce_baseline_defaults_to_mean():
+    assert Config(objective="reinforce").reinforce_baseline == "mean"
+    assert Config(objective="reinforce", baseline="loo").reinforce_baseline == "loo"
+
+
+def test_reinforce_with_beam_search_warns_once(task, tmp_path, capsys):
+    """Biased but it trains: one warning line naming the unbiased choices, then the run goes on."""
+    argv = ["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--mle-steps", "1",
+            "--rl-steps", "1", "--objective", "reinforce", "--save-dir", str(tmp_path / "run"), *TINY]
+    assert cli.main(argv) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == ["train.py: warning: --objective reinforce with --sampler beam is biased (beam candidates "
+                        "are not samples of the model); unbiased: --sampler sample, or --objective beam"]
+    assert Config(objective="reinforce", sampler="sample").warnings() == []
+    assert Config(objective="reinforce", rl_steps=0).warnings() == []
+    assert Config(objective="beam").warnings() == []
 
 
 def test_bad_tsv_line_is_named(tmp_path, capsys):

@@ -29,9 +29,9 @@ def _search(model, kind, src, lens, graph):
 def _coefficients(objective, cand, B):
     rewards = torch.rand(len(cand), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     if objective == "beam":
-        return objectives.beam(rewards, cand.scores, cand.owner, B)
+        return objectives.beam(rewards, cand.scores, cand.owner, B, tokens=cand.tokens)
     if objective == "mrt":
-        return objectives.mrt(rewards, cand.scores, cand.owner, B, alpha=0.5)
+        return objectives.mrt(rewards, cand.scores, cand.owner, B, alpha=0.5, tokens=cand.tokens)
     return objectives.reinforce(rewards, cand.owner, B, "mean")
 
 

@@ -24,8 +24,8 @@ def _coefficients(name, s, B):
         greedy = torch.rand(B, generator=g, dtype=torch.float64)
         return objectives.reinforce(r, s.owner, B, baseline, greedy_rewards=greedy)
     if name == "beam":
-        return objectives.beam(r, s.scores, s.owner, B)
-    return objectives.mrt(r, s.scores, s.owner, B, alpha=0.5)
+        return objectives.beam(r, s.scores, s.owner, B, tokens=s.tokens)
+    return objectives.mrt(r, s.scores, s.owner, B, alpha=0.5, tokens=s.tokens)
 
 
 def _grads(model):
@@ -104,7 +104,7 @@ def test_mixed_reference_and_candidate_rows():
     s = _candidates(model, src, lens, "beam")
     refs = Samples(tokens=torch.tensor([[5, 2, 0], [4, 6, 2], [2, 0, 0]]), lengths=torch.tensor([2, 3, 1]),
                    owner=torch.tensor([0, 1, 2]), scores=torch.zeros(3, dtype=torch.float64))
-    rl = objectives.beam(torch.rand(len(s), dtype=torch.float64), s.scores, s.owner, 3)
+    rl = objectives.beam(torch.rand(len(s), dtype=torch.float64), s.scores, s.owner, 3, tokens=s.tokens)
     c = objectives.mix(rl, objectives.mle(refs.owner, 3), mle_weight=0.3)
     both = Samples.cat([s, refs], PAD)
     model.zero_grad()

@@ -206,3 +206,92 @@ def test_validation_through_get(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 def test_mismatched_inputs_are_reported() -> None:
     with pytest.raises(RewardError, match=r"reward 'bleu' called with 2 hypotheses but 1 reference lists"):
         rewards.get("bleu")(["a", "b"], [["a"]])
+
+
+# ---- context: rewards that see the source (or other per-example fields)
+
+HYPS, REFS, SOURCES = ["a b", "c"], [["a b"], ["d"]], ["x y z", "w"]
+
+
+def test_two_argument_plugins_ignore_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write_module(tmp_path, monkeypatch, "tp_plugin_plain", "def fn(hyps, refs):\n    return [1.0] * len(hyps)\n")
+    reward = rewards.get("tp_plugin_plain:fn")
+    assert reward(HYPS, REFS, sources=SOURCES, lang=["en", "fr"]) == [1.0, 1.0]
+    assert rewards.get("exact")(HYPS, REFS, sources=SOURCES) == [1.0, 0.0]
+
+
+def test_source_aware_plugin_through_get(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write_module(tmp_path, monkeypatch, "tp_plugin_src", """
+        def ratio(hypotheses, references, *, sources):
+            return [len(h.split()) / len(s.split()) for h, s in zip(hypotheses, sources)]
+    """)
+    assert rewards.get("tp_plugin_src:ratio")(HYPS, REFS, sources=SOURCES, lang=["en", "fr"]) == [2 / 3, 1.0]
+
+
+def _seen(hyps, refs, **context):
+    """Rewards every hypothesis with how many context lists it was given."""
+    return [float(len(context))] * len(hyps)
+
+
+@pytest.mark.parametrize("fn, context, want", [
+    (lambda h, r, sources: [float(len(s)) for s in sources], dict(sources=SOURCES, lang=["en", "fr"]), [5.0, 1.0]),
+    (lambda h, r, *, lang: [float(x == "fr") for x in lang], dict(sources=SOURCES, lang=["en", "fr"]), [0.0, 1.0]),
+    (lambda h, r, sources=None: [float(sources is None)] * 2, {}, [1.0, 1.0]),
+    (lambda h, r, sources=None: [float(sources is None)] * 2, dict(sources=SOURCES), [0.0, 0.0]),
+    (_seen, dict(sources=SOURCES, lang=["en", "fr"]), [2.0, 2.0]),  # **kwargs: all of it
+    (lambda h, r, sources, **fields: [float(len(fields))] * 2, dict(sources=SOURCES, lang=["en", "fr"]), [1.0, 1.0]),
+])
+def test_each_plugin_gets_the_context_it_declares(fn, context, want) -> None:
+    assert rewards.validated(fn, "ctx")(HYPS, REFS, **context) == want
+
+
+def test_missing_context_names_plugin_and_key() -> None:
+    reward = rewards.validated(lambda h, r, *, sources, lang: [0.0] * len(h), "ctx")
+    with pytest.raises(RewardError) as info:
+        reward(HYPS, REFS, sources=SOURCES)
+    assert str(info.value) == "reward 'ctx' needs 'lang', which the caller did not give (it gave: sources)"
+    with pytest.raises(RewardError, match=r"^reward 'ctx' needs 'lang', 'sources', .*\(it gave: no context\)$"):
+        reward(HYPS, REFS)
+
+
+@pytest.mark.parametrize("context, message", [
+    (dict(sources=["only one"]), "reward 'ctx' called with 2 hypotheses but 1 sources"),
+    (dict(sources=SOURCES, lang=["en"] * 3), "reward 'ctx' called with 2 hypotheses but 3 lang"),
+    (dict(sources=SOURCES, lang=None), "reward 'ctx' called with NoneType lang; expected one entry per hypothesis"),
+])
+def test_every_context_list_has_one_entry_per_hypothesis(context, message) -> None:
+    reward = rewards.validated(lambda h, r, sources: [0.0] * len(h), "ctx")  # lang is checked though unused
+    with pytest.raises(RewardError) as info:
+        reward(HYPS, REFS, **context)
+    assert str(info.value) == message
+
+
+def test_signature_is_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = rewards.inspect.signature
+    monkeypatch.setattr(rewards.inspect, "signature", lambda fn: calls.append(fn) or real(fn))
+    reward = rewards.validated(lambda h, r, sources: [0.0] * len(h), "ctx")
+    for _ in range(3):
+        reward(HYPS, REFS, sources=SOURCES)
+    assert len(calls) == 1
+
+
+def test_unreadable_signature_gets_the_two_lists() -> None:
+    class Opaque:
+        __signature__ = "not a signature"  # inspect.signature raises TypeError, as for some C callables
+
+        def __call__(self, *args, **kwargs):
+            assert len(args) == 2 and not kwargs
+            return [0.5] * len(args[0])
+
+    assert rewards.validated(Opaque(), "opaque")(HYPS, REFS, sources=SOURCES) == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda hyps: [0.0], "reward 'bad' must take (hypotheses, references) as its first two arguments"),
+    (lambda h, r, src, /: [0.0], "reward 'bad': its argument 'src' is positional-only; context is passed by name"),
+])
+def test_unusable_signatures_fail_at_get_time(fn, message) -> None:
+    with pytest.raises(RewardError) as info:
+        rewards.validated(fn, "bad")
+    assert str(info.value) == message

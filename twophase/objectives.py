@@ -5,7 +5,8 @@ the training loss is the surrogate  L = sum_i c_i * log p(y_i | x_owner(i)),  wh
 in chunks. Losses are averaged over the B sources of the batch (never over a chunk), so the gradient does not
 depend on how rows are chunked or how many candidates a source kept.
 
-Letters: B sources, N candidate rows; `owner` (N,) maps a row to its source in range(B).
+Letters: B sources, N candidate rows, T row length, U distinct candidates; `owner` (N,) maps a row to its source in
+range(B).
 """
 from __future__ import annotations
 
@@ -38,6 +39,16 @@ def mle(owner: Tensor, num_sources: int) -> Tensor:
     return -1.0 / (num_sources * group_count(owner, num_sources))
 
 
+def distinct(owner: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """Identical candidates of a source: (inverse (N,), counts (U,)); row i is candidate inverse[i], which has
+    counts[inverse[i]] copies. Whole rows are compared: identical sequences are padded identically."""
+    if tokens.dim() != 2 or tokens.shape[0] != owner.shape[0]:
+        raise ValueError(f"tokens must be (N, T) with N = len(owner) = {owner.shape[0]}, got {tuple(tokens.shape)}")
+    key = torch.cat([owner.to(tokens.device, tokens.dtype)[:, None], tokens], 1)  # (N, 1 + T)
+    _, inverse, counts = torch.unique(key, dim=0, return_inverse=True, return_counts=True)
+    return inverse.to(owner.device), counts.to(owner.device)
+
+
 def reinforce(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = "none",
               greedy_rewards: Tensor | None = None) -> Tensor:
     """REINFORCE (Williams 1992): c_i = -(r_i - b_i) / (B * K_owner), the mean over each source's K samples.
@@ -45,6 +56,10 @@ def reinforce(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = 
     baseline: "none" (b = 0), "mean" (mean reward of the source's samples), "loo" (mean of the *other* samples
     of the source, unbiased; b = 0 for a source with a single sample), "greedy" (the reward of the greedy decode
     of the source, given as greedy_rewards (B,): self-critical training, Rennie et al. 2017).
+
+    Unlike `mrt` and `beam`, identical samples each keep their own term: the K samples are independent draws
+    from p, and the Monte-Carlo estimate (1/K) sum_k r_k grad log p_k of E_p[r grad log p] is unbiased only if
+    a sequence drawn twice counts twice.
     """
     r = rewards.to(torch.float64)
     count = group_count(owner, num_sources)  # (N,)
@@ -64,23 +79,34 @@ def reinforce(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = 
     return -(r - b) / (num_sources * count)
 
 
-def mrt(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int, alpha: float = 1.0) -> Tensor:
-    """Minimum risk training (Shen et al. 2016) with risk -r over each source's candidates, Q ∝ p^alpha.
+def mrt(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int, alpha: float = 1.0, *,
+        tokens: Tensor) -> Tensor:
+    """Minimum risk training (Shen et al. 2016) with risk -r over each source's set of candidates, Q ∝ p^alpha.
 
-    The risk R = sum_i Q_i (-r_i) has gradient -alpha * sum_i Q_i (r_i - E_Q[r]) grad log p_i, so
-    c_i = -alpha * Q_i * (r_i - sum_j Q_j r_j) / B.
+    The risk R = sum_y Q_y (-r_y) has gradient -alpha * sum_y Q_y (r_y - E_Q[r]) grad log p_y, so
+    c_y = -alpha * Q_y * (r_y - sum_z Q_z r_z) / B.
+
+    Q is defined over the *set* of candidates (as in Nematus, which drops duplicate samples): rows of `tokens`
+    (N, T) that repeat a candidate of the same source are one candidate, else a sequence sampled n times would
+    weigh n * p^alpha. Its coefficient is split equally among its copies, so the gradient summed over the rows
+    is the deduplicated objective's. Copies should have equal scores and rewards; their means are used.
     """
-    r = rewards.to(torch.float64)
-    q = group_softmax(alpha * scores.to(torch.float64), owner, num_sources)  # (N,)
-    expected = group_sum(q * r, owner, num_sources)[owner]  # (N,)
-    return -alpha * q * (r - expected) / num_sources
+    inverse, copies = distinct(owner, tokens)  # (N,), (U,)
+    u = len(copies)
+    n = copies.to(torch.float64)
+    owner_u = torch.zeros(u, dtype=owner.dtype, device=owner.device).scatter_(0, inverse, owner)  # (U,)
+    r = group_sum(rewards.to(torch.float64), inverse, u) / n  # (U,)
+    s = group_sum(scores.to(torch.float64), inverse, u) / n  # (U,)
+    q = group_softmax(alpha * s, owner_u, num_sources)  # (U,)
+    expected = group_sum(q * r, owner_u, num_sources)[owner_u]  # (U,)
+    return (-alpha * q * (r - expected) / (num_sources * n))[inverse]  # (N,)
 
 
-def beam(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int) -> Tensor:
-    """Expected reward under the model's distribution renormalised over each source's candidates
-    (Bunel et al. 2018): q = softmax(scores) per source, c_i = -q_i (r_i - sum_j q_j r_j) / B.
-    It is MRT with alpha = 1."""
-    return mrt(rewards, scores, owner, num_sources, alpha=1.0)
+def beam(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int, *, tokens: Tensor) -> Tensor:
+    """Expected reward under the model's distribution renormalised over each source's set of candidates
+    (Bunel et al. 2018): q = softmax(scores) per source, c_y = -q_y (r_y - sum_z q_z r_z) / B, identical
+    candidates counted once (see `mrt`). It is MRT with alpha = 1."""
+    return mrt(rewards, scores, owner, num_sources, alpha=1.0, tokens=tokens)
 
 
 def mix(rl: Tensor, mle_coefficients: Tensor, mle_weight: float) -> Tensor:

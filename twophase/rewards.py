@@ -2,10 +2,15 @@
 
 A reward is any callable ``(hypotheses, references) -> list[float]`` over detokenised strings (tokens joined
 by single spaces): ``references[i]`` holds one or more reference strings for ``hypotheses[i]``; higher is better.
+It may also declare keyword *context*, per-hypothesis lists the caller gives by name: ``sources`` (``sources[i]``
+is the raw source of ``hypotheses[i]``'s example) and whatever extra fields a task's examples carry, e.g.
+``def reward(hypotheses, references, sources, **fields)``. Each plug-in is passed only the context its signature
+names (all of it with ``**kwargs``), so two-argument rewards keep working whatever the caller knows.
 
 ``get(name)`` resolves a name to a reward, in this order:
 
-* ``"package.module:callable"`` is imported directly, so a one-off reward needs no packaging;
+* ``"package.module:callable"`` is imported directly (from ``sys.path``, then the working directory: see
+  ``twophase.plugins``), so a one-off reward needs no packaging;
 * otherwise the ``twophase.rewards`` entry-point group, so installed third-party plug-ins are found by name;
 * otherwise the built-ins below, so a plain checkout works without ``pip install``.
 
@@ -15,7 +20,7 @@ naming it instead of corrupting a training run with a wrong-length or NaN reward
 from __future__ import annotations
 
 import functools
-import importlib
+import inspect
 import math
 import numbers
 import sys
@@ -25,7 +30,9 @@ from typing import Any, Callable
 
 from rapidfuzz.distance import Levenshtein
 
-Reward = Callable[[list[str], list[list[str]]], list[float]]
+from .plugins import PluginError, brief, load_spec
+
+Reward = Callable[..., list[float]]  # (hypotheses, references, **context) -> one float per hypothesis
 GROUP = "twophase.rewards"
 
 
@@ -86,27 +93,6 @@ def available() -> list[str]:
     return sorted({ep.name for ep in _entry_points()} | set(BUILTINS))
 
 
-def _brief(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
-def _import_spec(spec: str) -> Any:
-    module_name, _, attr_path = spec.partition(":")
-    if not module_name or not attr_path:
-        raise RewardError(f"reward '{spec}': expected 'package.module:callable'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as exc:  # a plug-in may fail on import with anything, not only ImportError
-        raise RewardError(f"reward '{spec}': cannot import module '{module_name}' ({_brief(exc)})") from exc
-    for attr in attr_path.split("."):  # dotted paths reach class or instance attributes
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError as exc:
-            raise RewardError(f"reward '{spec}': module '{module_name}' has no attribute '{attr_path}'") from exc
-    return obj
-
-
 def _load_entry_point(name: str) -> Any | None:
     matches = [ep for ep in _entry_points() if ep.name == name]
     if not matches:
@@ -117,13 +103,16 @@ def _load_entry_point(name: str) -> Any | None:
     try:
         return ep.load()
     except Exception as exc:
-        raise RewardError(f"reward '{name}': cannot load entry point '{ep.value}' ({_brief(exc)})") from exc
+        raise RewardError(f"reward '{name}': cannot load entry point '{ep.value}' ({brief(exc)})") from exc
 
 
 def get(name: str) -> Reward:
     """Resolve ``name`` (a ``module:callable`` spec, an entry point or a built-in) to a validated reward."""
     if ":" in name:
-        fn = _import_spec(name)
+        try:
+            fn = load_spec(name, "reward")
+        except PluginError as err:
+            raise RewardError(str(err)) from err.__cause__
     else:
         fn = _load_entry_point(name)
         if fn is None:
@@ -160,21 +149,63 @@ def _to_float(value: Any, position: int, label: str) -> float:
     return result
 
 
+class _Context:
+    """What context a plug-in's signature takes beyond (hypotheses, references); read once, at get() time."""
+
+    def __init__(self, fn: Callable[..., Any], label: str):
+        P = inspect.Parameter
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):  # e.g. some C callables: nothing to read, so pass the two lists only
+            self.takes_all, self.names, self.required = False, frozenset(), frozenset()
+            return
+        positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+        if len(positional) < 2 and not any(p.kind is P.VAR_POSITIONAL for p in params):
+            raise RewardError(f"reward '{label}' must take (hypotheses, references) as its first two arguments")
+        extra = positional[2:] + [p for p in params if p.kind is P.KEYWORD_ONLY]
+        for p in extra:
+            if p.kind is P.POSITIONAL_ONLY and p.default is P.empty:
+                raise RewardError(f"reward '{label}': its argument '{p.name}' is positional-only; context is "
+                                  "passed by name")
+        self.takes_all = any(p.kind is P.VAR_KEYWORD for p in params)
+        self.names = frozenset(p.name for p in extra if p.kind is not P.POSITIONAL_ONLY)
+        self.required = frozenset(p.name for p in extra if p.kind is not P.POSITIONAL_ONLY and p.default is P.empty)
+
+    def select(self, context: dict[str, Any], label: str) -> dict[str, Any]:
+        missing = sorted(self.required - context.keys())
+        if missing:
+            raise RewardError(f"reward '{label}' needs {', '.join(repr(m) for m in missing)}, which the caller "
+                              f"did not give (it gave: {', '.join(sorted(context)) or 'no context'})")
+        return context if self.takes_all else {k: v for k, v in context.items() if k in self.names}
+
+
+def _check_inputs(label: str, hypotheses: list[str], references: list[list[str]], context: dict[str, Any]) -> None:
+    n = len(hypotheses)
+    for name, values in [("reference lists", references), *context.items()]:
+        try:
+            count = len(values)
+        except TypeError:
+            raise RewardError(f"reward '{label}' called with {type(values).__name__} {name}; expected one entry "
+                              "per hypothesis") from None
+        if count != n:
+            raise RewardError(f"reward '{label}' called with {n} hypotheses but {count} {name}")
+
+
 def validated(fn: Callable[..., Any], label: str) -> Reward:
-    """Wrap ``fn`` so that any failure or malformed output becomes a ``RewardError`` naming ``label``."""
+    """Wrap ``fn`` so that any failure or malformed output becomes a ``RewardError`` naming ``label``; the
+    wrapper takes ``(hypotheses, references, **context)`` and passes ``fn`` the context it declares."""
+    wants = _Context(fn, label)
 
     @functools.wraps(fn)
-    def wrapper(hypotheses: list[str], references: list[list[str]]) -> list[float]:
-        if len(hypotheses) != len(references):
-            raise RewardError(
-                f"reward '{label}' called with {len(hypotheses)} hypotheses but {len(references)} reference lists"
-            )
+    def wrapper(hypotheses: list[str], references: list[list[str]], **context: Any) -> list[float]:
+        _check_inputs(label, hypotheses, references, context)
+        kwargs = wants.select(context, label)
         try:
-            out = fn(hypotheses, references)
+            out = fn(hypotheses, references, **kwargs)
         except RewardError:
             raise  # already names a plug-in (e.g. a reward built from get()); rewrapping would double the prefix
         except Exception as exc:
-            raise RewardError(f"reward '{label}' raised {_brief(exc)}") from exc
+            raise RewardError(f"reward '{label}' raised {brief(exc)}") from exc
         values = _as_list(out, label)
         if len(values) != len(hypotheses):
             raise RewardError(f"reward '{label}' returned {len(values)} values for {len(hypotheses)} hypotheses")

@@ -71,7 +71,7 @@ def build(cell: dict):
 
 def _coefficients(cand, B: int, seed: int) -> torch.Tensor:
     rewards = torch.rand(len(cand), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return objectives.beam(rewards.to(cand.scores.device), cand.scores, cand.owner, B)  # (N,)
+    return objectives.beam(rewards.to(cand.scores.device), cand.scores, cand.owner, B, tokens=cand.tokens)  # (N,)
 
 
 def train_step(cell: dict, model, optimizer, src, src_lengths) -> int:

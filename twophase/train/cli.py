@@ -89,6 +89,9 @@ def build(cfg: Config) -> Trainer:
     except ValueError as err:
         raise UsageError(str(err)) from None
     distributed.init(device)  # a no-op without torchrun
+    if distributed.rank() == 0:  # once, not once per process
+        for warning in cfg.warnings():
+            print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     reward = rewards.get(cfg.reward)  # before loading data: a typo should fail in a second, not after it
     train, valid = load_data(cfg)
     if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(train)):

@@ -75,13 +75,14 @@ class Config:
     rl_lr: float = arg(2e-4, "Adam learning rate during RL", minimum=0.0)
     sampler: str = arg("beam", "phase one: 'beam' search or ancestral 'sample'", choices=("beam", "sample"))
     beam_size: int = arg(8, "candidates per source (beam width or number of samples), K", minimum=1)
-    temperature: float = arg(1.0, "sampling temperature of --sampler sample (scores stay the model's own)",
-                             minimum=1e-6)
+    temperature: float = arg(1.0, "sampling temperature of --sampler sample (scores stay the model's own); "
+                                  "not with --objective reinforce, whose gradient it would bias", minimum=1e-6)
     objective: str = arg("beam", "reinforce, beam (expected reward renormalised over the candidates, "
                                  "Bunel et al. 2018) or mrt (minimum risk training, Shen et al. 2016)",
                          choices=("reinforce", "beam", "mrt"))
-    baseline: str = arg("mean", "REINFORCE baseline: none, mean, loo (leave-one-out) or greedy (self-critical)",
-                        choices=("none", "mean", "loo", "greedy"))
+    baseline: str | None = arg(None, "REINFORCE baseline: none, mean, loo (leave-one-out) or greedy "
+                                     "(self-critical); only with --objective reinforce (default: mean)",
+                               choices=("none", "mean", "loo", "greedy"))
     mrt_alpha: float = arg(0.5, "MRT sharpness alpha: Q ∝ p^alpha over a source's candidates", minimum=0.0)
     mle_weight: float = arg(0.0, "lambda of the mixed objective lambda*MLE + (1-lambda)*RL", minimum=0.0)
     reward: str = arg("edit", "registered reward plug-in (bleu, chrf, exact, edit, ...) or package.module:callable")
@@ -112,16 +113,53 @@ class Config:
                           "under torch.autocast, parameters, gradients and log-softmax in float32; fp16 (with "
                           "loss scaling) needs CUDA, bf16 runs on CPU and CUDA", choices=("off", "bf16", "fp16"))
 
+    @property
+    def reinforce_baseline(self) -> str:
+        """The baseline REINFORCE uses: --baseline, or mean where it was not given (None)."""
+        return self.baseline or "mean"
+
     def validate(self) -> None:
-        """Cross-field checks the parser cannot express; raises ValueError naming the flag."""
+        """Cross-field checks the parser cannot express; raises ValueError naming the flag. Flags that would do
+        nothing are refused too: a run that ignores what it was told is worse than one that does not start."""
         if (self.train is None) != (self.valid is None):
             raise ValueError("--train and --valid go together")
         if self.mle_weight > 1:
             raise ValueError(f"--mle-weight must be in [0, 1], got {self.mle_weight}")
         if self.rescore_chunk == "auto" and self.memory_budget is None:
             raise ValueError("--rescore-chunk auto needs --memory-budget (e.g. 2GiB)")
-        if self.objective == "reinforce" and self.baseline == "loo" and self.beam_size < 2:
+        if self.memory_budget is not None and self.rescore_chunk != "auto":
+            raise ValueError(f"--memory-budget applies to --rescore-chunk auto only, not --rescore-chunk "
+                             f"{self.rescore_chunk}")
+        if self.rl_steps > 0:  # a run without RL steps never reads the RL flags: nothing to refuse there
+            self._validate_rl()
+
+    def _validate_rl(self) -> None:
+        if self.temperature != 1 and self.sampler != "sample":
+            raise ValueError(f"--temperature applies to --sampler sample only, not --sampler {self.sampler}")
+        if self.objective != "reinforce":
+            if self.baseline is not None:
+                raise ValueError(f"--baseline applies to --objective reinforce only, not --objective "
+                                 f"{self.objective}")
+            if self.beam_size < 2:
+                raise ValueError(f"--beam-size 1 with --objective {self.objective} trains nothing (one candidate "
+                                 "per source has q = 1 and coefficient 0); use --beam-size >= 2")
+            return
+        if self.temperature != 1:
+            raise ValueError(f"--objective reinforce with --temperature {self.temperature:g} is biased (it samples "
+                             "from p^(1/T) but weights grad log p without the importance ratio); use --temperature "
+                             "1, or --objective beam or mrt")
+        if self.reinforce_baseline == "loo" and self.beam_size < 2:
             raise ValueError("--baseline loo needs --beam-size >= 2")
+        if self.reinforce_baseline == "mean" and self.beam_size < 2:
+            raise ValueError("--beam-size 1 with --objective reinforce --baseline mean trains nothing (each sample "
+                             "is its own baseline); use --beam-size >= 2, or --baseline none or greedy")
+
+    def warnings(self) -> list[str]:
+        """Configurations that train, but not what the user probably means; one line each."""
+        if self.rl_steps > 0 and self.objective == "reinforce" and self.sampler == "beam":
+            return ["--objective reinforce with --sampler beam is biased (beam candidates are not samples of the "
+                    "model); unbiased: --sampler sample, or --objective beam"]
+        return []
 
 
 def _flag(name: str) -> str:
@@ -157,14 +195,15 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for f in fields(Config):
         kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type).split(" ")[0]]
         default = f.default if f.default is not MISSING else None
+        # None means "not given"; the help text says what that does where it matters.
+        text = f.metadata["help"] + ("" if default is None else f" (default: {default})")
         if f.metadata["parse"] is not None:
-            parser.add_argument(_flag(f.name), type=f.metadata["parse"], default=default,
-                                help=f"{f.metadata['help']} (default: {default})")
+            parser.add_argument(_flag(f.name), type=f.metadata["parse"], default=default, help=text)
         elif kind is bool:
             parser.add_argument(_flag(f.name), action="store_true", help=f.metadata["help"])
         else:
             parser.add_argument(_flag(f.name), type=_typed(f, kind), default=default, choices=f.metadata["choices"],
-                                help=f"{f.metadata['help']} (default: {default})")
+                                help=text)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

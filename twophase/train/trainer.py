@@ -164,16 +164,16 @@ class Trainer(Resumable):
         """num_sources: the global batch size, which every loss is averaged over (cand.owner indexes src)."""
         cfg, B = self.cfg, num_sources
         if cfg.objective == "beam":
-            return objectives.beam(rewards, cand.scores, cand.owner, B)
+            return objectives.beam(rewards, cand.scores, cand.owner, B, tokens=cand.tokens)
         if cfg.objective == "mrt":
-            return objectives.mrt(rewards, cand.scores, cand.owner, B, cfg.mrt_alpha)
+            return objectives.mrt(rewards, cand.scores, cand.owner, B, cfg.mrt_alpha, tokens=cand.tokens)
         greedy_rewards = None
-        if cfg.baseline == "greedy":  # self-critical: the greedy decode's reward is the baseline
+        if cfg.reinforce_baseline == "greedy":  # self-critical: the greedy decode's reward is the baseline
             with self.autocast():
                 best = greedy(self.model, source, cfg.max_len)
             greedy_rewards = torch.tensor(self.reward(self.detokenize(best.tokens), references),
                                           dtype=torch.float64, device=self.device)  # (B,)
-        return objectives.reinforce(rewards, cand.owner, B, cfg.baseline, greedy_rewards)
+        return objectives.reinforce(rewards, cand.owner, B, cfg.reinforce_baseline, greedy_rewards)
 
     def _reference_rows(self, idx: list[int]) -> Samples:
         owner = [b for b, i in enumerate(idx) for _ in self.ref_ids[i]]
