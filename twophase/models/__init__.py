@@ -1,0 +1,2 @@
+"""Built-in models: the LSTM encoder-decoder (`seq2seq`) with its fused kernels (`fused`, `outputlayer`), and
+adapters for other libraries' models (`hf`, needs the `hf` extra). Nothing in the core imports this package."""
