@@ -24,6 +24,10 @@ import numpy as np
 
 DIRS = "NESW"
 _CELL_CHARS = ".123456789A"
+_TEXT_CELLS = "#" + _CELL_CHARS
+_WALL_BYTES = bytes.maketrans(_TEXT_CELLS.encode(), bytes([1] + [0] * 11))
+_TEXT_BYTES = np.frombuffer((_CELL_CHARS + "#").encode(), np.uint8)
+_COUNT_BYTES = bytes.maketrans(_TEXT_CELLS.encode(), bytes([0] + list(range(11))))
 MAX_MARKERS = 10
 
 
@@ -69,32 +73,37 @@ class World:
         """Parse the text format (see the module docstring); errors name `source` and the line."""
         lines = [line.strip() for line in text.strip("\n").split("\n")]
         head = lines[0].split() if lines else []
-        if len(head) != 4 or head[0] != "hero" or not all(_is_int(x) for x in head[1:3]) or head[3] not in DIRS:
+        if len(head) != 4 or head[0] != "hero" or not all(_is_int(x) for x in head[1:3]) or head[3] not in tuple(DIRS):
             raise ValueError(f"{source}:1: expected 'hero ROW COL DIR' with DIR in N E S W, got {lines[0][:40]!r}"
                              if lines else f"{source}:1: empty world text")
         grid = lines[1:]
         if not grid or not grid[0]:
             raise ValueError(f"{source}:2: expected the grid's first row")
-        walls, markers = [], []
         for i, line in enumerate(grid, start=2):
             if len(line) != len(grid[0]):
                 raise ValueError(f"{source}:{i}: row of {len(line)} cells, the first row has {len(grid[0])}")
-            bad = next((ch for ch in line if ch != "#" and ch not in _CELL_CHARS), None)
-            if bad is not None:
-                raise ValueError(f"{source}:{i}: bad cell {bad!r} (expected # . 1-9 A)")
-            walls.append([ch == "#" for ch in line])
-            markers.append([0 if ch == "#" else _CELL_CHARS.index(ch) for ch in line])
-        try:
-            return cls.from_arrays(walls, markers, int(head[1]), int(head[2]), head[3])
-        except ValueError as err:
-            raise ValueError(f"{source}:1: {err}") from None
+            bad = line.strip(_TEXT_CELLS)
+            if bad:
+                raise ValueError(f"{source}:{i}: bad cell {bad[0]!r} (expected # . 1-9 A)")
+        rows, cols, stride = len(grid), len(grid[0]), len(grid[0]) + 2
+        row, col, d = int(head[1]), int(head[2]), DIRS.index(head[3])
+        if not (0 <= row < rows and 0 <= col < cols):
+            raise ValueError(f"{source}:1: hero {row} {col} is outside the {rows}x{cols} grid")
+        if grid[row][col] == "#":
+            raise ValueError(f"{source}:1: hero {row} {col} stands on a wall")
+        border = b"\1" * stride
+        walls = border + b"".join(b"\1" + g.encode().translate(_WALL_BYTES) + b"\1" for g in grid) + border
+        markers = bytes(stride) + b"".join(b"\0" + g.encode().translate(_COUNT_BYTES) + b"\0" for g in grid) \
+            + bytes(stride)
+        return cls._make(rows, cols, walls, markers, (row + 1) * stride + col + 1, d)
 
     def to_text(self) -> str:
         """The text format, rows joined by newlines, no final newline."""
+        # Walls hold no markers, so markers + 11 * wall indexes ".123456789A#" (padding dropped).
+        codes = np.frombuffer(self.markers, np.uint8) + 11 * np.frombuffer(self.walls, np.uint8)
+        chars = _TEXT_BYTES[codes.reshape(self.rows + 2, self.cols + 2)[1:-1, 1:-1]]
         lines = [f"hero {self.row} {self.col} {DIRS[self.dir]}"]
-        for r in range(self.rows):
-            lines.append("".join("#" if self.is_wall(r, c) else _CELL_CHARS[self.marker_count(r, c)]
-                                 for c in range(self.cols)))
+        lines += [row.tobytes().decode() for row in chars]
         return "\n".join(lines)
 
     @property
