@@ -66,15 +66,20 @@ def generate_dataset(n_train: int, n_valid: int, n_test: int, seed: int = 0,
             if found != header:
                 raise ValueError(f"{path}:1: header does not match the requested dataset; delete the file")
             return splits
-    taken: set[str] = set()
-    splits = {}
-    for split in ("test", "valid", "train"):
-        rng = random.Random(f"twophase-karel:{seed}:{split}")
-        splits[split] = [sample_example(rng, p, taken) for _ in range(counts[split])]
-    splits = {s: splits[s] for s in SPLITS}
+    splits = _generate_splits(counts, seed, p)
     if path is not None:
         save_dataset(path, header, splits)
     return splits
+
+
+def _generate_splits(counts: dict, seed: int, p: GeneratorParams, patience: int = 20000) -> dict:
+    taken: set[str] = set()  # shared, so that no program is in two splits
+    splits = {}
+    for split in ("test", "valid", "train"):
+        # A string seed goes through SHA-512 in random.seed: the same streams on every run and platform.
+        rng = random.Random(f"twophase-karel:{seed}:{split}")
+        splits[split] = [sample_example(rng, p, taken, patience) for _ in range(counts[split])]
+    return {s: splits[s] for s in SPLITS}
 
 
 def save_dataset(path: str | PathLike, header: dict, splits: dict[str, list[Example]]) -> None:
