@@ -32,7 +32,8 @@ MALFORMED = {
     "missing r)": P("REPEAT R=2 r( move"), "wrong closer": P("WHILE c( frontIsClear c) w( move r)"),
     "unknown token": P("jump"), "trailing tokens": P("move") + " move", "trailing m)": P("move") + " m)",
     "condition without c(": P("IF frontIsClear i( move i)"), "condition without c)": P("IF c( frontIsClear i( move i)"),
-    "not without c(": P("IF c( not frontIsClear c) i( move i)"), "double not": P("IF c( not c( not c( frontIsClear c) c) c) i( move i)"),
+    "not without c(": P("IF c( not frontIsClear c) i( move i)"),
+    "double not": P("IF c( not c( not c( frontIsClear c) c) c) i( move i)"),
     "action as condition": P("WHILE c( move c) w( move w)"), "empty condition": P("IF c( c) i( move i)"),
     "IF with ELSE": P("IF c( frontIsClear c) i( move i) ELSE e( move e)"),
     "IFELSE without ELSE": P("IFELSE c( frontIsClear c) i( move i)"), "condition as statement": P("frontIsClear"),
@@ -176,7 +177,7 @@ def test_agrees_with_reference_interpreter():
                                                     max_markers=10, max_depth=3, max_block=3, control_prob=0.5)
     np_rng = np.random.default_rng(7)
     statuses = set()
-    for _ in range(300):
+    for _ in range(1000):
         program = str(sample_program(rng, params))
         tree = parse(program)
         for max_ticks in (200, rng.randint(0, 12)):
@@ -219,6 +220,7 @@ def test_generator_guarantees(small_dataset):
         assert str(tree) == ex.program and is_canonical(tree) and len(toks) <= 24 and _depth(tree.body) <= 3
         assert not any((a, b) in karel.generate.SPURIOUS_PAIRS for a, b in zip(toks, toks[1:]))
         assert not any(len(set(toks[i:i + 4])) == 1 and toks[i].startswith("turn") for i in range(len(toks) - 3))
+        assert all(2 <= int(t[2:]) <= 10 for t in toks if t.startswith("R="))
         assert len(ex.pairs) == 6 and ex.held_out == ex.pairs[5] and len(ex.spec) == 5
         assert len({w for w, _ in ex.pairs}) == 6 and all(w.rows == 6 and w.cols == 6 for w, _ in ex.pairs)
         covered = set()
@@ -237,6 +239,18 @@ def test_generator_is_deterministic_and_test_split_stable(small_dataset):
     other = generate_dataset(20, 15, 10, seed=11, cache_dir=None, **SMALL)
     assert other["test"] == small_dataset["test"][:10]
     assert generate_dataset(5, 0, 0, seed=12, cache_dir=None, **SMALL)["train"] != small_dataset["train"][:5]
+
+
+@pytest.mark.parametrize("body, canonical", [
+    ("turnLeft move turnRight", True), ("move turnLeft turnRight", False), ("putMarker pickMarker", False),
+    ("pickMarker putMarker", False), ("turnRight turnLeft", False), ("turnLeft turnLeft turnLeft", True),
+    ("turnRight turnRight turnRight turnRight", False), ("IF c( not c( leftIsClear c) c) i( move i)", True),
+    ("IF c( not c( markersPresent c) c) i( move i)", False),
+    ("REPEAT R=2 r( IFELSE c( not c( frontIsClear c) c) i( move i) ELSE e( turnLeft e) r)", False),
+    ("IFELSE c( frontIsClear c) i( move i) ELSE e( move e)", False),
+    ("WHILE c( frontIsClear c) w( IFELSE c( markersPresent c) i( move i) ELSE e( turnLeft e) w)", True)])
+def test_is_canonical(body, canonical):
+    assert is_canonical(parse(P(body))) is canonical
 
 
 def test_generator_parameters_are_checked():

@@ -6,8 +6,9 @@ and length limits) and keeps one only when
 
 - it is canonical (`is_canonical`): no spurious action pairs `turnLeft turnRight`, `turnRight turnLeft`,
   `pickMarker putMarker`, `putMarker pickMarker` adjacent in the token stream, no four identical turns in
-  a row, no IFELSE with identical branches; the sampler itself never negates an IFELSE condition (that is
-  the same IFELSE with its branches swapped) nor a marker condition (`noMarkersPresent` says it already);
+  a row, no IFELSE with identical branches, no negated IFELSE condition (that is the same IFELSE with its
+  branches swapped), no negated marker condition (`noMarkersPresent` says `not c( markersPresent c)`);
+  the sampler never draws the negations in the first place;
 - it has not been drawn before (the caller's `taken` set of program strings, shared by all splits);
 - random worlds give `n_pairs` distinct inputs on which it neither crashes nor times out and changes the
   world (output != input), and over those pairs every branch is exercised: each IF and IFELSE test is
@@ -16,7 +17,8 @@ and length limits) and keeps one only when
 Worlds are `rows x cols` grids where each cell is a wall with probability `wall_prob`, otherwise holds
 1..`max_markers` markers (uniformly) with probability `marker_prob`; the hero stands on a uniformly drawn
 free cell facing a uniformly drawn direction. Programs are drawn from one `random.Random`, which also
-seeds the numpy generator of each program's worlds, so one seed fixes the result. Speed: see `twophase/tasks/karel/__init__.py`.
+seeds the numpy generator of each program's worlds, so one seed fixes the result.
+Speed: see `twophase/tasks/karel/__init__.py`.
 """
 from __future__ import annotations
 
@@ -111,22 +113,24 @@ def _sample_stmt(rng: random.Random, p: GeneratorParams, depth: int):
 
 
 def is_canonical(program: Program) -> bool:
-    """False for spurious adjacent action pairs, four identical turns in a row or an IFELSE with equal arms."""
+    """False for a spurious adjacent action pair, four identical turns in a row, an IFELSE with equal arms
+    or a negated condition, or a negated marker condition: each has a shorter or a canonical equivalent."""
     toks = program.tokens()
     for i in range(len(toks) - 1):
         if (toks[i], toks[i + 1]) in SPURIOUS_PAIRS:
             return False
         if toks[i] in ("turnLeft", "turnRight") and toks[i:i + 4] == [toks[i]] * 4:
             return False
-    return not _has_equal_arms(program.body)
+    return not _redundant(program.body)
 
 
-def _has_equal_arms(block: tuple) -> bool:
+def _redundant(block: tuple) -> bool:
     for node in block:
-        if isinstance(node, IfElse) and (node.then == node.orelse or _has_equal_arms(node.then)
-                                         or _has_equal_arms(node.orelse)):
+        if isinstance(node, IfElse) and (node.then == node.orelse or node.cond.negated):
             return True
-        if isinstance(node, (Repeat, While, If)) and _has_equal_arms(node.body):
+        if isinstance(node, (While, If)) and node.cond.negated and node.cond.name not in _SPATIAL:
+            return True
+        if any(_redundant(getattr(node, arm)) for arm in ("body", "then", "orelse") if hasattr(node, arm)):
             return True
     return False
 

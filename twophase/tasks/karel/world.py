@@ -11,10 +11,11 @@ one character per cell: `#` wall, `.` empty, `1`..`9` that many markers, `A` ten
 A cell holds 0..10 markers; a wall holds none and the hero never stands on one. Outside the grid counts
 as wall. Bad text raises ValueError with a one-line message `SOURCE:LINE: ...`.
 
-Worlds are immutable by contract (nothing in this package mutates one; don't assign to their slots), hashable (the hash is computed once) and compare by value, so they can key caches
-and be shared instead of copied. Internally the grid is stored padded with a one-cell border of walls,
-row-major, as two `bytes` objects (walls 0/1, marker counts), and the hero as a flat index into that
-padded grid, so that the interpreter needs no bounds checks: a step in direction d adds `offsets[d]`.
+Worlds are immutable by contract (nothing in this package mutates one; don't assign to their slots),
+hashable (the hash is computed once) and compare by value, so they can key caches and be shared instead
+of copied. Internally the grid is stored padded with a one-cell border of walls, row-major, as two
+`bytes` objects (walls 0/1, marker counts), and the hero as a flat index into that padded grid, so that
+the interpreter needs no bounds checks: a step in direction d adds `offsets[d]`.
 """
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ MAX_MARKERS = 10
 
 
 class World:
+    """A grid with walls and markers, and the hero's cell and direction (see the module docstring).
+
+    Public attributes: rows, cols, pos (flat index into the padded grid), dir (0..3 for N E S W), and the
+    properties row, col, direction; walls and markers are the padded row-major bytes.
+    """
     __slots__ = ("rows", "cols", "walls", "markers", "pos", "dir", "_hash")
 
     def __init__(self, *args):
@@ -74,8 +80,7 @@ class World:
         lines = [line.strip() for line in text.strip("\n").split("\n")]
         head = lines[0].split() if lines else []
         if len(head) != 4 or head[0] != "hero" or not all(_is_int(x) for x in head[1:3]) or head[3] not in tuple(DIRS):
-            raise ValueError(f"{source}:1: expected 'hero ROW COL DIR' with DIR in N E S W, got {lines[0][:40]!r}"
-                             if lines else f"{source}:1: empty world text")
+            raise ValueError(f"{source}:1: expected 'hero ROW COL DIR' with DIR in N E S W, got {lines[0][:40]!r}")
         grid = lines[1:]
         if not grid or not grid[0]:
             raise ValueError(f"{source}:2: expected the grid's first row")
