@@ -56,6 +56,9 @@ class GeneratorParams:
     world_tries: int = 30         # random worlds tried per program before giving it up
 
     def __post_init__(self):
+        # wall_prob=0 and wall_prob=0.0 must make the same cache key.
+        for name in ("wall_prob", "marker_prob", "control_prob", "negate_prob"):
+            object.__setattr__(self, name, float(getattr(self, name)))
         checks = {"rows": 1 <= self.rows <= 64, "cols": 1 <= self.cols <= 64,
                   "wall_prob": 0 <= self.wall_prob < 1, "marker_prob": 0 <= self.marker_prob <= 1,
                   "max_markers": 1 <= self.max_markers <= MAX_MARKERS, "max_depth": self.max_depth >= 0,
