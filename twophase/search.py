@@ -51,8 +51,9 @@ class _Decoder:
         return self.ban_specials(logp)
 
     def ban_specials(self, logp: Tensor) -> Tensor:
-        if self.specials is None:
-            self.specials = torch.tensor([self.model.pad_id, self.model.bos_id], device=logp.device)
+        if self.specials is None:  # eos_id stays proposable where pad_id (or bos_id) shares its id, as in GPT-2
+            banned = sorted({self.model.pad_id, self.model.bos_id} - {self.model.eos_id})
+            self.specials = torch.tensor(banned, dtype=torch.long, device=logp.device)
         # Out of place: with a graph (one-phase) logp is saved for backward. Skipped when already impossible.
         if bool(torch.isneginf(logp.index_select(1, self.specials)).all()):
             return logp
