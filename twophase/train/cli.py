@@ -80,7 +80,7 @@ def check_reward(reward, train: Dataset) -> None:
 def cpu_threads(cfg: Config) -> int | None:
     """--threads, or for 0 (auto) the count to set (None: leave torch's default). A small model's matmuls are
     too small to share out, and torch's threads wait for one another at every op: with another process busy on
-    the machine, 2 threads ran hidden-16 and hidden-256 MLE steps 20x slower than 1 (2 shared cores)."""
+    the machine, 2 threads ran hidden-16 and hidden-256 MLE steps 16-20x slower than 1 (2 shared cores)."""
     if cfg.threads:
         return cfg.threads
     if "OMP_NUM_THREADS" in os.environ or cfg.hidden_size >= 512:
