@@ -67,3 +67,24 @@ def _has_matplotlib():  # the `bench` extra, not a test requirement
     except ImportError:
         return False
     return True
+
+
+def test_plot_labels_log_axes_with_plain_numbers():
+    from twophase.bench import report
+
+    assert report._ticks(30, 400) == [50, 100, 200]  # 1-2-5 in the range
+    assert report._ticks(40, 60) == [40, 50, 60]  # a narrow range: every digit
+    assert [report._plain(v) for v in (40, 0.2, 12000)] == ["40", "0.2", "12,000"]
+    if not _has_matplotlib():
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [0.15, 45])
+    report._log_axis(ax, [0.15, 45])
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True) if t.get_text()]
+    plt.close(fig)
+    assert labels and all(label.replace(".", "").replace(",", "").isdigit() for label in labels), labels

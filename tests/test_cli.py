@@ -24,17 +24,25 @@ def task(tmp_path):
     return tmp_path
 
 
-def test_train_py_end_to_end_then_decode(task):
+def test_train_py_end_to_end_then_decode(task, capsys):
     save = task / "run"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--train", str(task / "train.tsv"), "--valid",
-         str(task / "valid.tsv"), "--mle-steps", "20", "--rl-steps", "6", "--save-dir", str(save), *TINY],
+         str(task / "valid.tsv"), "--mle-steps", "20", "--rl-steps", "6", "--save-dir", str(save), *TINY,
+         "--log-every", "5"],
         capture_output=True, text=True, timeout=120, cwd=task)
     assert proc.returncode == 0, proc.stderr
-    assert "end of MLE" in proc.stdout and "end of RL" in proc.stdout and "peak memory" in proc.stdout
+    assert "valid, end MLE" in proc.stdout and "valid, end RL" in proc.stdout and "peak memory" in proc.stdout
+    assert "token error rate" in proc.stdout and "phoneme" not in proc.stdout  # TSV data: not G2P's words
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("step ") and "steps/s" in line]
+    assert [line.split()[1] for line in progress] == ["5/26", "10/26", "15/26", "20/26", "25/26"]  # no tty: lines
+    assert "[rl] loss=" in progress[-1] and "reward_mean=" in progress[-1] and "lr=0.0002" in progress[-1]
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["phase"] != "eval"] == list(range(1, 27))
-    assert {r["phase"] for r in rows} == {"mle", "rl", "eval"}
+    assert [r["step"] for r in rows if r["phase"] in ("mle", "rl")] == list(range(1, 27))
+    assert {r["phase"] for r in rows} == {"mle", "rl", "eval"}  # no --test: no test row
+    assert all(r["lr"] == (2e-3 if r["phase"] == "mle" else 2e-4) for r in rows if r["phase"] != "eval")
+    assert all(r["time"].endswith("Z") and r["elapsed_s"] >= 0 for r in rows)
+    assert [r["elapsed_s"] for r in rows] == sorted(r["elapsed_s"] for r in rows)
     assert all("reward_mean" in r for r in rows if r["phase"] == "rl")
     evals = [r for r in rows if r["phase"] == "eval"]
     assert [(r["step"], r["after"]) for r in evals] == [(10, "mle"), (20, "mle"), (26, "rl")]
@@ -47,18 +55,36 @@ def test_train_py_end_to_end_then_decode(task):
                         "--output", str(out), "--beam-size", "2"]) == 0
     lines = out.read_text().split("\n")
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # one line out per line in
+    assert capsys.readouterr().err == ""  # every source token was seen in training
+
+    (task / "in.txt").write_text("a b z\nA b\n\nZ z\n")  # the TSV was not lower-cased: A is as unknown as z
+    assert decode.main(["--checkpoint", str(save / "checkpoint_last.pt"), "--input", str(task / "in.txt"),
+                        "--output", str(out)]) == 0
+    assert capsys.readouterr().err == "twophase-decode: 4 unknown source tokens (in 3 lines), e.g. 'z', 'A', 'Z'\n"
+    _fails_with_one_line(["--checkpoint", str(save / "checkpoint_last.pt"), "--input", str(task / "in.txt"),
+                          "--output", str(task / "missing" / "out.txt")], capsys, "missing", entry=decode.main)
 
 
 def test_default_task_runs_on_cmudict(tmp_path, capsys):
+    # greedy and short outputs: the test split (3,143 words) is decoded in full at the end
     assert cli.main(["--mle-steps", "2", "--rl-steps", "1", "--valid-size", "16", "--hidden-size", "16",
-                     "--embed-dim", "8", "--batch-size", "2", "--beam-size", "2", "--save-dir",
-                     str(tmp_path)]) == 0
-    assert "119810 train / 3099 valid" in capsys.readouterr().out
+                     "--embed-dim", "8", "--batch-size", "2", "--beam-size", "2", "--eval-beam", "1",
+                     "--max-len", "6", "--save-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "119810 train / 3099 valid / 3143 test" in out and "phoneme error rate" in out and "test, final" in out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["n"]) for r in rows if r["phase"] == "test"] == [(3, 3143)]
     state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
     assert state["config"]["char_source"] is True  # decode splits words into letters
+    assert state["config"]["lowercase_source"] is True and state["config"]["best_metric"] == "word_acc"
     model, src_vocab, tgt_vocab, cfg = decode.load_model(str(tmp_path / "checkpoint_last.pt"), torch.device("cpu"))
     [hyp] = decode.decode_lines(model, src_vocab, tgt_vocab, ["hello"], True, False, 2, 6, 8, torch.device("cpu"))
     assert all(t in tgt_vocab.stoi for t in hyp.split())
+    (tmp_path / "in.txt").write_text("hello\nHello\nHELLO\n")
+    assert decode.main(["--checkpoint", str(tmp_path / "checkpoint_last.pt"), "--input", str(tmp_path / "in.txt"),
+                        "--output", str(tmp_path / "out.txt"), "--beam-size", "2"]) == 0
+    assert len(set((tmp_path / "out.txt").read_text().splitlines())) == 1  # case-folded as in training
+    assert capsys.readouterr().err == ""  # and so no unknown letters
 
 
 def _fails_with_one_line(argv, capsys, match, entry=cli.main):
@@ -146,6 +172,17 @@ def test_decode_refuses_bad_input(tmp_path, capsys):
                          entry=decode.main)
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     _fails_with_one_line(["--checkpoint", str(tmp_path / "bad.pt")], capsys, "bad.pt", entry=decode.main)
+
+
+def test_threads_default_to_one_for_small_models(monkeypatch):
+    from twophase.train.config import Config
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cli.cpu_threads(Config(hidden_size=256)) == 1
+    assert cli.cpu_threads(Config(hidden_size=512)) is None  # torch's default: one per core
+    assert cli.cpu_threads(Config(hidden_size=256, threads=3)) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cli.cpu_threads(Config(hidden_size=256)) is None  # the user's (or torchrun's) choice stands
 
 
 def test_every_flag_has_help():

@@ -42,6 +42,11 @@ def test_load_tsv_char_options(tmp_path):
     assert data.references == [[("N", "U", "W", "1", "Y")], [("x", "y")]]
 
 
+def test_load_tsv_lowercase_source_merges_sources(tmp_path):
+    data = load_tsv(write(tmp_path, "Ab C\tX Y\nab c\tZ\nAB C\tX Y\n"), lowercase_source=True)
+    assert data.sources == [("ab", "c")] and data.references == [[("X", "Y"), ("Z",)]]  # targets keep their case
+
+
 def test_load_tsv_skips_utf8_bom(tmp_path):
     data = load_tsv(write(tmp_path, b"\xef\xbb\xbfab\tc\n"))
     assert data.sources == [("ab",)]

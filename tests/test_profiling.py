@@ -1,11 +1,14 @@
 """--profile-memory sections and the --rescore-chunk auto planner."""
+import mmap
+import os
+
 import pytest
 import torch
 
 from twophase import Seq2Seq, beam_search
 from twophase.train.config import parse_chunk, parse_size
 from twophase.train.memstats import graph_bytes
-from twophase.train.profiling import ChunkPlanner, StepProfiler
+from twophase.train.profiling import ChunkPlanner, StepProfiler, rss_bytes
 from twophase.rescoring import rescore_backward
 
 from conftest import toy_batch
@@ -32,7 +35,27 @@ def test_profiler_reports_every_phase_two_section():
     assert by_name["phase 1: search"]["graph_mb"] == 0  # inference mode keeps no graph
     assert all(by_name[c]["graph_mb"] > 0 for c in chunks)
     table = prof.table()
-    assert "largest autograd graph: phase 2: chunk" in table and "CPU RSS" in table
+    assert "largest autograd graph: phase 2: chunk" in table and "RSS peak MB" in table
+    for r in prof.rows:  # CPU rows name the resident set for what it is, and its peak bounds it
+        assert set(r) == {"section", "seconds", "rss_mb", "rss_peak_mb", "graph_mb"}
+        assert r["rss_peak_mb"] >= r["rss_mb"] > 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="per-section RSS peaks need Linux")
+def test_cpu_section_peak_sees_a_transient_allocation():
+    prof = StepProfiler(torch.device("cpu"))
+    size = 32 * 2**20
+    with prof.section("quiet"):
+        pass
+    with prof.section("transient"):
+        block = mmap.mmap(-1, size)  # fresh pages (malloc might reuse resident ones), returned on close
+        for offset in range(0, size, mmap.PAGESIZE):
+            block[offset] = 1
+        inside = rss_bytes() / 2**20
+        block.close()
+    quiet, transient = prof.rows
+    assert transient["rss_peak_mb"] >= inside - 1 >= transient["rss_mb"] + 24
+    assert quiet["rss_peak_mb"] - quiet["rss_mb"] < 8  # the high-water mark was reset: not the process's peak
 
 
 @pytest.mark.parametrize("budget", [50_000, 400_000, 4_000_000])

@@ -82,7 +82,7 @@ def test_signal_finishes_the_step_saves_and_exits(task, tmp_path, signum, code):
     last = [json.loads(x) for x in metrics.read_text().splitlines()][-1]
     assert state["step"] == last["step"] >= 2  # the step in flight was finished and saved
     resumed = _train(task, save, "--mle-steps", str(state["step"] + 2), "--rl-steps", "1", "--resume")
-    assert "end of RL" in resumed.stdout
+    assert "valid, end RL" in resumed.stdout
 
 
 def _tiny_trainer(task, tmp_path, **overrides):
@@ -119,22 +119,43 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(task, tmp_path, monkeypa
     _assert_identical(torch.load(tmp_path / "checkpoint_crash.pt", weights_only=True)["model"], before)
 
 
+def _plugin(tmp_path, monkeypatch, body: str) -> str:
+    """A reward module written into tmp_path: `module:score`, with `calls` counting its calls."""
+    module = f"myreward_{abs(hash(body))}"  # a fresh module per case: imports are cached
+    (tmp_path / f"{module}.py").write_text(f"calls = 0\n\ndef score(h, r):\n    global calls\n    calls += 1\n"
+                                           f"    {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"{module}:score"
+
+
 @pytest.mark.parametrize("body,match", [
     ("raise RuntimeError('boom')", "raised RuntimeError: boom"),
     ("return [0.5]", "returned 1 values for"),
     ("return [float('nan')] * len(h)", "non-finite"),
 ])
-def test_bad_reward_plugin_is_named(task, tmp_path, monkeypatch, capsys, body, match):
-    module = f"myreward_{abs(hash(body))}"  # a fresh module per case: imports are cached
-    (tmp_path / f"{module}.py").write_text(f"def score(h, r):\n    {body}\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_bad_reward_plugin_stops_the_run_at_start_up(task, tmp_path, monkeypatch, capsys, body, match):
+    spec = _plugin(tmp_path, monkeypatch, body)
     argv = ["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--save-dir", str(tmp_path / "r"),
-            "--reward", f"{module}:score", *TINY, "--mle-steps", "3", "--rl-steps", "1", "--save-every", "2",
-            "--eval-every", "100"]
-    assert cli.main(argv) == 2  # the first call is validation at the end of the warm start
+            "--reward", spec, *TINY, "--mle-steps", "3", "--rl-steps", "1"]
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert f"{module}:score" in err and match in err and len(err.strip().splitlines()) == 1, err
-    assert torch.load(tmp_path / "r" / "checkpoint_last.pt", weights_only=True)["step"] == 2  # survives
+    assert spec in err and match in err and "start-up check" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r").exists()  # before any step: nothing written
+
+
+# Calls: 1 the start-up check, 2 validation after the warm start (step 2), 3-5 RL steps 3-5, 6 the last validation.
+@pytest.mark.parametrize("fails_at,step", [(3, 2), (6, 5)])
+def test_reward_failing_later_saves_the_steps_taken(task, tmp_path, monkeypatch, capsys, fails_at, step):
+    spec = _plugin(tmp_path, monkeypatch, f"if calls >= {fails_at}:\n        raise ValueError('worn out')\n"
+                                          "    return [0.5] * len(h)")
+    argv = ["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--save-dir", str(tmp_path / "r"),
+            "--reward", spec, *TINY, "--mle-steps", "2", "--rl-steps", "3", "--save-every", "100",
+            "--eval-every", "100"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "raised ValueError: worn out" in err and f"after step {step}; saved" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert torch.load(tmp_path / "r" / "checkpoint_last.pt", weights_only=True)["step"] == step
 
 
 @pytest.mark.parametrize("content,match", [(b"", "no data"), (b"a b\t\xff\xfe\n", ":1: not valid UTF-8"),

@@ -152,7 +152,7 @@ def _methods(text: str) -> tuple[str, ...]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m twophase.bench", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="small grid and the speed target: about 2 minutes on 2 quiet CPU cores (4 when shared)")
+                   help="small grid and the speed target: 2-4 minutes on 2 CPU cores, depending on what else runs")
     p.add_argument("--tiny", action="store_true", help="a toy grid in seconds (tests, smoke checks)")
     p.add_argument("--out", default="bench", help="directory for bench.md, bench.json, bench.png (default: bench/)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

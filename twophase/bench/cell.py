@@ -5,7 +5,6 @@ Letters: B sources, K beam size, N = B*K rows, S source length, T max length, H 
 """
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 
@@ -16,7 +15,7 @@ from ..train.memstats import AllocationPeak, SavedTensorMeter
 from ..models.seq2seq import Seq2Seq
 from ..onephase import one_phase_backward, one_phase_beam_search
 from .seedstyle import SeedStyleSeq2Seq
-from ..train.profiling import reset_rss_peak, rss_bytes
+from ..train.profiling import reset_rss_peak, rss_bytes, rss_peak_bytes
 from ..rescoring import rescore_backward
 from ..search import beam_search
 from ..vocab import EOS
@@ -35,7 +34,7 @@ def _reset_peak(device: torch.device) -> int:
 def _peak(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return rss_peak_bytes()
 
 
 def _first_step_allocations(cell: dict, model, src, src_lengths) -> int:

@@ -1,6 +1,7 @@
 """Benchmark report: the Markdown tables and the PNG plot of `python -m twophase.bench`."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -83,8 +84,43 @@ def markdown(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _ticks(low: float, high: float) -> list[float]:
+    """Round values for a log axis from low to high: 1-2-5 per decade, or every digit where that gives fewer
+    than three (a narrow range), so every label is a plain number."""
+    if low <= 0 or high <= 0:
+        return []
+    decades = range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
+    for digits in ((1, 2, 5), range(1, 10)):
+        ticks = [d * 10.0**e for e in decades for d in digits if low <= d * 10.0**e <= high]
+        if len(ticks) >= 3:
+            return ticks
+    return ticks
+
+
+def _plain(value: float, _position=None) -> str:
+    """40 and 0.2, not 4×10^1 and 2×10^-1; thousands grouped (10,000)."""
+    return f"{value:,.0f}" if value >= 1 else f"{value:.3g}"
+
+
+def _log_axis(ax, values: list[float]) -> None:
+    """A log y axis labelled with plain numbers (matplotlib's default writes minor ticks as 4×10^1); linear where a
+    toy grid measured 0."""
+    import matplotlib.ticker as mticker
+
+    if not values or min(values) <= 0:
+        ax.set_yscale("linear")
+        return
+    ax.set_yscale("log")
+    low, high = min(values), max(values)
+    ticks = _ticks(low / 1.15, high * 1.15) or [low, high]
+    ax.set_yticks(ticks)
+    ax.yaxis.set_major_formatter(mticker.FuncFormatter(_plain))
+    ax.yaxis.set_minor_formatter(mticker.NullFormatter())
+
+
 def plot(cells: list[dict], config: dict, path: Path) -> bool:
-    """Peak memory and step time against beam size, one line per method; hollow markers are extrapolated."""
+    """Peak memory (on the CPU: resident set and tensors side by side) and step time against beam size, one line
+    per method; hollow markers are extrapolated."""
     try:
         import matplotlib
     except ImportError:
@@ -92,23 +128,28 @@ def plot(cells: list[dict], config: dict, path: Path) -> bool:
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401 (NullLocator below)
+    import matplotlib.ticker as mticker
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    # On CUDA the peak is the allocator's and equals the tensor peak: one memory panel says it all.
+    panels = [("peak_mb", "peak memory, CUDA allocator (MiB)")] if config.get("device") == "cuda" else [
+        ("peak_mb", "peak resident set, RSS (MiB)"), ("alloc_mb", "peak tensor memory (MiB)")]
+    panels.append(("step_s", "step time (s, median)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5))
+    ok = [c for c in cells if "error" not in c]
     for col in dict.fromkeys(label(c["method"], c["chunk"]) for c in cells):
-        ok = sorted((c for c in cells if label(c["method"], c["chunk"]) == col and "error" not in c),
-                    key=lambda c: c["beam"])
-        for ax, key in zip(axes, ("peak_mb", "step_s")):
-            line, = ax.plot([c["beam"] for c in ok], [c[key] for c in ok], label=col)
-            for c in ok:
+        mine = sorted((c for c in ok if label(c["method"], c["chunk"]) == col), key=lambda c: c["beam"])
+        for ax, (key, _) in zip(axes, panels):
+            points = [c for c in mine if key in c]  # reports from before a figure existed lack it
+            line, = ax.plot([c["beam"] for c in points], [c[key] for c in points], label=col)
+            for c in points:
                 ax.plot(c["beam"], c[key], "o", color=line.get_color(),
                         markerfacecolor="none" if c.get("extrapolated") else line.get_color())
-    for ax, key, ylabel in zip(axes, ("peak_mb", "step_s"), ("peak memory (MiB)", "step time (s, median)")):
-        positive = all(c[key] > 0 for c in cells if "error" not in c)  # toy grids can measure 0 MiB
-        ax.set(xscale="log", yscale="log" if positive else "linear", xlabel="beam size K", ylabel=ylabel)
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # minor labels would overprint the beam sizes
-        beams = sorted({c["beam"] for c in cells})
+    beams = sorted({c["beam"] for c in cells})
+    for ax, (key, ylabel) in zip(axes, panels):
+        ax.set(xscale="log", xlabel="beam size K", ylabel=ylabel)
+        ax.xaxis.set_minor_locator(mticker.NullLocator())  # minor labels would overprint the beam sizes
         ax.set_xticks(beams, labels=[str(k) for k in beams])
+        _log_axis(ax, [c[key] for c in ok if key in c])
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend()
     sizes = describe_sizes({k: v for k, v in config.items() if k not in ("beam", "chunk")})

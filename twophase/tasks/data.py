@@ -97,14 +97,16 @@ def tokenize_source(text: str, chars: bool) -> Tokens:
     return tuple(text.split())
 
 
-def _parse_line(path: str, number: int, line: str, char_source: bool,
-                char_target: bool) -> tuple[Tokens, Tokens]:
+def _parse_line(path: str, number: int, line: str, char_source: bool, char_target: bool,
+                lowercase_source: bool = False) -> tuple[Tokens, Tokens]:
     tabs = line.count("\t")
     if tabs == 0:
         raise DataError(f"{path}:{number}: expected 'source<TAB>target', found no tab")
     if tabs > 1:
         raise DataError(f"{path}:{number}: expected one tab, found {tabs}")
     source_text, target_text = line.split("\t")
+    if lowercase_source:
+        source_text = source_text.lower()
     source = tokenize_source(source_text, char_source)
     target = tokenize_source(target_text, char_target)
     if not source:
@@ -154,18 +156,19 @@ def read_lines(path: str | PathLike) -> list[str]:
 
 def load_tsv(path: str | PathLike, char_source: bool = False, char_target: bool = False,
              max_source_len: int | None = None, max_target_len: int | None = None,
-             too_long: str = "error") -> Dataset:
+             too_long: str = "error", lowercase_source: bool = False) -> Dataset:
     """A UTF-8 `source<TAB>target` file; repeated sources become several references. See DataError messages.
 
     Lines whose source or target exceeds max_source_len / max_target_len tokens are refused with FILE:LINE
-    (too_long="error") or left out and counted in Dataset.skipped (too_long="skip").
+    (too_long="error") or left out and counted in Dataset.skipped (too_long="skip"). lowercase_source lower-cases
+    the sources (so "Hello" and "hello" become one source with the references of both).
     """
     name = str(path)
     pairs, skipped = [], 0
     for number, line in enumerate(read_lines(path), start=1):
         if not line.strip():
             continue
-        source, target = _parse_line(name, number, line, char_source, char_target)
+        source, target = _parse_line(name, number, line, char_source, char_target, lowercase_source)
         if (_check_length(name, number, "source", source, max_source_len, too_long)
                 and _check_length(name, number, "target", target, max_target_len, too_long)):
             pairs.append((source, target))

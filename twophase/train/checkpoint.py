@@ -145,7 +145,7 @@ class CheckpointManager:
     def step_path(self, step: int) -> Path:
         return self.save_dir / f"checkpoint_step{step:08d}.pt"
 
-    def _improves(self, metric: float | None) -> bool:
+    def improves(self, metric: float | None) -> bool:
         # NaN (a diverged eval) must never become "best": every later comparison with it would be False.
         if metric is None or math.isnan(metric):
             return False
@@ -155,7 +155,7 @@ class CheckpointManager:
 
     def save(self, state: dict, step: int, metric: float | None = None) -> list[Path]:
         """Write step/last/(best) checkpoints and rotate old step files; returns the paths written."""
-        improved = self._improves(metric)
+        improved = self.improves(metric)
         if improved:
             self.best = float(metric)
         # Shallow copy so the caller's dict is not mutated by the bookkeeping entry.
@@ -169,6 +169,12 @@ class CheckpointManager:
             written.append(target)
         self._rotate()
         return written
+
+    def write_best(self, state: dict) -> Path:
+        """Write checkpoint_best.pt alone, for a validation between save points that improved `best` (the caller
+        set it, having asked `improves`)."""
+        save_atomic({**state, "best_metric": self.best}, self.best_path)
+        return self.best_path
 
     def _rotate(self) -> None:
         # Runs only after the new files are on disk, so a crash here never leaves fewer checkpoints than wanted.

@@ -11,6 +11,9 @@ import sys
 from dataclasses import MISSING, dataclass, field, fields
 
 
+DEFAULT_BEAM = 5  # validation's and twophase-decode's beam width, one figure so the two agree
+
+
 def arg(default, help: str, choices=None, minimum=None, parse=None):
     """A documented field; `parse` converts the flag's text where the annotation's type is not enough."""
     return field(default=default, metadata=dict(help=help, choices=choices, minimum=minimum, parse=parse))
@@ -52,8 +55,12 @@ class Config:
     train: str | None = arg(None, "training TSV (source<TAB>target; repeated sources = several references); "
                                   "default: the CMU Pronouncing Dictionary, grapheme-to-phoneme")
     valid: str | None = arg(None, "validation TSV, same format; required with --train")
+    test: str | None = arg(None, "test TSV, same format, evaluated once with the final model at the end of the run "
+                                 "(the built-in data has its own test split)")
     char_source: bool = arg(False, "split TSV sources into characters instead of at spaces")
     char_target: bool = arg(False, "split TSV targets into characters instead of at spaces")
+    lowercase_source: bool = arg(False, "lower-case sources, in training and decoding (always on for the built-in "
+                                        "data, whose words are lower-case)")
     max_src_len: int = arg(200, "longest source accepted, in tokens", minimum=1)
     too_long: str = arg("error", "a TSV line longer than --max-src-len, or whose target does not fit in --max-len "
                                  "with its EOS: 'error' (stop, naming FILE:LINE) or 'skip' (leave out, counted)",
@@ -98,17 +105,29 @@ class Config:
     # ---- both phases
     clip_norm: float = arg(1.0, "clip the gradient norm to this (0: no clipping)", minimum=0.0)
     eval_every: int = arg(500, "validate every N steps (and at the end of each phase)", minimum=1)
-    eval_beam: int = arg(1, "beam width when decoding for validation (1: greedy)", minimum=1)
+    eval_beam: int = arg(DEFAULT_BEAM, "beam width when decoding for validation and test (1: greedy); "
+                                       "twophase-decode's default is the same", minimum=1)
+    best_metric: str = arg("auto", "validation score that picks checkpoint_best.pt, saved at every validation "
+                                   "that improves it: word_acc (higher is better; sequence accuracy on TSV data), "
+                                   "wer, per (lower is better), reward (higher), or auto: word_acc on the built-in "
+                                   "data, reward on TSV data", choices=("auto", "word_acc", "wer", "per", "reward"))
+    log_every: int = arg(100, "when stdout is not a terminal (no progress bar), print a progress line every N "
+                              "steps (0: never)", minimum=0)
     seed: int = arg(1, "seed of every random number generator")
     device: str = arg("auto", "cpu, cuda, cuda:N, or auto (cuda where available)")
-    save_dir: str = arg("runs/g2p", "where checkpoints and metrics.jsonl are written")
+    save_dir: str = arg("runs/g2p", "where checkpoints and metrics.jsonl are written; a directory that holds "
+                                    "another run is refused unless --resume or --overwrite")
     save_every: int = arg(500, "write checkpoint_last.pt (and a step checkpoint) every N steps, and at the end "
                                "of each phase", minimum=1)
     keep_last: int = arg(2, "step checkpoints kept besides checkpoint_last.pt and checkpoint_best.pt", minimum=0)
     resume: bool = arg(False, "continue from <save-dir>/checkpoint_last.pt to the configured step totals")
+    overwrite: bool = arg(False, "start afresh in a --save-dir that holds a run, deleting that run's checkpoints, "
+                                 "metrics.jsonl and memory_profile.jsonl")
     max_bad_steps: int = arg(5, "non-finite losses/gradients skipped in a row before the run stops with a "
                                 "crash checkpoint", minimum=0)
-    threads: int = arg(0, "CPU threads for torch (0: torch's default)", minimum=0)
+    threads: int = arg(0, "CPU threads for torch; 0 (auto): 1 below --hidden-size 512, whose small matrices gain "
+                          "little from more and stall when another process is busy on the machine, else torch's "
+                          "default (one per core); OMP_NUM_THREADS, where set, is left to decide", minimum=0)
     amp: str = arg("off", "automatic mixed precision of both phases and the MLE steps: matmuls in bf16 or fp16 "
                           "under torch.autocast, parameters, gradients and log-softmax in float32; fp16 (with "
                           "loss scaling) needs CUDA, bf16 runs on CPU and CUDA", choices=("off", "bf16", "fp16"))

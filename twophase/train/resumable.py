@@ -23,11 +23,21 @@ class Resumable:
                 "tgt_vocab": self.tgt_vocab.itos, "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
                 "mle_batches": self.mle_batches.state_dict(), "rl_batches": self.rl_batches.state_dict(),
                 "stats": self.stats, "summary": self.summary, "bad_in_a_row": self.bad_in_a_row,
+                "best_step": self.best_step, "elapsed_s": self.metrics.elapsed,
                 **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}  # floats and ints
 
-    def save(self, scores: dict | None = None, crash: bool = False) -> None:
-        """Every process calls this at the same step: rank 0's checkpoint gathers every process's RNG streams,
-        so a resumed multi-process run continues exactly too."""
+    def save_best(self, scores: dict) -> None:
+        """checkpoint_best.pt at every validation that improves the --best-metric score. Every process calls this
+        (the scores are reduced, so all take the same decision) and keeps `best` for the next comparison."""
+        metric = scores.get(self.best_key)
+        if self.checkpoints.improves(metric):
+            self.checkpoints.best, self.best_step = float(metric), self.step
+            self.save(best=True)
+
+    def save(self, best: bool = False, crash: bool = False) -> None:
+        """checkpoint_last.pt and a step checkpoint (best: checkpoint_best.pt instead; crash: checkpoint_crash.pt).
+        Every process calls this at the same step: rank 0's checkpoint gathers every process's RNG streams, so a
+        resumed multi-process run continues exactly too."""
         rank_rngs = distributed.gather_objects({"rng": rng_state(), "sampling_rng": self.sampling.get_state()})
         if not self.is_main:
             return
@@ -36,8 +46,10 @@ class Resumable:
             state.update(world_size=len(rank_rngs), rank_rngs=rank_rngs)
         if crash:
             save_atomic(state, self.save_dir / "checkpoint_crash.pt")
+        elif best:
+            self.checkpoints.write_best(state)
         else:
-            self.checkpoints.save(state, self.step, metric=(scores or {}).get("word_acc"))
+            self.checkpoints.save(state, self.step)
 
     def load_state(self, state: dict) -> None:
         """Continue exactly where `state` was saved: parameters, optimizer, data order and every RNG."""
@@ -51,7 +63,8 @@ class Resumable:
         self.stats = {p: dict(v) for p, v in state["stats"].items()}
         self.summary = dict(state["summary"])
         self.bad_in_a_row = int(state["bad_in_a_row"])
-        self.checkpoints.best = state.get("best_metric")
+        self.checkpoints.best, self.best_step = state.get("best_metric"), state.get("best_step")
+        self.metrics.resume_at(state.get("elapsed_s", 0.0))
         saved = state.get("rank_rngs") or [{"rng": state["rng"], "sampling_rng": state["sampling_rng"]}]
         if len(saved) != distributed.world() and distributed.rank() > 0:
             return  # resumed on another number of processes: continues, though not bit-identically

@@ -1,4 +1,4 @@
-"""The training loop: an MLE warm start, then two-phase sequence-level RL.
+"""The training steps: an MLE warm start, then two-phase sequence-level RL (`loop.RunLoop` runs them in order).
 
 One RL step reads like the algorithm:
     1. phase one  - search K candidates per source with no graph (beam_search / sample);
@@ -13,38 +13,36 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
-import sys
-import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from . import amp, distributed
 from .. import objectives
 from .checkpoint import CheckpointManager
 from .config import Config, parse_size
 from ..tasks.data import BatchSampler, Dataset, pad_batch, pad_targets
-from .interrupt import GracefulStop, Interrupted
+from .interrupt import Interrupted
 from .evaluation import validate
+from .loop import RunLoop
 from ..models.seq2seq import Seq2Seq
 from ..onephase import one_phase_backward, one_phase_search
 from .profiling import ChunkPlanner, StepProfiler
-from .report import fmt_scores, peak_memory_mb
+from .report import LOWER_IS_BETTER, best_metric
 from .resumable import Resumable
+from .rundir import MetricsLog
 from ..rescoring import rescore_backward
 from ..samples import Samples
 from ..search import beam_search, greedy, sample
 from ..vocab import Vocab
 
 
-class Trainer(Resumable):
+class Trainer(Resumable, RunLoop):
     def __init__(self, cfg: Config, model: Seq2Seq, src_vocab: Vocab, tgt_vocab: Vocab, train: Dataset,
-                 valid: Dataset, reward, device: torch.device):
+                 valid: Dataset, reward, device: torch.device, test: Dataset | None = None):
         self.cfg, self.model, self.device = cfg, model, device
-        self.src_vocab, self.tgt_vocab, self.train, self.valid = src_vocab, tgt_vocab, train, valid
+        self.src_vocab, self.tgt_vocab, self.train, self.valid, self.test = src_vocab, tgt_vocab, train, valid, test
         self.reward = reward
         self.src_ids = [src_vocab.encode(s) for s in train.sources]
         self.ref_ids = [[tgt_vocab.encode(r) for r in refs] for refs in train.references]
@@ -61,7 +59,10 @@ class Trainer(Resumable):
         self.step = 0
         self.save_dir = Path(cfg.save_dir)
         self.save_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpoints = CheckpointManager(self.save_dir, keep_last=cfg.keep_last)
+        self.best_key = best_metric(cfg.best_metric, builtin_data=cfg.train is None)
+        self.checkpoints = CheckpointManager(self.save_dir, keep_last=cfg.keep_last,
+                                             higher_is_better=self.best_key not in LOWER_IS_BETTER)
+        self.best_step: int | None = None
         self.summary: dict[str, dict] = {}
         self.stats = {p: {"steps": 0, "seconds": 0.0, "skipped": 0, "out_of_memory": 0, "reward_sum": 0.0,
                           "reward_steps": 0} for p in ("mle", "rl")}
@@ -70,6 +71,7 @@ class Trainer(Resumable):
         self.chunk_planner = ChunkPlanner(parse_size(cfg.memory_budget)) if cfg.rescore_chunk == "auto" else None
         self.last_chunk = cfg.rescore_chunk
         self.is_main = distributed.rank() == 0  # the one process that logs, draws the bar and saves
+        self.metrics = MetricsLog(self.save_dir / "metrics.jsonl", enabled=self.is_main)
 
     # ------------------------------------------------------------------ batches
     def _sources(self, idx: list[int]):
@@ -210,104 +212,3 @@ class Trainer(Resumable):
         cfg = self.cfg
         return validate(self.model, self.valid, self.src_vocab, self.tgt_vocab, self.reward, cfg.eval_beam,
                         cfg.max_len, self.device, limit=cfg.valid_size)
-
-    # ------------------------------------------------------------------ the run
-    def log(self, row: dict) -> None:
-        if self.is_main:
-            with open(self.save_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
-
-    def phase_at(self, step: int) -> str:
-        """Phase of the step after `step` steps have been taken."""
-        return "mle" if step < self.cfg.mle_steps else "rl"
-
-    def train_step(self, phase: str) -> dict:
-        """One step of the phase; a non-finite loss or gradient skips the update (counted, see _update)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.lr if phase == "mle" else self.cfg.rl_lr
-        if self.cfg.profile_memory:
-            self.profiler = StepProfiler(self.device)
-        start = time.perf_counter()
-        try:
-            row = self.mle_step() if phase == "mle" else self.rl_step()
-        except torch.cuda.OutOfMemoryError:
-            if distributed.world() > 1:
-                raise  # one process cannot skip alone: the others would wait for it in the all-reduce
-            row = self.skip_out_of_memory(phase)
-        if self.cfg.rescore_chunk == "auto":
-            row["chunk"] = self.last_chunk
-        if self.profiler is not None:
-            self.report_profile(phase)
-        stats = self.stats[phase]
-        stats["seconds"] += time.perf_counter() - start
-        stats["steps"] += 1
-        stats["skipped"] += row["skipped"]
-        if "reward_mean" in row:
-            stats["reward_sum"] += row["reward_mean"]
-            stats["reward_steps"] += 1
-        return row
-
-    def skip_out_of_memory(self, phase: str) -> dict:
-        """Out of memory outside phase two's chunks (those halve themselves and retry): drop this batch with a
-        memory summary on stderr, count it, and go on with the next."""
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            summary = torch.cuda.memory_summary(self.device, abbreviated=True)
-            torch.cuda.empty_cache()
-        else:
-            summary = f"peak memory {peak_memory_mb(self.device):.0f} MB"
-        self.stats[phase]["out_of_memory"] += 1
-        print(f"step {self.step + 1} [{phase}]: out of memory, batch skipped "
-              f"({self.stats[phase]['out_of_memory']} so far)\n{summary}", file=sys.stderr, flush=True)
-        return {"loss": None, "skipped": 1, "out_of_memory": 1}  # None: metrics.jsonl stays strict JSON
-
-    def report_profile(self, phase: str) -> None:
-        """--profile-memory: every step to memory_profile.jsonl, the first of each phase also printed."""
-        if self.is_main:
-            self.profiler.write(self.save_dir / "memory_profile.jsonl", self.step + 1, phase,
-                                echo=self.stats[phase]["steps"] == 0)
-        self.profiler = None
-
-    def run(self) -> dict:
-        cfg = self.cfg
-        total = cfg.mle_steps + cfg.rl_steps
-        # disable=None: a bar on a terminal, nothing in log files; only the main process draws one.
-        bar = tqdm(total=total, initial=self.step, desc="train", dynamic_ncols=True, mininterval=1.0,
-                   disable=None if self.is_main else True)
-        with GracefulStop(repeats_within=2.0 if distributed.world() > 1 else 0.0) as stop, bar:
-            # Every process must stop after the same step, whichever got the signal first (one all-reduce).
-            while self.step < total and distributed.agree_to_stop(stop.received) is None:
-                phase = self.phase_at(self.step)
-                row = self.train_step(phase)
-                self.step += 1
-                self.log({"step": self.step, "phase": phase, **row})
-                bar.update(1)
-                bar.set_postfix({k: f"{v:.3g}" for k, v in row.items()
-                                 if k in ("loss", "reward_mean") and isinstance(v, float)})
-                self.after_step(phase, bar)
-            signum = distributed.agree_to_stop(stop.received)  # also a signal during the last step
-        if signum is not None:
-            self.save()
-            raise Interrupted(128 + signum, f"stopped by signal {signum} after step {self.step}; "
-                                            f"saved {self.save_dir / 'checkpoint_last.pt'} (--resume continues)")
-        self.summary["peak_memory_mb"] = peak_memory_mb(self.device)
-        return self.summary
-
-    def after_step(self, phase: str, bar) -> None:
-        """Validation, phase summary and checkpoints, each when it is due."""
-        cfg = self.cfg
-        phase_end = self.step == cfg.mle_steps or self.step == cfg.mle_steps + cfg.rl_steps
-        scores = None
-        if self.step % cfg.eval_every == 0 or phase_end:
-            scores = self.validate()
-            self.log({"step": self.step, "phase": "eval", "after": phase, **scores})
-            if self.is_main:
-                bar.write(f"step {self.step} [{phase}] valid " + fmt_scores(scores))
-        if phase_end:
-            st = self.stats[phase]
-            self.summary[phase] = {**scores, "steps_per_s": st["steps"] / max(st["seconds"], 1e-9),
-                                   "skipped": st["skipped"],
-                                   "reward_mean": st["reward_sum"] / max(st["reward_steps"], 1)
-                                   if phase == "rl" else math.nan}
-        if phase_end or self.step % cfg.save_every == 0:
-            self.save(scores)

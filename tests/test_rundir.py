@@ -1,0 +1,103 @@
+"""One run per --save-dir (--resume / --overwrite), one consistent metrics.jsonl, and checkpoint_best.pt chosen by
+--best-metric at every validation."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from twophase.train import cli, rundir
+
+from tasks import task_dir
+
+TINY = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "4", "--mle-batch-size", "8", "--beam-size", "3",
+        "--rescore-chunk", "5", "--max-len", "8"]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return task_dir(tmp_path_factory, 120, 12)
+
+
+def _argv(task, save, *flags):
+    return ["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--save-dir", str(save), *TINY,
+            *flags]
+
+
+def _rows(save):
+    return [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_directory_holding_a_run_is_refused_then_overwritten(task, tmp_path, capsys):
+    save = tmp_path / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "4", "--rl-steps", "0", "--save-every", "2")) == 0
+    (save / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in save.iterdir()}
+    capsys.readouterr()
+    assert cli.main(_argv(task, save, "--mle-steps", "3", "--rl-steps", "0")) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(save) in err and "--resume" in err and "--overwrite" in err
+    assert {p.name: p.read_bytes() for p in save.iterdir()} == before  # nothing touched
+
+    assert cli.main(_argv(task, save, "--mle-steps", "3", "--rl-steps", "0", "--overwrite", "--save-every", "1",
+                          "--keep-last", "1")) == 0
+    assert [r["step"] for r in _rows(save) if r["phase"] == "mle"] == [1, 2, 3]  # the old rows are gone
+    assert sorted(p.name for p in save.glob("checkpoint_*.pt")) == [
+        "checkpoint_best.pt", "checkpoint_last.pt", "checkpoint_step00000003.pt"]  # the old step 4 file too
+    assert (save / "notes.txt").read_text() == "mine"  # what is not the run's stays
+    assert cli.main(_argv(task, save, "--resume", "--overwrite")) == 2
+    assert "give one of them" in capsys.readouterr().err
+
+
+def test_resume_cuts_the_log_back_to_the_checkpoint(task, tmp_path):
+    save = tmp_path / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "5", "--rl-steps", "0", "--save-every", "3",
+                          "--eval-every", "2")) == 0
+    # As if the process had died after step 5 with its last save at step 3: steps 4 and 5 are logged, not saved.
+    shutil.copy(save / "checkpoint_step00000003.pt", save / "checkpoint_last.pt")
+    saved_elapsed = torch.load(save / "checkpoint_last.pt", weights_only=True)["elapsed_s"]
+    assert cli.main(_argv(task, save, "--mle-steps", "6", "--rl-steps", "0", "--save-every", "3",
+                          "--eval-every", "2", "--resume")) == 0
+    rows = _rows(save)
+    assert [r["step"] for r in rows if r["phase"] == "mle"] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if r["phase"] == "eval"] == [2, 4, 6]
+    elapsed = [r["elapsed_s"] for r in rows]
+    assert elapsed == sorted(elapsed) and elapsed[4] >= saved_elapsed  # step 4 continues the first clock
+
+
+def test_cut_back_keeps_the_checkpoints_step_but_not_its_test_row(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "phase": "mle"}, {"step": 2, "phase": "mle"}, {"step": 2, "phase": "eval"},
+            {"step": 2, "phase": "test"}, {"step": 3, "phase": "rl"}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "pha')  # torn by a kill
+    assert rundir.cut_back(log, 2) == 3
+    assert [json.loads(x) for x in log.read_text().splitlines()] == rows[:3]
+    assert rundir.cut_back(log, 2) == 0 and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_best_checkpoint_follows_the_best_metric_at_every_validation(task, tmp_path):
+    save = tmp_path / "run"
+    flags = ["--best-metric", "reward", "--eval-every", "2", "--save-every", "100", "--reward", "edit",
+             "--test", str(task / "valid.tsv")]
+    assert cli.main(_argv(task, save, "--mle-steps", "6", "--rl-steps", "0", "--lr", "0.02", *flags)) == 0
+    evals = [r for r in _rows(save) if r["phase"] == "eval"]
+    assert [r["step"] for r in evals] == [2, 4, 6]
+    best = max(evals, key=lambda r: r["reward"])  # the first of equals: later ties do not replace it
+    state = torch.load(save / "checkpoint_best.pt", weights_only=True)
+    assert (state["step"], state["best_metric"], state["best_step"]) == (best["step"], best["reward"], best["step"])
+    [test] = [r for r in _rows(save) if r["phase"] == "test"]  # --test: the final model, once
+    assert test["step"] == 6 and test["n"] == evals[-1]["n"]
+
+    tr = cli.build(cli.config_from_args(cli.build_parser().parse_args(
+        _argv(task, save, "--mle-steps", "8", "--rl-steps", "0", "--lr", "0.02", *flags, "--resume"))))
+    assert (tr.checkpoints.best, tr.best_step) == (best["reward"], best["step"])  # kept across --resume
+    assert tr.checkpoints.higher_is_better and tr.best_key == "reward"
+    assert cli.main(_argv(task, save, "--mle-steps", "8", "--rl-steps", "0", *flags, "--resume",
+                          "--best-metric", "per")) == 2  # another criterion would make the kept best meaningless
+
+
+def test_lower_is_better_metrics_and_auto():
+    from twophase.train.report import best_metric
+
+    assert best_metric("auto", builtin_data=True) == "word_acc" and best_metric("auto", builtin_data=False) == "reward"
+    assert best_metric("per", builtin_data=True) == "per"

@@ -1,0 +1,157 @@
+"""The run: the steps of both phases in order, with validation, checkpoints, metrics rows and progress lines
+when each is due, the test split at the end, and a clean stop on a signal or a failing reward.
+
+`RunLoop` is the running half of `Trainer` (which provides the steps, model, data, checkpoints and logs).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from . import distributed
+from ..rewards import RewardError
+from .evaluation import validate
+from .interrupt import GracefulStop, Interrupted
+from .profiling import StepProfiler
+from .report import ProgressLines, fmt_scores, peak_memory_mb
+
+
+class RunLoop:
+    def log(self, row: dict) -> None:
+        self.metrics.write(row)  # only the main process's log writes
+
+    def phase_at(self, step: int) -> str:
+        """Phase of the step after `step` steps have been taken."""
+        return "mle" if step < self.cfg.mle_steps else "rl"
+
+    def train_step(self, phase: str) -> dict:
+        """One step of the phase; a non-finite loss or gradient skips the update (counted, see _update)."""
+        lr = self.cfg.lr if phase == "mle" else self.cfg.rl_lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.cfg.profile_memory:
+            self.profiler = StepProfiler(self.device)
+        start = time.perf_counter()
+        try:
+            row = self.mle_step() if phase == "mle" else self.rl_step()
+        except torch.cuda.OutOfMemoryError:
+            if distributed.world() > 1:
+                raise  # one process cannot skip alone: the others would wait for it in the all-reduce
+            row = self.skip_out_of_memory(phase)
+        if self.cfg.rescore_chunk == "auto":
+            row["chunk"] = self.last_chunk
+        row["lr"] = lr
+        if self.profiler is not None:
+            self.report_profile(phase)
+        stats = self.stats[phase]
+        stats["seconds"] += time.perf_counter() - start
+        stats["steps"] += 1
+        stats["skipped"] += row["skipped"]
+        if "reward_mean" in row:
+            stats["reward_sum"] += row["reward_mean"]
+            stats["reward_steps"] += 1
+        return row
+
+    def skip_out_of_memory(self, phase: str) -> dict:
+        """Out of memory outside phase two's chunks (those halve themselves and retry): drop this batch with a
+        memory summary on stderr, count it, and go on with the next."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            summary = torch.cuda.memory_summary(self.device, abbreviated=True)
+            torch.cuda.empty_cache()
+        else:
+            summary = f"peak memory {peak_memory_mb(self.device):.0f} MB"
+        self.stats[phase]["out_of_memory"] += 1
+        print(f"step {self.step + 1} [{phase}]: out of memory, batch skipped "
+              f"({self.stats[phase]['out_of_memory']} so far)\n{summary}", file=sys.stderr, flush=True)
+        return {"loss": None, "skipped": 1, "out_of_memory": 1}  # None: metrics.jsonl stays strict JSON
+
+    def report_profile(self, phase: str) -> None:
+        """--profile-memory: every step to memory_profile.jsonl, the first of each phase also printed."""
+        if self.is_main:
+            self.profiler.write(self.save_dir / "memory_profile.jsonl", self.step + 1, phase,
+                                echo=self.stats[phase]["steps"] == 0)
+        self.profiler = None
+
+    def run(self) -> dict:
+        cfg = self.cfg
+        total = cfg.mle_steps + cfg.rl_steps
+        # disable=None: a bar on a terminal, nothing in log files; only the main process draws one.
+        bar = tqdm(total=total, initial=self.step, desc="train", dynamic_ncols=True, mininterval=1.0,
+                   disable=None if self.is_main else True)
+        # Without a bar (stdout a file or a pipe), --log-every lines show the run moving between validations.
+        progress = ProgressLines(cfg.log_every, total, self.step, self.metrics.elapsed) \
+            if self.is_main and bar.disable else None
+        try:
+            with GracefulStop(repeats_within=2.0 if distributed.world() > 1 else 0.0) as stop, bar:
+                # Every process must stop after the same step, whichever got the signal first (one all-reduce).
+                while self.step < total and distributed.agree_to_stop(stop.received) is None:
+                    phase = self.phase_at(self.step)
+                    row = self.train_step(phase)
+                    self.step += 1
+                    self.log({"step": self.step, "phase": phase, **row})
+                    bar.update(1)
+                    bar.set_postfix({k: f"{v:.3g}" for k, v in row.items()
+                                     if k in ("loss", "reward_mean") and isinstance(v, float)})
+                    line = progress.line(self.step, phase, row, self.metrics.elapsed) if progress else None
+                    if line:
+                        print(line, flush=True)
+                    self.after_step(phase, bar)
+                signum = distributed.agree_to_stop(stop.received)  # also a signal during the last step
+                if signum is None:
+                    self.evaluate_test()
+        except RewardError as err:
+            raise self.saved_after(err) from None
+        if signum is not None:
+            self.save()
+            raise Interrupted(128 + signum, f"stopped by signal {signum} after step {self.step}; "
+                                            f"saved {self.save_dir / 'checkpoint_last.pt'} (--resume continues)")
+        self.summary["peak_memory_mb"] = peak_memory_mb(self.device)
+        return self.summary
+
+    def saved_after(self, err: RewardError) -> RewardError:
+        """A reward that fails after the start-up check (during RL or a validation): save checkpoint_last.pt at
+        the steps taken so far, so fixing the plug-in and --resume loses nothing, and report both in one line.
+        With several processes the others wait in a collective the failing one never joins, so nothing is saved
+        there (torchrun stops them)."""
+        if distributed.world() > 1:
+            return err
+        self.save()
+        return RewardError(f"{err} (after step {self.step}; saved {self.save_dir / 'checkpoint_last.pt'}, "
+                           "--resume continues once the reward is fixed)")
+
+    def evaluate_test(self) -> None:
+        """The test split, once, with the final model: the summary's last column and a "test" metrics row."""
+        if self.test is None:
+            return
+        cfg = self.cfg
+        scores = validate(self.model, self.test, self.src_vocab, self.tgt_vocab, self.reward, cfg.eval_beam,
+                          cfg.max_len, self.device)
+        self.summary["test"] = scores
+        self.log({"step": self.step, "phase": "test", **scores})
+        if self.is_main:
+            tqdm.write(f"step {self.step} test " + fmt_scores(scores))
+
+    def after_step(self, phase: str, bar) -> None:
+        """Validation (and checkpoint_best.pt when it improves), phase summary and checkpoints, each when due."""
+        cfg = self.cfg
+        phase_end = self.step == cfg.mle_steps or self.step == cfg.mle_steps + cfg.rl_steps
+        scores = None
+        if self.step % cfg.eval_every == 0 or phase_end:
+            scores = self.validate()
+            self.log({"step": self.step, "phase": "eval", "after": phase, **scores})
+            if self.is_main:
+                bar.write(f"step {self.step} [{phase}] valid " + fmt_scores(scores))
+            self.save_best(scores)
+        if phase_end:
+            st = self.stats[phase]
+            self.summary[phase] = {**scores, "steps_per_s": st["steps"] / max(st["seconds"], 1e-9),
+                                   "skipped": st["skipped"],
+                                   "reward_mean": st["reward_sum"] / max(st["reward_steps"], 1)
+                                   if phase == "rl" else math.nan}
+        if phase_end or self.step % cfg.save_every == 0:
+            self.save()

@@ -1,0 +1,109 @@
+"""The run directory: one run per `--save-dir`, and the metrics log that run writes there.
+
+A directory holding a run's files is refused unless `--resume` continues that run or `--overwrite` replaces it, so
+a second run can neither replace a finished run's checkpoints nor append to its log. On `--resume` the logs are
+cut back to the checkpoint's step: rows of steps taken after it (lost with the process that took them) would
+otherwise appear twice, and one metrics.jsonl only ever tells one consistent run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+LOGS = ("metrics.jsonl", "memory_profile.jsonl")
+
+
+def run_files(save_dir) -> list[Path]:
+    """The files of a run in save_dir: its checkpoints and logs."""
+    folder = Path(save_dir)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir()
+                  if p.name in LOGS or (p.name.startswith("checkpoint_") and p.name.endswith(".pt")))
+
+
+def claim(save_dir, resume: bool, overwrite: bool) -> list[Path]:
+    """Check that save_dir may take this run; returns the old run's files that --overwrite is to delete. Refused
+    (ValueError, one line naming the directory and both flags): a directory holding another run without --resume
+    or --overwrite, and the two flags together. The caller deletes the files with `remove` only once the new run
+    is ready to start, so a typo in another flag does not cost the old run."""
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in --save-dir and --overwrite replaces it: give one of them")
+    found = run_files(save_dir)
+    if not found or resume:
+        return []
+    if not overwrite:
+        names = ", ".join(p.name for p in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ValueError(f"--save-dir {save_dir} already holds a run ({names}); pass --resume to continue it or "
+                         "--overwrite to replace it (or choose another --save-dir)")
+    return found
+
+
+def remove(files: list[Path]) -> None:
+    """Delete an old run's files (what else its directory holds stays)."""
+    for path in files:
+        path.unlink(missing_ok=True)
+
+
+def _kept(row: dict, step: int) -> bool:
+    # Rows of the checkpoint's own step stay (its training row and validation come before the save), except
+    # the test evaluation, which follows the final save and is redone when the resumed run ends.
+    return row.get("step", 0) < step or (row.get("step") == step and row.get("phase") != "test")
+
+
+def cut_back(path, step: int) -> int:
+    """Rewrite the JSONL log at `path` keeping its rows up to `step` (see _kept), atomically: a crash leaves the
+    old file or the new one. A torn last line (the process killed mid-write) goes too. Returns rows dropped."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict) and _kept(row, step):
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return dropped
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per line, each stamped with `time` (ISO 8601, UTC) and `elapsed_s` (seconds
+    since the run began, continuing across --resume from the checkpoint's count)."""
+
+    def __init__(self, path, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+        self.elapsed_before = 0.0  # what earlier processes of this run spent, up to the resumed checkpoint
+        self._start = time.monotonic()
+
+    @property
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.monotonic() - self._start
+
+    def resume_at(self, elapsed_s: float) -> None:
+        self.elapsed_before, self._start = float(elapsed_s), time.monotonic()
+
+    def write(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        stamp = datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({**row, "time": stamp, "elapsed_s": round(self.elapsed, 3)}) + "\n")
