@@ -75,11 +75,12 @@ def test_default_task_runs_on_cmudict(tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["n"]) for r in rows if r["phase"] == "test"] == [(3, 3143)]
     state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
-    assert state["config"]["char_source"] is True  # decode splits words into letters
-    assert state["config"]["lowercase_source"] is True and state["config"]["best_metric"] == "word_acc"
-    model, src_vocab, tgt_vocab, cfg = decode.load_model(str(tmp_path / "checkpoint_last.pt"), torch.device("cpu"))
-    [hyp] = decode.decode_lines(model, src_vocab, tgt_vocab, ["hello"], True, False, 2, 6, 8, torch.device("cpu"))
-    assert all(t in tgt_vocab.stoi for t in hyp.split())
+    assert state["task"]["spec"] == "g2p" and state["config"]["task"] == "g2p" and state["config"]["reward"] == "edit"
+    assert state["task"]["state"]["char_source"] is True  # decode splits words into letters
+    assert state["task"]["state"]["fold_case"] is True and state["config"]["best_metric"] == "word_acc"
+    model, task, cfg = decode.load_model(str(tmp_path / "checkpoint_last.pt"), torch.device("cpu"))
+    [hyp], _ = decode.decode_lines(model, task, ["hello"], 2, 6, 8, torch.device("cpu"))
+    assert hyp and all(t in task.tgt_vocab.stoi for t in hyp.split())
     (tmp_path / "in.txt").write_text("hello\nHello\nHELLO\n")
     assert decode.main(["--checkpoint", str(tmp_path / "checkpoint_last.pt"), "--input", str(tmp_path / "in.txt"),
                         "--output", str(tmp_path / "out.txt"), "--beam-size", "2"]) == 0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from twophase.train import cli, rundir
+from twophase.train.config import Config
 
 from tasks import task_dir
 
@@ -97,7 +98,12 @@ def test_best_checkpoint_follows_the_best_metric_at_every_validation(task, tmp_p
 
 
 def test_lower_is_better_metrics_and_auto():
-    from twophase.train.report import best_metric
+    from twophase import tasks
+    from twophase.train.cli import UsageError, resolve_best_metric
 
-    assert best_metric("auto", builtin_data=True) == "word_acc" and best_metric("auto", builtin_data=False) == "reward"
-    assert best_metric("per", builtin_data=True) == "per"
+    g2p, tsv = tasks.build(Config(task="g2p")), tasks.build(Config(task="tsv", train="a", valid="b"))
+    assert resolve_best_metric(Config(), g2p) == "word_acc" and resolve_best_metric(Config(), tsv) == "reward"
+    assert resolve_best_metric(Config(best_metric="per"), g2p) == "per"
+    assert [m.key for m in g2p.metrics if not m.higher_is_better] == ["wer", "per"]
+    with pytest.raises(UsageError, match="--best-metric bleu"):
+        resolve_best_metric(Config(best_metric="bleu"), g2p)

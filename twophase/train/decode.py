@@ -1,8 +1,9 @@
 """`twophase-decode` / `python -m twophase.train.decode`: the best hypothesis for each input line.
 
 Loads a checkpoint written by training (weights only: nothing in it is executed), reads one source per line,
-and writes the highest-scoring beam hypothesis per line, in order. Empty lines give empty lines. Sources are
-split and case-folded as in training (the checkpoint's flags); tokens the model never saw are counted on stderr.
+and writes the highest-scoring beam hypothesis per line, in order. Empty lines give empty lines. The
+checkpoint's task reads the sources (split and case-folded as in training) and writes the hypotheses; tokens the
+model never saw are counted on stderr.
 """
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import torch
 
 from .checkpoint import CheckpointError, load
 from .cli import UsageError, pick_device
-from .config import DEFAULT_BEAM, OneLineParser
-from ..tasks.data import DataError, pad_batch, read_lines, split_utf8_lines, tokenize_source
-from ..models.seq2seq import Seq2Seq
+from .config import DEFAULT_BEAM, OneLineParser, config_from_dict
+from .. import tasks
+from ..tasks.base import Example
+from ..tasks.data import DataError, read_lines, split_utf8_lines
 from ..samples import best_rows
 from ..search import beam_search
-from ..vocab import Vocab
 
 
 def build_parser() -> OneLineParser:
@@ -39,21 +40,29 @@ def read_input(path: str) -> list[str]:
 
 
 def load_model(path: str, device: torch.device):
+    """The checkpoint's model in evaluation mode, its task (ids restored, no data read) and its training config."""
     state = load(path, map_location=device)
-    model = Seq2Seq(**state["model_config"]).to(device)
+    saved = state["config"]
+    cfg = config_from_dict(saved)
+    if "task" in state:
+        task = tasks.build(cfg, state["task"]["spec"])
+        task.load_state_dict(state["task"]["state"])
+    else:  # written before tasks existed: CMUdict or TSV text, with the vocabularies at the top level
+        task = tasks.build(cfg, "tsv" if saved.get("train") else "g2p")
+        task.load_state_dict({"src_vocab": state["src_vocab"], "tgt_vocab": state["tgt_vocab"],
+                              "char_source": saved.get("char_source", True),
+                              "char_target": saved.get("char_target", False),
+                              "fold_case": saved.get("lowercase_source", saved.get("train") is None)})
+    model = task.build_model().to(device)
     model.load_state_dict(state["model"])
-    return model.eval(), Vocab(state["src_vocab"]), Vocab(state["tgt_vocab"]), state["config"]
+    return model.eval(), task, saved
 
 
-def source_tokens(line: str, char_source: bool, lowercase: bool) -> tuple[str, ...]:
-    return tokenize_source(line.lower() if lowercase else line, char_source)
-
-
-def unknown_tokens(src_vocab: Vocab, lines: list[str], char_source: bool, lowercase: bool) -> str | None:
+def unknown_tokens(task, sources: list) -> str | None:
     """One line for stderr counting the source tokens the model never saw (decoded as <unk>), or None."""
     count, in_lines, examples = 0, 0, []
-    for line in lines:
-        unseen = [t for t in source_tokens(line, char_source, lowercase) if t not in src_vocab.stoi]
+    for source in sources:
+        unseen = task.unknown_source_tokens(source)
         count, in_lines = count + len(unseen), in_lines + bool(unseen)
         examples += [t for t in dict.fromkeys(unseen) if t not in examples][:3 - len(examples)]
     if not count:
@@ -62,19 +71,18 @@ def unknown_tokens(src_vocab: Vocab, lines: list[str], char_source: bool, lowerc
             + ", ".join(repr(t) for t in examples))
 
 
-def decode_lines(model, src_vocab, tgt_vocab, lines, char_source, char_target, beam_size, max_len,
-                 batch_size, device, lowercase: bool = False) -> list[str]:
+def decode_lines(model, task, lines: list[str], beam_size: int, max_len: int, batch_size: int,
+                 device) -> tuple[list[str], list]:
+    """The best hypothesis of each non-blank line (blank lines give empty lines), as the task formats it, and
+    the parsed sources."""
     out = [""] * len(lines)
-    todo = [(i, src_vocab.encode(source_tokens(line, char_source, lowercase))) for i, line in enumerate(lines)]
-    todo = [(i, ids) for i, ids in todo if ids]
-    joiner = "" if char_target else " "
+    todo = [(i, Example(task.parse_source(line))) for i, line in enumerate(lines) if line.strip()]
     for start in range(0, len(todo), batch_size):
         chunk = todo[start:start + batch_size]
-        source = pad_batch([ids for _, ids in chunk], device)  # (B, S), (B,)
-        best = best_rows(beam_search(model, source, beam_size, max_len))  # (B, T)
-        for (i, _), row in zip(chunk, best.tolist()):
-            out[i] = joiner.join(tgt_vocab.decode(row))
-    return out
+        best = best_rows(beam_search(model, task.collate([ex for _, ex in chunk], device), beam_size, max_len))
+        for (i, _), row in zip(chunk, best.tolist()):  # best: (B, T)
+            out[i] = task.format_output(task.detokenize(row))
+    return out, [ex.source for _, ex in todo]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,18 +94,15 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
         check_output(args.output)  # before decoding: a typo should not cost the whole decode
         device = pick_device(args.device)
-        model, src_vocab, tgt_vocab, cfg = load_model(args.checkpoint, device)
+        model, task, cfg = load_model(args.checkpoint, device)
         lines = read_input(args.input)
-        # Checkpoints from before the flag existed: the built-in data (no --train) was always lower-case.
-        split = cfg.get("char_source", False), cfg.get("lowercase_source", cfg.get("train") is None)
-        hyps = decode_lines(model, src_vocab, tgt_vocab, lines, split[0], cfg.get("char_target", False),
-                            args.beam_size, args.max_len or cfg["max_len"], args.batch_size, device,
-                            lowercase=split[1])
+        hyps, sources = decode_lines(model, task, lines, args.beam_size, args.max_len or cfg["max_len"],
+                                     args.batch_size, device)
         write_output(args.output, "".join(h + "\n" for h in hyps))
-    except (UsageError, DataError, CheckpointError) as err:
+    except (UsageError, DataError, CheckpointError, tasks.TaskError) as err:
         print(f"twophase-decode: error: {err}", file=sys.stderr)
         return 2
-    report = unknown_tokens(src_vocab, lines, *split)
+    report = unknown_tokens(task, sources)
     if report:
         print(report, file=sys.stderr)
     return 0

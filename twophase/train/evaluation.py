@@ -1,4 +1,5 @@
-"""Validation: decode a data set with beam search and score the best hypothesis of each source.
+"""Validation: decode examples with beam search and score the best hypothesis of each with the task's metrics
+and the reward; and the one way the trainer calls a reward (with the examples' context).
 
 Several processes each decode a share and reduce the sufficient statistics, so the scores equal one process's.
 Letters: B sources per decoding batch, N rows.
@@ -8,28 +9,37 @@ from __future__ import annotations
 import torch
 
 from . import distributed
-from ..tasks.data import Dataset, pad_batch
-from ..tasks.metrics import evaluate_sums, scores_from_sums
 from ..samples import best_rows
 from ..search import beam_search
-from ..vocab import Vocab
+from ..tasks.base import Example, Task
+
+
+def reward_context(examples: list[Example]) -> dict:
+    """The keywords a source-aware reward may declare, one entry per hypothesis: `sources` (the raw source of
+    each hypothesis' example) and every extra field of the task's examples."""
+    context = {"sources": [ex.source for ex in examples]}
+    for key in (examples[0].fields if examples else {}):
+        context[key] = [ex.fields[key] for ex in examples]
+    return context
+
+
+def score(reward, hypotheses: list[str], examples: list[Example]) -> list[float]:
+    """reward(hypotheses, references, **context) with hypothesis i from examples[i]."""
+    return reward(hypotheses, [ex.references for ex in examples], **reward_context(examples))
 
 
 @torch.inference_mode()
-def validate(model, data: Dataset, src_vocab: Vocab, tgt_vocab: Vocab, reward, beam_size: int, max_len: int,
+def validate(model, task: Task, examples: list[Example], reward, beam_size: int, max_len: int,
              device: torch.device, limit: int = 0, batch_size: int = 256) -> dict:
-    """word_acc, wer, per, n and the mean reward of the best hypotheses over data (its first `limit` sources)."""
-    n = min(limit, len(data)) if limit else len(data)
-    model.eval()
-    share = distributed.shard(list(range(n)))
+    """The task's scores, n and the mean reward of the best hypotheses of examples (the first `limit`)."""
+    n = min(limit, len(examples)) if limit else len(examples)
+    share = [examples[i] for i in distributed.shard(list(range(n)))]
     hyps = []
     for start in range(0, len(share), batch_size):
-        source = pad_batch([src_vocab.encode(data.sources[i]) for i in share[start:start + batch_size]], device)
-        s = beam_search(model, source, beam_size, max_len)
-        hyps += [tgt_vocab.decode(r) for r in best_rows(s).tolist()]
-    refs = [data.references[i] for i in share]
-    sums = evaluate_sums(hyps, refs)
-    sums["reward"] = sum(reward([" ".join(h) for h in hyps], [[" ".join(r) for r in rs] for rs in refs])
-                         if hyps else [])
+        batch = share[start:start + batch_size]
+        s = beam_search(model, task.collate(batch, device), beam_size, max_len)
+        hyps += [task.detokenize(row) for row in best_rows(s).tolist()]
+    sums = dict(task.metric_sums(hyps, share))
+    sums["reward"] = sum(score(reward, hyps, share)) if share else 0.0
     sums = distributed.reduce_sums(sums)
-    return {**scores_from_sums(sums), "reward": sums["reward"] / sums["n"]}
+    return {**task.scores(sums), "reward": sums["reward"] / max(sums["n"], 1)}

@@ -129,8 +129,7 @@ class RunLoop:
         if self.test is None:
             return
         cfg = self.cfg
-        scores = validate(self.model, self.test, self.src_vocab, self.tgt_vocab, self.reward, cfg.eval_beam,
-                          cfg.max_len, self.device)
+        scores = validate(self.model, self.task, self.test, self.reward, cfg.eval_beam, cfg.max_len, self.device)
         self.summary["test"] = scores
         self.log({"step": self.step, "phase": "test", **scores})
         if self.is_main:

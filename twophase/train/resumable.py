@@ -19,8 +19,8 @@ class Resumable:
     def state(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
                 "phase": self.phase_at(self.step - 1) if self.step else "mle", "config": asdict(self.cfg),
-                "model_config": dict(self.model.config), "src_vocab": self.src_vocab.itos,
-                "tgt_vocab": self.tgt_vocab.itos, "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
+                "task": {"spec": self.task.spec, "state": self.task.state_dict()},
+                "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
                 "mle_batches": self.mle_batches.state_dict(), "rl_batches": self.rl_batches.state_dict(),
                 "stats": self.stats, "summary": self.summary, "bad_in_a_row": self.bad_in_a_row,
                 "best_step": self.best_step, "elapsed_s": self.metrics.elapsed,

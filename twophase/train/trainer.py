@@ -2,12 +2,13 @@
 
 One RL step reads like the algorithm:
     1. phase one  - search K candidates per source with no graph (beam_search / sample);
-    2. rewards    - score the detokenised candidates against every reference of their source;
+    2. rewards    - score the detokenised candidates against every reference of their source (and the source);
     3. objective  - turn rewards and search scores into one coefficient per candidate;
     4. phase two  - rescore_backward: chunked teacher-forced re-decoding, exact gradient of sum c_i log p_i;
     5. update     - clip and take the optimizer step.
 
-Letters: B sources per step, K candidates per source, N rows, S source length, T target length.
+The task (twophase.tasks) supplies the data, the model's sources, target ids and detokenisation; the trainer
+knows nothing else about it. Letters: B sources per step, K candidates per source, N rows, T target length.
 """
 from __future__ import annotations
 
@@ -22,33 +23,29 @@ from . import amp, distributed
 from .. import objectives
 from .checkpoint import CheckpointManager
 from .config import Config, parse_size
-from ..tasks.data import BatchSampler, Dataset, pad_batch, pad_targets
+from ..tasks.base import Example, Task
+from ..tasks.data import BatchSampler
 from .interrupt import Interrupted
-from .evaluation import validate
+from .evaluation import score, validate
 from .loop import RunLoop
-from ..models.seq2seq import Seq2Seq
 from ..onephase import one_phase_backward, one_phase_search
 from .profiling import ChunkPlanner, StepProfiler
-from .report import LOWER_IS_BETTER, best_metric
 from .resumable import Resumable
 from .rundir import MetricsLog
 from ..rescoring import rescore_backward
 from ..samples import Samples
 from ..search import beam_search, greedy, sample
-from ..vocab import Vocab
+from ..vocab import pad_targets
 
 
 class Trainer(Resumable, RunLoop):
-    def __init__(self, cfg: Config, model: Seq2Seq, src_vocab: Vocab, tgt_vocab: Vocab, train: Dataset,
-                 valid: Dataset, reward, device: torch.device, test: Dataset | None = None):
-        self.cfg, self.model, self.device = cfg, model, device
-        self.src_vocab, self.tgt_vocab, self.train, self.valid, self.test = src_vocab, tgt_vocab, train, valid, test
-        self.reward = reward
-        self.src_ids = [src_vocab.encode(s) for s in train.sources]
-        self.ref_ids = [[tgt_vocab.encode(r) for r in refs] for refs in train.references]
-        self.pairs = train.pairs()
+    def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device):
+        self.cfg, self.task, self.model, self.device, self.reward = cfg, task, model, device, reward
+        self.train, self.valid, self.test = task.train, task.valid, task.test or None
+        self.ref_ids = [task.target_ids(ex) for ex in self.train]  # (source, reference) -> target ids, no EOS
+        self.pairs = [(i, j) for i, refs in enumerate(self.ref_ids) for j in range(len(refs))]
         self.mle_batches = BatchSampler(len(self.pairs), cfg.mle_batch_size, cfg.seed)
-        self.rl_batches = BatchSampler(len(train), cfg.batch_size, cfg.seed + 1)
+        self.rl_batches = BatchSampler(len(self.train), cfg.batch_size, cfg.seed + 1)
         # Each process samples candidates for its own sources, from its own stream (rank 0's is a single process's).
         self.sampling = torch.Generator(device=device).manual_seed(cfg.seed + 1000 * distributed.rank())
         self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -59,9 +56,10 @@ class Trainer(Resumable, RunLoop):
         self.step = 0
         self.save_dir = Path(cfg.save_dir)
         self.save_dir.mkdir(parents=True, exist_ok=True)
-        self.best_key = best_metric(cfg.best_metric, builtin_data=cfg.train is None)
+        self.best_key = cfg.best_metric  # resolved by the command (auto -> the task's main metric)
+        lower = {m.key for m in task.metrics if not m.higher_is_better}
         self.checkpoints = CheckpointManager(self.save_dir, keep_last=cfg.keep_last,
-                                             higher_is_better=self.best_key not in LOWER_IS_BETTER)
+                                             higher_is_better=self.best_key not in lower)
         self.best_step: int | None = None
         self.summary: dict[str, dict] = {}
         self.stats = {p: {"steps": 0, "seconds": 0.0, "skipped": 0, "out_of_memory": 0, "reward_sum": 0.0,
@@ -75,18 +73,25 @@ class Trainer(Resumable, RunLoop):
 
     # ------------------------------------------------------------------ batches
     def _sources(self, idx: list[int]):
-        return pad_batch([self.src_ids[i] for i in idx], self.device)  # (B, S), (B,)
+        return self.task.collate([self.train[i] for i in idx], self.device)
 
     def detokenize(self, tokens: torch.Tensor) -> list[str]:
-        """Rows (N, T) -> space-joined target tokens, what reward plug-ins see."""
-        return [" ".join(self.tgt_vocab.decode(row)) for row in tokens.tolist()]
+        """Rows (N, T) -> the strings reward plug-ins see."""
+        return [self.task.detokenize(row) for row in tokens.tolist()]
+
+    def rewards_of(self, tokens: torch.Tensor, owner: list[int], examples: list[Example]) -> torch.Tensor:
+        """(N,) float64 rewards of candidate rows tokens (N, T), row i from examples[owner[i]]."""
+        hyps = self.detokenize(tokens)
+        return torch.tensor(score(self.reward, hyps, [examples[o] for o in owner]), dtype=torch.float64,
+                            device=self.device)
 
     # ------------------------------------------------------------------ steps
     def mle_step(self) -> dict:
         batch = next(self.mle_batches)  # the global batch: every process draws it, then takes its share
         pairs = [self.pairs[k] for k in distributed.shard(batch)]
         source = self._sources([i for i, _ in pairs])
-        tgt = pad_targets([self.ref_ids[i][j] for i, j in pairs], self.device)  # (B, T)
+        tgt = pad_targets([self.ref_ids[i][j] for i, j in pairs], self.device, self.model.pad_id,
+                          self.model.eos_id)  # (B, T)
         owner = torch.arange(len(pairs), device=self.device)
         refs = Samples.of_targets(tgt, owner, self.model.pad_id, self.model.eos_id)
         self.model.train()
@@ -99,7 +104,7 @@ class Trainer(Resumable, RunLoop):
         cfg, batch = self.cfg, next(self.rl_batches)
         B, idx = len(batch), distributed.shard(batch)  # B counts the global batch; idx is this process's share
         source = self._sources(idx)
-        references = [[" ".join(r) for r in self.train.references[i]] for i in idx]
+        examples = [self.train[i] for i in idx]
         self.model.eval()  # phase one and phase two must score with the same function: no dropout in either
 
         # 1. Phase one: K candidates per source and their log-probabilities, no graph.
@@ -112,12 +117,11 @@ class Trainer(Resumable, RunLoop):
                 cand = beam_search(self.model, source, cfg.beam_size, cfg.max_len)
             else:
                 cand = sample(self.model, source, cfg.beam_size, cfg.max_len, cfg.temperature, self.sampling)
-        # 2. Rewards of every candidate against all references of its source.
+        # 2. Rewards of every candidate against all references of its source (and what else the reward asks).
         with self.section("rewards"):
-            rewards = torch.tensor(self.reward(self.detokenize(cand.tokens), [references[o] for o in cand.owner]),
-                                   dtype=torch.float64, device=self.device)  # (N,)
+            rewards = self.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,)
         # 3. Coefficients: the objective's weight on each log p(candidate).
-        coef = self.coefficients(cand, rewards, source, references, B)
+        coef = self.coefficients(cand, rewards, source, examples, B)
         rows = cand
         if cfg.mle_weight > 0:  # the MLE term rides along as extra rows, chunked like the candidates
             refs = self._reference_rows(idx)
@@ -162,7 +166,7 @@ class Trainer(Resumable, RunLoop):
             loss += self.phase_two(source, refs, coef[n:])
         return loss
 
-    def coefficients(self, cand: Samples, rewards, source, references, num_sources: int) -> torch.Tensor:
+    def coefficients(self, cand: Samples, rewards, source, examples: list[Example], num_sources: int) -> torch.Tensor:
         """num_sources: the global batch size, which every loss is averaged over (cand.owner indexes src)."""
         cfg, B = self.cfg, num_sources
         if cfg.objective == "beam":
@@ -173,13 +177,13 @@ class Trainer(Resumable, RunLoop):
         if cfg.reinforce_baseline == "greedy":  # self-critical: the greedy decode's reward is the baseline
             with self.autocast():
                 best = greedy(self.model, source, cfg.max_len)
-            greedy_rewards = torch.tensor(self.reward(self.detokenize(best.tokens), references),
-                                          dtype=torch.float64, device=self.device)  # (B,)
+            greedy_rewards = self.rewards_of(best.tokens, best.owner.tolist(), examples)  # (B,)
         return objectives.reinforce(rewards, cand.owner, B, cfg.reinforce_baseline, greedy_rewards)
 
     def _reference_rows(self, idx: list[int]) -> Samples:
         owner = [b for b, i in enumerate(idx) for _ in self.ref_ids[i]]
-        tgt = pad_targets([r for i in idx for r in self.ref_ids[i]], self.device)  # (R, T)
+        tgt = pad_targets([r for i in idx for r in self.ref_ids[i]], self.device, self.model.pad_id,
+                          self.model.eos_id)  # (R, T)
         owner = torch.tensor(owner, device=self.device)
         return Samples.of_targets(tgt, owner, self.model.pad_id, self.model.eos_id)
 
@@ -210,5 +214,5 @@ class Trainer(Resumable, RunLoop):
 
     def validate(self) -> dict:
         cfg = self.cfg
-        return validate(self.model, self.valid, self.src_vocab, self.tgt_vocab, self.reward, cfg.eval_beam,
-                        cfg.max_len, self.device, limit=cfg.valid_size)
+        return validate(self.model, self.task, self.valid, self.reward, cfg.eval_beam, cfg.max_len, self.device,
+                        limit=cfg.valid_size)

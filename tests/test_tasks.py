@@ -1,0 +1,49 @@
+"""--task resolution: module:callable (from the working directory too), entry points, built-ins, and one-line
+errors for tasks that cannot be found, raise, or lack the Task methods."""
+import importlib.metadata
+
+import pytest
+
+from twophase import tasks
+from twophase.tasks.text import G2P, TSV
+from twophase.train import cli
+from twophase.train.config import Config
+
+
+def test_builtins_and_defaults():
+    assert tasks.default_name(Config()) == "g2p" and tasks.default_name(Config(train="a", valid="b")) == "tsv"
+    assert isinstance(tasks.build(Config()), G2P) and isinstance(tasks.build(Config(train="a", valid="b")), TSV)
+    assert {"g2p", "tsv"} <= set(tasks.available())
+
+
+def test_a_module_in_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "mytask_mod.py").write_text(
+        "from twophase.tasks.text import G2P\n\nclass Mine(G2P):\n    name = 'mine'\n")
+    monkeypatch.chdir(tmp_path)
+    task = tasks.build(Config(task="mytask_mod:Mine"))
+    assert task.name == "mine" and task.spec == "mytask_mod:Mine"
+
+
+def test_an_entry_point(monkeypatch):
+    ep = importlib.metadata.EntryPoint(name="g2p-again", value="twophase.tasks.text:G2P", group=tasks.GROUP)
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [ep] if group == tasks.GROUP else [])
+    assert isinstance(tasks.build(Config(task="g2p-again")), G2P)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nosuchtask", "unknown task 'nosuchtask'; available: "),
+    ("no_such_module_xyz:Task", "task 'no_such_module_xyz:Task': cannot import module"),
+    ("twophase.tasks.text:Nope", "has no attribute 'Nope'"),
+    ("twophase.tasks.text:G2P.name", "str object is not callable"),
+    ("builtins:dict", "task 'builtins:dict' raised TypeError"),
+    ("builtins:vars", "returned a dict without load_data, state_dict"),
+])
+def test_bad_tasks_fail_in_one_line(spec, message, capsys, tmp_path):
+    assert cli.main(["--task", spec, "--save-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and err.startswith("train.py: error: ")
+
+
+def test_g2p_refuses_files(capsys, tmp_path):
+    assert cli.main(["--task", "g2p", "--train", "a.tsv", "--valid", "b.tsv", "--save-dir", str(tmp_path)]) == 2
+    assert "--task g2p has its own data" in capsys.readouterr().err
