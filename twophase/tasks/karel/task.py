@@ -39,7 +39,7 @@ from .world import World
 
 DEFAULT_TRAIN, DEFAULT_VALID = 10_000, 500
 DATA_SEED = 0
-CHANNELS = (32, 64)
+CHANNELS = (32, 32)
 
 
 def as_example(task) -> Example:
