@@ -13,7 +13,8 @@ from ..plugins import PluginError, brief, load_spec
 from .base import Example, Metric, Task
 
 GROUP = "twophase.tasks"
-BUILTINS = {"g2p": "twophase.tasks.text:G2P", "tsv": "twophase.tasks.text:TSV"}
+BUILTINS = {"g2p": "twophase.tasks.text:G2P", "tsv": "twophase.tasks.text:TSV",
+            "karel": "twophase.tasks.karel.task:Karel"}
 REQUIRED = ("load_data", "state_dict", "load_state_dict", "build_model", "collate", "target_ids", "detokenize",
             "metric_sums", "scores", "parse_source", "format_output")
 

@@ -7,8 +7,8 @@ Its `state_dict` (vocabularies, say) goes into every checkpoint, so decoding and
 ids without the data.
 
 A task is found by `--task NAME` (see twophase.tasks.get): `package.module:callable`, an entry point of the
-group `twophase.tasks`, or a built-in (`g2p`, `tsv`). The callable takes the training `Config` and returns a
-`Task`; it should be cheap: data is read by `load_data`, which runs after `load_state_dict` on --resume.
+group `twophase.tasks`, or a built-in (`g2p`, `tsv`, `karel`). The callable takes the training `Config` and
+returns a `Task`; it should be cheap: data is read by `load_data`, which runs after `load_state_dict` on --resume.
 """
 from __future__ import annotations
 

@@ -70,6 +70,7 @@ class Config:
                                  "with its EOS: 'error' (stop, naming FILE:LINE) or 'skip' (leave out, counted)",
                         choices=("error", "skip"))
     valid_size: int = arg(0, "validate on the first N validation sources only (0: all)", minimum=0)
+    train_size: int = arg(0, "generated tasks (karel): training programs (0: the task's default)", minimum=0)
     # ---- model
     embed_dim: int = arg(64, "embedding size of source and target tokens", minimum=1)
     hidden_size: int = arg(256, "LSTM hidden size of encoder and decoder", minimum=1)
