@@ -118,7 +118,9 @@ def step_loss(model, enc, nodes: PrefixTree) -> Tensor:
         owner = nodes.owner[here]  # (n_t,)
         state = model.init_state(enc, owner) if t == 0 else tree.select_rows(state, nodes.parent[here])
         state, log_probs = model.step(enc, owner, prev[here], state)  # (n_t, V)
+        # summed in at least float32: autocast's bf16 log-probabilities would round the weights to 8 bits
         tok = log_probs.gather(1, nodes.tokens[here, None]).squeeze(1)  # (n_t,)
+        tok = tok.to(torch.promote_types(tok.dtype, torch.float32))
         w = nodes.weights[here].to(tok.dtype)
         term = torch.where(w != 0, w * tok, torch.zeros_like(tok)).sum()
         total = term if total is None else total + term
