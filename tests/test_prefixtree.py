@@ -267,3 +267,17 @@ def test_step_only_model_under_bf16(one_thread):
             for p, w in zip(model.parameters(), grads):
                 assert p.grad.dtype == torch.float32
                 assert float((p.grad - w).norm() / w.norm().clamp_min(1e-30)) <= 3e-2
+
+
+@pytest.mark.parametrize("collect", [False, True])
+def test_gradient_is_exact_under_saved_tensor_hooks(collect):
+    """Packing hooks (memstats' meter, activation offloading) hand saved tensors back as other tensor objects: the
+    LSTM cell's deferred weight gradients must still reach the parameters themselves."""
+    model, source = _lstm()
+    s = _candidates(model, source, "beam")
+    c = _coefficients("beam", s, 3)
+    want = _reference(model, source, s, c)
+    model.zero_grad()
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: [x], lambda held: held[0]):
+        loss = rescore_backward(model, source, s, c, chunk_size=3, oom_retry=collect)
+    _check(model, loss, want)

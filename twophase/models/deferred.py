@@ -53,14 +53,16 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     @amp_forward
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, sink: DeferredWeights) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.sink = sink
+        ctx.save_for_backward(x)
+        # The weight (a parameter, alive anyway) is kept as itself: saved through saved_tensors_hooks (memstats'
+        # meter) it would come back as another tensor object, and its gradient would go to that one.
+        ctx.weight, ctx.sink = weight, sink
         return F.linear(x, weight, bias)  # under autocast, in its dtype, as nn.Linear and the LSTM cell run
 
     @staticmethod
     @amp_backward
     def backward(ctx, g: Tensor):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         if ctx.needs_input_grad[1]:
             ctx.sink.record(weight, g, x)
         dx = g @ weight if ctx.needs_input_grad[0] else None  # (n, I); autograd casts it to x's dtype
