@@ -69,7 +69,7 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     if len(live) == 0:
         return 0.0
     samples, coefficients = samples.select(live), coefficients[live]
-    plan = _Plan(samples, prefix_sharing and shares_prefixes(model))
+    plan = _Plan(model, samples, prefix_sharing and shares_prefixes(model))
     if plan.tree:
         samples, coefficients = plan.samples, coefficients[plan.order]
     if oom_retry is None:
@@ -120,22 +120,24 @@ class _Plan:
     """Where each chunk ends. With a tree, rows sorted by `prefixtree.sort_rows` and chunks sized in nodes (a
     chunk of `size` holds at most size * T of them); otherwise at most `size` rows."""
 
-    def __init__(self, samples: Samples, tree: bool):
+    def __init__(self, model, samples: Samples, tree: bool):
         self.tree, self.samples, self.n = tree, samples, len(samples)
-        self.positions = int(samples.lengths.sum())
-        if not tree:
-            return
-        self.order = prefixtree.sort_rows(samples.tokens, samples.owner, samples.lengths)  # (N,)
-        self.samples = s = samples.select(self.order)
-        self.T = int(s.lengths.max())
-        self.lengths = s.lengths.tolist()
-        self.added = list(itertools.accumulate(prefixtree.new_nodes(s.tokens, s.owner, s.lengths).tolist()))
+        if tree:
+            # The tree scores what the protocol says a row scores (up to its first eos_id), whatever `lengths`
+            # a hand-made Samples carries.
+            lengths = protocol.target_mask(samples.tokens, model.pad_id, model.eos_id).sum(dim=1)  # (N,)
+            self.order = prefixtree.sort_rows(samples.tokens, samples.owner, lengths)  # (N,)
+            self.samples = s = Samples(samples.tokens, lengths, samples.owner, samples.scores).select(self.order)
+            self.T = int(s.lengths.max())
+            self.added = list(itertools.accumulate(prefixtree.new_nodes(s.tokens, s.owner, s.lengths).tolist()))
+        self.lengths = self.samples.lengths.tolist()
+        self.positions = sum(self.lengths)
 
     def chunk(self, start: int, size: int) -> tuple[int, int]:
         """(end, nodes) of the chunk that starts at row `start`; nodes = the positions it decodes."""
         if not self.tree:
             end = min(start + size, self.n)
-            return end, int(self.samples.lengths[start:end].sum())
+            return end, sum(self.lengths[start:end])
         # rows start..b have lengths[start] + added[b] - added[start] nodes; at least row `start` (<= T)
         limit = size * self.T - self.lengths[start] + self.added[start]
         end = bisect.bisect_right(self.added, limit, lo=start + 1)
