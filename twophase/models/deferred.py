@@ -6,6 +6,7 @@ two's prefix tree decodes few nodes per depth (at B2 K32 T30 H512, ~5), so those
 the LSTM cell's two weights took 0.38 s of the tree's 0.55 s decoder forward and backward, 0.19 s deferred
 (one CPU thread, torch 2.13). `DeferredWeights.linear` computes only the input's gradient in backward and keeps
 (g_t, x_t); `gradients()` then gives each weight's sum_t g_t^T x_t as one product over every step's rows.
+Autograd itself never computes those weights' gradients, so a hook registered on them sees none.
 
 Letters: n rows of a step, I input size, O output size, R rows of all steps together.
 """
