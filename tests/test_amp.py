@@ -64,9 +64,12 @@ def test_chunked_gradient_equals_one_piece_under_bf16(one_thread):
         model.zero_grad()
         (c * model.sequence_log_probs(src, lens, s.tokens, s.owner)).sum().backward()
         want = [p.grad.clone() for p in model.parameters()]
-        for chunk, tol in ((len(s), 1e-5), (5, 3e-2), (1, 3e-2)):
+        # The prefix tree (prefix_sharing) decodes nodes in batches of other shapes than the rows': its bf16 products
+        # may round differently even in one chunk (measured 6e-3), so the several-chunk tolerance.
+        for chunk, tol, share in ((len(s), 1e-5, False), (len(s), 3e-2, True), (5, 3e-2, False), (5, 3e-2, True),
+                                  (1, 3e-2, True)):
             model.zero_grad()
-            rescore_backward(model, (src, lens), s, c, chunk_size=chunk)
+            rescore_backward(model, (src, lens), s, c, chunk_size=chunk, prefix_sharing=share)
             for p, w in zip(model.parameters(), want):
                 assert p.grad.dtype == torch.float32  # parameters' .grad stays float32
                 assert _rel(p.grad, w) <= tol, (chunk, _rel(p.grad, w))

@@ -11,11 +11,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _cell(method, **kw):
     sizes = grid.GRIDS["tiny"][0]
-    return dict(sizes, beam=3, method=method, chunk=4 if method == "two-phase" else None, device="cpu",
-                dtype="float32", warmup=1, steps=2, seed=0, grad_check=method != "two-phase", **kw)
+    two = method.startswith("two-phase")
+    return dict(sizes, beam=3, method=method, chunk=4 if two else None, device="cpu",
+                dtype="float32", warmup=1, steps=2, seed=0, grad_check=not two, **kw)
 
 
-@pytest.mark.parametrize("method", ["two-phase", "one-phase", "seed-style"])
+@pytest.mark.parametrize("method", ["two-phase", "two-phase-noshare", "one-phase", "seed-style"])
 def test_worker_reports_every_field(method):
     out = grid.run_cell(_cell(method))
     for key in ("peak_mb", "alloc_mb", "graph_mb", "step_s"):
@@ -25,8 +26,11 @@ def test_worker_reports_every_field(method):
     assert out["alloc_mb"] * 2**20 >= 3 * sum(p.numel() * p.element_size() for p in model.parameters())
     assert len(out["step_times"]) == 2 and out["rows"] == 6
     assert out["target_len"] == out["max_len"]  # EOS banned: full length by construction
-    if method == "two-phase":
+    if method.startswith("two-phase"):
         assert "grad_rel_diff" not in out
+        # per step 6 rows of 4 positions; without sharing every position is decoded
+        assert out["positions"] == 2 * 6 * 4 and 0 < out["nodes"] <= out["positions"]
+        assert (out["nodes"] == out["positions"]) == (method == "two-phase-noshare")
     else:
         assert out["graph_mb"] > 0
         assert out["grad_rel_diff"] <= 1e-4  # the same gradient as two-phase, up to fp32 rounding
@@ -43,9 +47,9 @@ def test_extrapolated_cells_scale_linearly_in_rows():
 def test_tiny_run_writes_the_report(tmp_path, capsys):
     assert grid.main(["--tiny", "--inline", "--beams", "2", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert {(c["method"], c["chunk"]) for c in report["grid"]} == {("two-phase", 4), ("one-phase", None),
-                                                                    ("seed-style", None)}
-    assert all(c["grad_rel_diff"] <= 1e-4 for c in report["grid"] if c["method"] != "two-phase")
+    assert {(c["method"], c["chunk"]) for c in report["grid"]} == {("two-phase", 4), ("two-phase-noshare", 4),
+                                                                    ("one-phase", None), ("seed-style", None)}
+    assert all(c["grad_rel_diff"] <= 1e-4 for c in report["grid"] if not c["method"].startswith("two-phase"))
     md = (tmp_path / "bench.md").read_text()
     assert "T = max_len" in md and "| K | N |" in md and md in capsys.readouterr().out
     assert (tmp_path / "bench.png").exists() == _has_matplotlib()
@@ -59,6 +63,22 @@ def test_methods_choose_the_grid_columns(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         grid.parse_args(["--methods", "two-phase,naive"])
     assert exit_info.value.code == 2 and "--methods" in capsys.readouterr().err
+
+
+def test_speed_only_reports_sharing_side_by_side(tmp_path, capsys):
+    """The speed target alone (at toy sizes): two-phase with and without prefix sharing, and the ratios."""
+    sizes = ["batch=2", "beam=3", "src_len=5", "max_len=4", "hidden=16", "embed=8", "vocab=30", "src_vocab=20",
+             "chunk=4"]
+    assert grid.main(["--tiny", "--inline", "--speed-only", "--out", str(tmp_path), "--config", *sizes]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["grid"] == [] and [c["method"] for c in report["speed"]["cells"]] == list(grid.METHODS)
+    assert set(report["speed"]["time_ratios"]) == {"two-phase/seed-style", "two-phase/one-phase",
+                                                   "two-phase-noshare/seed-style", "two-phase-noshare/one-phase",
+                                                   "two-phase/two-phase-noshare"}
+    md = (tmp_path / "bench.md").read_text()
+    assert "two-phase-noshare c=4" in md and "nodes/positions" in md and "Beam sizes" not in md
+    with pytest.raises(SystemExit):
+        grid.parse_args(["--speed-only", "--no-speed"])
 
 
 def _has_matplotlib():  # the `bench` extra, not a test requirement

@@ -130,17 +130,21 @@ def _candidates(V, K, T=6, B=2, seed=0):
     return Samples(tokens, torch.full((B * K,), T), torch.arange(B).repeat_interleave(K), torch.zeros(B * K))
 
 
-def _bytes(model, src, lens, s):
+def _bytes(model, src, lens, s, prefix_sharing=True):
     c = torch.linspace(-1, 1, len(s))
-    return graph_bytes(model, (src, lens), s, c, chunk_size=CHUNK)
+    return graph_bytes(model, (src, lens), s, c, chunk_size=CHUNK, prefix_sharing=prefix_sharing)
 
 
 def test_chunk_graph_does_not_grow_with_beam_size():
     model, (src, lens) = _model(V=300), _sources(S=10, B=2)
     beams = {K: beam_search(model, (src, lens), beam_size=K, max_len=6) for K in (8, 64)}
     assert all(int(s.lengths.max()) == 6 for s in beams.values())  # both have a chunk of the longest rows
-    small, big = (_bytes(model, src, lens, beams[K]) for K in (8, 64))
+    small, big = (_bytes(model, src, lens, beams[K], prefix_sharing=False) for K in (8, 64))
     assert big / small <= 1.3, (small, big)
+    # A prefix tree's chunk decodes at most CHUNK * T nodes, each costing what a row's step does: no more graph
+    # (K=8's 16 rows fit in one chunk of 48 nodes: half the graph; K=64 fills its chunks)
+    shared = {K: _bytes(model, src, lens, beams[K]) for K in (8, 64)}
+    assert shared[8] < 0.7 * small and shared[64] <= 1.02 * big, (shared, small, big)
 
 
 def test_chunk_graph_does_not_grow_with_vocabulary():

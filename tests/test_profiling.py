@@ -26,11 +26,16 @@ def test_profiler_reports_every_phase_two_section():
     prof = StepProfiler(torch.device("cpu"))
     with prof.section("phase 1: search"):
         beam_search(model, (src, lens), beam_size=6, max_len=6)
-    rescore_backward(model, (src, lens), s, torch.ones(len(s)), chunk_size=5, profiler=prof)
+    stats = {}
+    rescore_backward(model, (src, lens), s, torch.ones(len(s)), chunk_size=5, profiler=prof, stats=stats)
     names = [r["section"] for r in prof.rows]
     chunks = [n for n in names if n.startswith("phase 2: chunk")]
     assert names[:2] == ["phase 1: search", "phase 2: encoder forward"] and names[-1] == "phase 2: encoder backward"
-    assert len(chunks) == -(-len(s) // 5)
+    assert len(chunks) == stats["chunks"] and all(n.endswith(" nodes") for n in chunks)  # a prefix tree's
+    assert sum(int(n.split()[-2]) for n in chunks) == stats["nodes"] < stats["positions"]
+    rows = StepProfiler(torch.device("cpu"))
+    rescore_backward(model, (src, lens), s, torch.ones(len(s)), chunk_size=5, profiler=rows, prefix_sharing=False)
+    assert sum(r["section"].startswith("phase 2: chunk of") for r in rows.rows) == -(-len(s) // 5)
     by_name = {r["section"]: r for r in prof.rows}
     assert by_name["phase 1: search"]["graph_mb"] == 0  # inference mode keeps no graph
     assert all(by_name[c]["graph_mb"] > 0 for c in chunks)

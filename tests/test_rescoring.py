@@ -7,6 +7,8 @@ from twophase.vocab import PAD
 
 from conftest import tiny_model, toy_batch
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second thread only stalls on a busy machine
+
 
 def _candidates(model, src, lens, kind):
     if kind == "beam":
@@ -129,8 +131,8 @@ def test_impossible_chunk_size_is_refused(bad):
 
 @pytest.mark.parametrize("path", ["decoder_states", "score"])
 def test_out_of_memory_halves_the_chunk_and_stays_exact(monkeypatch, path):
-    """Both phase-two paths: the one training uses (output layer by hand, wrapped at decoder_states) and the
-    plain autograd one taken when `score` is replaced."""
+    """Both row paths (prefix_sharing=False; the prefix tree's are in test_prefixtree.py): output layer by hand,
+    wrapped at decoder_states, and the plain autograd one taken when `score` is replaced."""
     model = tiny_model()
     src, lens = toy_batch()
     s = _candidates(model, src, lens, "beam")
@@ -158,7 +160,7 @@ def test_out_of_memory_halves_the_chunk_and_stays_exact(monkeypatch, path):
         monkeypatch.setattr(model, "weighted_score_backward", None)
     handle = model.cell.weight_ih.register_hook(fail_late_in_backward)
     model.zero_grad()
-    rescore_backward(model, (src, lens), s, c, chunk_size=8, oom_retry=True)  # the default on CUDA
+    rescore_backward(model, (src, lens), s, c, chunk_size=8, oom_retry=True, prefix_sharing=False)  # CUDA default
     handle.remove()
     assert sizes[:3] == [8, 4, 2] and max(sizes[3:]) <= 2  # halved twice, then the rest at the new size
     for g, w in zip(_grads(model), want):
@@ -178,6 +180,7 @@ def test_out_of_memory_without_retry_is_raised(monkeypatch):
 
     monkeypatch.setattr(model, "score", score)
     monkeypatch.setattr(model, "weighted_score_backward", None)
+    monkeypatch.setattr(model, "weighted_tree_backward", None)  # a model with its own `score` scores rows
     with pytest.raises(torch.cuda.OutOfMemoryError):
         rescore_backward(model, (src, lens), s, torch.ones(len(s), dtype=torch.float64), chunk_size=8)
     assert sizes == [8]
@@ -193,5 +196,6 @@ def test_out_of_memory_with_a_single_row_is_raised(monkeypatch):
 
     monkeypatch.setattr(model, "score", score)
     monkeypatch.setattr(model, "weighted_score_backward", None)
+    monkeypatch.setattr(model, "weighted_tree_backward", None)  # a model with its own `score` scores rows
     with pytest.raises(torch.cuda.OutOfMemoryError):
         rescore_backward(model, (src, lens), s, torch.ones(len(s), dtype=torch.float64), chunk_size=2, oom_retry=True)

@@ -9,6 +9,8 @@ Three ids and three methods make a model; two optional methods make it faster:
     score(enc, tokens, owner) -> (N,)             optional: teacher-forced log p, with gradients
     weighted_score_backward(enc, tokens, owner, coefficients, inputs, collect) -> (loss, grads)
                                                   optional: phase two's chunk done by the model (see below)
+    weighted_tree_backward(enc, nodes, inputs, collect) -> (loss, grads)
+                                                  optional: the same over a chunk's prefix tree (`twophase.prefixtree`)
 
 `source` is whatever the task's batches hold: the pair (src, src_lengths) for the built-in `Seq2Seq`, a
 tokenizer's dict, a float tensor of grids. `enc` and `state` are trees (`twophase.tree`): a tensor, tuple, list,
@@ -31,6 +33,9 @@ in evaluation mode (no dropout) unless told otherwise.
 V-sized logit block once instead of twice): given coefficients c (C,) it returns loss = sum_i c_i log p_i (a
 0-dim tensor) and, with `collect`, the gradients of that loss with respect to `inputs` (a list aligned with
 `inputs`, None where unused); without `collect` it adds them into each input's .grad itself and returns [].
+`weighted_tree_backward` does the same for loss = sum_nodes nodes.weights * log p(node's token | its prefix),
+each distinct (source, prefix) of the chunk's rows decoded once; without it, phase two runs `step` depth by
+depth over the tree, unless the model has its own `score` or `weighted_score_backward` (then it scores rows).
 
 A model that splits `step` into `advance(enc, owner, prev, state) -> state` and `log_probs(state) -> (N, V)`
 lets beam search build its (rows, V) candidate scores a block of sources at a time (a wide beam's largest

@@ -13,33 +13,50 @@ the size and the step's gradient stays exact. That costs a second, transient cop
 out-of-memory error can be caught and retried (the CPU, whose allocator failures are not CUDA's), autograd adds
 each chunk's gradient straight into `.grad` instead, and the output layer's by hand into the same tensors.
 
-A model may do a chunk's forward and backward itself (`weighted_score_backward`, see `twophase.protocol`): the
-built-in LSTM differentiates its output layer by hand, computing each V-sized logit block once. Otherwise
-autograd differentiates the model's `score`, or `step` run over the rows when it has no `score`.
+Candidates of one source share long prefixes, so by default a chunk is decoded as its rows' prefix tree
+(`twophase.prefixtree`): each distinct (source, prefix) once, weighted by the summed coefficients of the rows
+through it; the loss and gradient are the rows' own. Rows are sorted so that those sharing a prefix fall in one
+chunk, and chunks are sized in decoded positions (nodes), so the graph is bounded as before.
 
-Letters: B sources, N candidate rows, C rows per chunk, T target length.
+A model may do a chunk's forward and backward itself (`weighted_tree_backward` over the tree, or
+`weighted_score_backward` over rows, see `twophase.protocol`): the built-in LSTM differentiates its output layer
+by hand, computing each V-sized logit block once. Otherwise autograd differentiates `step` run depth by depth
+over the tree, or, for a model with its own `score` (perhaps one parallel pass), `score` over the rows.
+
+Letters: B sources, N candidate rows, C rows per chunk, T target length, M prefix-tree nodes.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 
 import torch
 from torch import Tensor
 
-from . import protocol, tree
+from . import prefixtree, protocol, tree
 from .samples import Samples
 
 
 def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chunk_size: int, profiler=None,
-                     oom_retry: bool | None = None, keep_mode: bool = False) -> float:
+                     oom_retry: bool | None = None, keep_mode: bool = False, prefix_sharing: bool = True,
+                     stats: dict | None = None) -> float:
     """Accumulate into .grad the gradient of sum_i coefficients[i] * log p(samples.tokens[i] | source[owner[i]]),
-    decoding at most chunk_size rows at a time. Returns the value of that sum.
+    decoding a chunk at a time. Returns the value of that sum.
 
-    On CUDA out-of-memory inside a chunk, the chunk is freed and redone with half as many rows (down to one).
+    With prefix_sharing (where the model decodes through a prefix tree, see `shares_prefixes`), the rows are
+    sorted so that each source's rows sharing a prefix are neighbours, and a chunk decodes each distinct
+    (source, prefix) of its rows once: it holds as many rows as have at most chunk_size * T distinct prefixes
+    (T the longest row), the steps chunk_size full-length rows decode without sharing, so the graph stays
+    within the same bound. Without it, a chunk is at most chunk_size rows, each decoded from its first token.
+
+    On CUDA out-of-memory inside a chunk, the chunk is freed and redone at half the size (down to one row).
     oom_retry (default: on for CUDA tensors) chooses that retry-safe accumulation; off, an out-of-memory error
     propagates and the chunk's gradient goes straight into .grad, saving a chunk-time copy of the gradients.
     The model runs in evaluation mode, as search ran it, unless keep_mode (e.g. MLE rows with dropout).
-    `profiler` (optional, see twophase.train.profiling) gets a section per encoder pass and per chunk.
+    `profiler` (optional, see twophase.train.profiling) gets a section per encoder pass and per chunk. `stats`
+    (optional dict) gets "rows", "chunks", "positions" (token positions the rows score) and "nodes" (positions
+    decoded: the distinct prefixes, or every position without sharing) added to its counts.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -52,9 +69,13 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     if len(live) == 0:
         return 0.0
     samples, coefficients = samples.select(live), coefficients[live]
+    plan = _Plan(model, samples, prefix_sharing and shares_prefixes(model))
+    if plan.tree:
+        samples, coefficients = plan.samples, coefficients[plan.order]
     if oom_retry is None:
         oom_retry = device.type == "cuda"
     section = profiler.section if profiler is not None else (lambda name: contextlib.nullcontext())
+    counts = {"rows": len(samples), "chunks": 0, "positions": plan.positions, "nodes": 0}
     with torch.enable_grad(), protocol.scoring_mode(model, keep=keep_mode):
         with section("phase 2: encoder forward"):
             enc = model.encode(source)
@@ -62,10 +83,11 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
         params = [p for p in model.parameters() if p.requires_grad]
         total, start, size, sums = 0.0, 0, chunk_size, {}
         while start < len(samples):
-            rows = slice(start, start + size)
+            end, nodes = plan.chunk(start, size)
             try:
-                with section(f"phase 2: chunk of {min(size, len(samples) - start)} rows"):
-                    total += _chunk(model, boundary, samples, coefficients, rows, params, oom_retry)
+                with section(f"phase 2: chunk of {end - start} rows" + (f", {nodes} nodes" if plan.tree else "")):
+                    total += _chunk(model, boundary, samples, coefficients, slice(start, end), params, oom_retry,
+                                    plan.tree)
             except torch.cuda.OutOfMemoryError:
                 if size == 1 or not oom_retry:
                     raise
@@ -73,17 +95,65 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
                 torch.cuda.empty_cache()
                 continue
             _bank_boundary_grads(boundary, sums)
-            start += size
+            start = end
+            counts["chunks"] += 1
+            counts["nodes"] += nodes
         with section("phase 2: encoder backward"):
-            outputs, grads = [], []
-            for i, (x, leaf) in enumerate(zip(tree.floating(enc), tree.floating(boundary))):
-                g = sums[i].to(x.dtype) if i in sums else leaf.grad
-                if g is not None and x.requires_grad:
-                    outputs.append(x)
-                    grads.append(g)
-            if outputs:
-                torch.autograd.backward(outputs, grads)
+            _encoder_backward(enc, boundary, sums)
+    if stats is not None:
+        for key, value in counts.items():
+            stats[key] = stats.get(key, 0) + value
     return total
+
+
+def shares_prefixes(model) -> bool:
+    """Whether phase two decodes the model's rows as a prefix tree: a model with `weighted_tree_backward` (the
+    built-in LSTM), or one with only `step` (its rows would be decoded by `step` anyway). A model with its own
+    `score` or `weighted_score_backward` keeps its rows: its teacher-forced pass may be one parallel forward (a
+    transformer), which decoding step by step would slow down."""
+    if callable(getattr(model, "weighted_tree_backward", None)):
+        return True
+    return getattr(model, "weighted_score_backward", None) is None and getattr(model, "score", None) is None
+
+
+class _Plan:
+    """Where each chunk ends. With a tree, rows sorted by `prefixtree.sort_rows` and chunks sized in nodes (a
+    chunk of `size` holds at most size * T of them); otherwise at most `size` rows."""
+
+    def __init__(self, model, samples: Samples, tree: bool):
+        self.tree, self.samples, self.n = tree, samples, len(samples)
+        if tree:
+            # The tree scores what the protocol says a row scores (up to its first eos_id), whatever `lengths`
+            # a hand-made Samples carries.
+            lengths = protocol.target_mask(samples.tokens, model.pad_id, model.eos_id).sum(dim=1)  # (N,)
+            self.order = prefixtree.sort_rows(samples.tokens, samples.owner, lengths)  # (N,)
+            self.samples = s = Samples(samples.tokens, lengths, samples.owner, samples.scores).select(self.order)
+            self.T = int(s.lengths.max())
+            self.added = list(itertools.accumulate(prefixtree.new_nodes(s.tokens, s.owner, s.lengths).tolist()))
+        self.lengths = self.samples.lengths.tolist()
+        self.positions = sum(self.lengths)
+
+    def chunk(self, start: int, size: int) -> tuple[int, int]:
+        """(end, nodes) of the chunk that starts at row `start`; nodes = the positions it decodes."""
+        if not self.tree:
+            end = min(start + size, self.n)
+            return end, sum(self.lengths[start:end])
+        # rows start..b have lengths[start] + added[b] - added[start] nodes; at least row `start` (<= T)
+        limit = size * self.T - self.lengths[start] + self.added[start]
+        end = bisect.bisect_right(self.added, limit, lo=start + 1)
+        return end, self.lengths[start] + self.added[end - 1] - self.added[start]
+
+
+def _encoder_backward(enc, boundary, sums: dict) -> None:
+    """The encoder's graph, once, from the gradients the chunks left at its cut outputs."""
+    outputs, grads = [], []
+    for i, (x, leaf) in enumerate(zip(tree.floating(enc), tree.floating(boundary))):
+        g = sums[i].to(x.dtype) if i in sums else leaf.grad
+        if g is not None and x.requires_grad:
+            outputs.append(x)
+            grads.append(g)
+    if outputs:
+        torch.autograd.backward(outputs, grads)
 
 
 def _bank_boundary_grads(boundary, sums: dict) -> None:
@@ -96,13 +166,19 @@ def _bank_boundary_grads(boundary, sums: dict) -> None:
             leaf.grad = None
 
 
-def _chunk(model, boundary, samples: Samples, coefficients: Tensor, rows: slice, params, collect: bool) -> float:
-    """Decode rows, then add d(sum c_i log p_i)/d(params, boundary) into their .grad; returns the sum. With
-    collect, the whole chunk's gradient exists before any of it is added (see the module docstring)."""
-    T = int(samples.lengths[rows].max())  # no steps past the chunk's longest row
+def _chunk(model, boundary, samples: Samples, coefficients: Tensor, rows: slice, params, collect: bool,
+           shared: bool) -> float:
+    """Decode rows (as their prefix tree when shared), then add d(sum c_i log p_i)/d(params, boundary) into
+    their .grad; returns the sum. With collect, the whole chunk's gradient exists before any of it is added (see
+    the module docstring)."""
     inputs = params + [x for x in tree.floating(boundary) if x.requires_grad]
-    loss, grads = chunk_gradients(model, boundary, samples.tokens[rows, :T], samples.owner[rows], coefficients[rows],
-                                  inputs, collect)
+    if shared:
+        nodes = prefixtree.build(samples.tokens[rows], samples.owner[rows], samples.lengths[rows], coefficients[rows])
+        loss, grads = tree_gradients(model, boundary, nodes, inputs, collect)
+    else:
+        T = int(samples.lengths[rows].max())  # no steps past the chunk's longest row
+        loss, grads = chunk_gradients(model, boundary, samples.tokens[rows, :T], samples.owner[rows],
+                                      coefficients[rows], inputs, collect)
     with torch.no_grad():
         for x, g in zip(inputs, grads):
             if g is None:
@@ -114,6 +190,16 @@ def _chunk(model, boundary, samples: Samples, coefficients: Tensor, rows: slice,
     return loss.item()
 
 
+def tree_gradients(model, enc, nodes: prefixtree.PrefixTree, inputs: list, collect: bool):
+    """loss = sum_nodes weight * log p(node) (= sum_i c_i log p_i of the rows the tree was built from) and, with
+    collect, its gradients with respect to inputs (without, they go into .grad and the list is empty): the
+    model's `weighted_tree_backward`, or autograd through `step` run depth by depth (`prefixtree.step_loss`)."""
+    by_hand = getattr(model, "weighted_tree_backward", None)
+    if callable(by_hand):
+        return by_hand(enc, nodes, inputs, collect)
+    return _autograd(prefixtree.step_loss(model, enc, nodes), inputs, collect)
+
+
 def chunk_gradients(model, enc, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list, collect: bool):
     """loss = sum_i c_i log p(tokens[i] | enc[owner[i]]) and, with collect, its gradients with respect to inputs
     (without, they go into .grad and the list is empty): the model's `weighted_score_backward`, or autograd
@@ -122,7 +208,12 @@ def chunk_gradients(model, enc, tokens: Tensor, owner: Tensor, c: Tensor, inputs
     if by_hand is not None:
         return by_hand(enc, tokens, owner, c, inputs, collect)
     log_p = protocol.score(model, enc, tokens, owner)  # (C,)
-    loss = (c.to(log_p.dtype) * log_p).sum()
+    return _autograd((c.to(log_p.dtype) * log_p).sum(), inputs, collect)
+
+
+def _autograd(loss: Tensor, inputs: list, collect: bool):
+    if not loss.requires_grad:  # nothing in the chunk depends on a parameter (e.g. every weight zero)
+        return loss, []
     if collect:
         return loss, torch.autograd.grad(loss, inputs, allow_unused=True)  # frees this chunk's graph
     loss.backward(inputs=inputs)

@@ -2,9 +2,12 @@
 
     python -m twophase.bench --quick            # small grid: 2-4 minutes on 2 CPU cores
     python -m twophase.bench --device cuda      # the full grid: the seed's configuration, beams 8..256
+    python -m twophase.bench --speed-only --steps 2   # only the speed target (B2 K32 T30 V10k H512)
 
 Methods, on the same random-weight model and random sources:
-    two-phase c=C  phase one in inference mode, then `rescore_backward` in chunks of C rows
+    two-phase c=C  phase one in inference mode, then `rescore_backward` in chunks of C rows' worth of decoding
+                   steps, each distinct (source, prefix) of the candidates decoded once (the default)
+    two-phase-noshare c=C   the same with prefix_sharing=False: chunks of C rows, each from its first token
     one-phase      `onephase.one_phase_beam_search` (graph of the whole search) + one backward
     seed-style     the same with `SeedStyleSeq2Seq` (per-beam U y at every step, plain autograd ops)
 A step = beam search + beam objective with a synthetic reward (uniform per candidate, fixed seed) + backward
@@ -14,7 +17,8 @@ rarely emit it anyway, and it is the worst case for memory.
 Every measurement runs in a fresh subprocess (`--worker JSON`), so each peak belongs to one configuration. Peak
 memory is `torch.cuda.max_memory_allocated` above the memory allocated before the first step on a GPU; on CPU
 the peak RSS (getrusage, after resetting the high-water mark) above the RSS before the first step. `graph` is
-the peak of bytes saved for backward (`memstats.SavedTensorMeter`). A one-phase cell whose estimated memory
+the peak of bytes saved for backward (`memstats.SavedTensorMeter`). Two-phase cells also report the decoded
+prefix-tree nodes against the candidates' token positions (nodes/positions: the fraction phase two decodes). A one-phase cell whose estimated memory
 exceeds the cap is measured at fewer rows (smaller batch, then beam) and extrapolated linearly in N = B*K.
 
 Letters: B sources, K beam size, N = B*K rows, S source length, T max length, H hidden, V vocabulary.
@@ -77,7 +81,7 @@ def measure(cell: dict, inline: bool, timeout: float) -> dict:
 
 def measure_capped(cell: dict, cap: float, inline: bool, timeout: float) -> dict:
     """Measure the cell, or, when its estimate exceeds the cap, two smaller ones and extrapolate linearly."""
-    if cell["method"] == "two-phase" or estimate_bytes(cell) <= cap:
+    if cell["method"] in TWO_PHASE or estimate_bytes(cell) <= cap:
         return measure(cell, inline, timeout)
     rows = cell["batch"] * cell["beam"]
     fit = max(1, int(rows * cap / (2 * estimate_bytes(cell))))
@@ -96,11 +100,12 @@ def measure_capped(cell: dict, cap: float, inline: bool, timeout: float) -> dict
     return out
 
 
-METHODS = ("two-phase", "one-phase", "seed-style")
+TWO_PHASE = ("two-phase", "two-phase-noshare")
+METHODS = TWO_PHASE + ("one-phase", "seed-style")
 
 
 def methods(chunks, names=METHODS) -> list[tuple[str, int | None]]:
-    return [(m, c) for m in names for c in (chunks if m == "two-phase" else (None,))]
+    return [(m, c) for m in names for c in (chunks if m in TWO_PHASE else (None,))]
 
 
 def run_grid(base: dict, beams, chunks, cap: float, inline: bool, timeout: float, log=print,
@@ -108,28 +113,29 @@ def run_grid(base: dict, beams, chunks, cap: float, inline: bool, timeout: float
     cells = []
     for beam in beams:
         for method, chunk in methods(chunks, names):
-            cell = dict(base, beam=beam, method=method, chunk=chunk, grad_check=method != "two-phase")
+            cell = dict(base, beam=beam, method=method, chunk=chunk, grad_check=method not in TWO_PHASE)
             if chunk is not None and any(base["batch"] * beam <= c < chunk for c in chunks):
                 continue  # chunks at least as wide as all N rows are one and the same run
             result = measure_capped(cell, cap, inline, timeout)
             cells.append(result)
-            log(f"  K={beam:<4} {label(method, chunk):<16} " + fmt_cell(result))
+            log(f"  K={beam:<4} {label(method, chunk):<24} " + fmt_cell(result))
     return cells
 
 
 def speed_target(base: dict, steps, cap: float, inline: bool, timeout: float, log=print) -> dict:
-    """The speed target: two-phase (chunk 64) against one-phase and seed-style; ratios < 1 mean faster."""
+    """The speed target: two-phase (chunk 64), with and without prefix sharing, against one-phase and
+    seed-style; ratios < 1 mean faster."""
     warmup, n = steps
     cells = {}
-    for method in ("two-phase", "one-phase", "seed-style"):
-        cell = dict(base, method=method, chunk=base["chunk"] if method == "two-phase" else None, warmup=warmup,
+    for method in METHODS:
+        cell = dict(base, method=method, chunk=base["chunk"] if method in TWO_PHASE else None, warmup=warmup,
                     steps=n, grad_check=method == "one-phase")
         cells[method] = measure_capped(cell, cap, inline, timeout)
-        log(f"  {label(method, cell['chunk']):<16} " + fmt_cell(cells[method]))
+        log(f"  {label(method, cell['chunk']):<24} " + fmt_cell(cells[method]))
     ratios = {}
-    for other in ("seed-style", "one-phase"):
-        if "error" not in cells[other] and "error" not in cells["two-phase"]:
-            ratios[f"two-phase/{other}"] = cells["two-phase"]["step_s"] / cells[other]["step_s"]
+    for mine, other in [(m, o) for m in TWO_PHASE for o in ("seed-style", "one-phase")] + [TWO_PHASE]:
+        if "error" not in cells[other] and "error" not in cells[mine]:
+            ratios[f"{mine}/{other}"] = cells[mine]["step_s"] / cells[other]["step_s"]
     return {"config": base, "cells": list(cells.values()), "time_ratios": ratios}
 
 
@@ -160,9 +166,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="override grid sizes: batch, src_len, max_len, hidden, embed, vocab, src_vocab, dtype, seed")
     p.add_argument("--beams", type=lambda s: tuple(int(x) for x in s.split(",")), help="beam sizes, e.g. 8,32")
     p.add_argument("--chunks", type=lambda s: tuple(int(x) for x in s.split(",")), help="two-phase chunk sizes")
-    p.add_argument("--steps", type=int, help="timed steps per configuration (median reported)")
+    p.add_argument("--steps", type=int, help="timed steps per configuration (median reported), speed target too")
+    p.add_argument("--speed-only", action="store_true", help="measure the speed target only, no grid")
     p.add_argument("--methods", type=_methods, default=METHODS,
-                   help="comma-separated grid methods (default: two-phase,one-phase,seed-style)")
+                   help=f"comma-separated grid methods (default: {','.join(METHODS)})")
     p.add_argument("--cpu-mem-cap", type=parse_size, default=16 * 2**30,
                    help="on CPU, one-phase cells estimated above this are extrapolated from smaller ones (16GiB)")
     p.add_argument("--threads", type=int,
@@ -172,7 +179,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per configuration")
     p.add_argument("--inline", action="store_true", help="measure in this process (no per-configuration peak)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.speed_only and args.no_speed:
+        p.error("--speed-only and --no-speed exclude each other")
+    return args
 
 
 def _device(name: str) -> str:
@@ -206,12 +216,14 @@ def main(argv=None) -> int:
     report = {"meta": {"grid": grid, "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                        "torch": torch.__version__, "threads": torch.get_num_threads(), "note": NOTE,
                        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cap_bytes": cap},
-              "grid_config": base, "grid": run_grid(base, beams, chunks, cap, args.inline, args.timeout,
-                                                          names=args.methods)}
-    if SPEED_STEPS[grid] and not args.no_speed:
+              "grid_config": base, "grid": [] if args.speed_only else run_grid(base, beams, chunks, cap, args.inline,
+                                                                                 args.timeout, names=args.methods)}
+    speed_steps = SPEED_STEPS[grid] or (1, 1)
+    if (SPEED_STEPS[grid] or args.speed_only) and not args.no_speed:
         speed = dict(SPEED_CONFIG, **overrides, device=device, dtype=base["dtype"], seed=base["seed"], threads=threads)
         print("speed target:")
-        report["speed"] = speed_target(speed, SPEED_STEPS[grid], cap, args.inline, args.timeout)
+        steps = (speed_steps[0], args.steps or speed_steps[1])
+        report["speed"] = speed_target(speed, steps, cap, args.inline, args.timeout)
     return write_report(report, Path(args.out))
 
 
@@ -221,7 +233,7 @@ def write_report(report: dict, out: Path) -> int:
     print("\n" + text)
     (out / "bench.md").write_text(text)
     (out / "bench.json").write_text(json.dumps(report, indent=1) + "\n")
-    if plot(report["grid"], report["grid_config"], out / "bench.png"):
+    if report["grid"] and plot(report["grid"], report["grid_config"], out / "bench.png"):
         print(f"wrote {out / 'bench.md'}, {out / 'bench.json'}, {out / 'bench.png'}")
     return 0
 

@@ -73,13 +73,15 @@ def _coefficients(cand, B: int, seed: int) -> torch.Tensor:
     return objectives.beam(rewards.to(cand.scores.device), cand.scores, cand.owner, B, tokens=cand.tokens)  # (N,)
 
 
-def train_step(cell: dict, model, optimizer, src, src_lengths) -> int:
-    """One step of the cell's method; returns the candidates' length T."""
+def train_step(cell: dict, model, optimizer, src, src_lengths, stats: dict | None = None) -> int:
+    """One step of the cell's method; returns the candidates' length T. A two-phase step adds phase two's
+    counts (rows, chunks, positions, nodes) into `stats`."""
     B, K, T = cell["batch"], cell["beam"], cell["max_len"]
     optimizer.zero_grad(set_to_none=True)
-    if cell["method"] == "two-phase":
+    if cell["method"] in ("two-phase", "two-phase-noshare"):
         cand = beam_search(model, (src, src_lengths), K, T)
-        rescore_backward(model, (src, src_lengths), cand, _coefficients(cand, B, cell["seed"]), cell["chunk"])
+        rescore_backward(model, (src, src_lengths), cand, _coefficients(cand, B, cell["seed"]), cell["chunk"],
+                         prefix_sharing=cell["method"] == "two-phase", stats=stats)
     else:
         cand, log_p = one_phase_beam_search(model, (src, src_lengths), K, T)
         one_phase_backward(log_p, _coefficients(cand, B, cell["seed"]))
@@ -121,17 +123,19 @@ def run_cell(cell: dict) -> dict:
         T = train_step(cell, model, optimizer, src, src_lengths)
     for _ in range(cell["warmup"] - 1):
         train_step(cell, model, optimizer, src, src_lengths)
-    times = []
+    times, counts = [], {}
     for _ in range(cell["steps"]):
         _sync(device)
         start = time.perf_counter()
-        train_step(cell, model, optimizer, src, src_lengths)
+        train_step(cell, model, optimizer, src, src_lengths, counts)
         _sync(device)
         times.append(time.perf_counter() - start)
     peak = _peak(device) - base
     alloc_bytes = peak if device.type == "cuda" else _first_step_allocations(cell, model, src, src_lengths)
     out = dict(cell, peak_mb=max(0, peak) / 2**20, alloc_mb=alloc_bytes / 2**20, graph_mb=meter.peak_bytes / 2**20,
                step_s=statistics.median(times), step_times=times, target_len=T, rows=cell["batch"] * cell["beam"])
+    if counts:  # phase two's decoded nodes against the candidates' token positions, summed over the timed steps
+        out.update(nodes=counts["nodes"], positions=counts["positions"], chunks=counts["chunks"] / cell["steps"])
     if cell.get("grad_check"):
         out["grad_rel_diff"], out["grad_rel_diff_worst_tensor"] = grad_difference(cell, model, src, src_lengths)
     return out

@@ -13,7 +13,12 @@ NOTE = ("Random weights, random sources and uniform random rewards; EOS banned s
 
 
 def label(method: str, chunk) -> str:
-    return f"two-phase c={chunk}" if method == "two-phase" else method
+    return f"{method} c={chunk}" if chunk is not None else method
+
+
+def node_fraction(c: dict) -> str:
+    """Phase two's decoded prefix-tree nodes per candidate token position, where the cell measured them."""
+    return f"{c['nodes'] / c['positions']:.2f}" if c.get("positions") else "-"
 
 
 def fmt_cell(c: dict) -> str:
@@ -53,6 +58,10 @@ def grid_markdown(cells: list[dict]) -> str:
             n = next(c["batch"] * k for c in cells if c["beam"] == k)
             lines.append(f"| {k} | {n} | " + " | ".join(row) + " |")
         lines.append("")
+    fractions = [f"K={c['beam']} {label(c['method'], c['chunk'])}: {node_fraction(c)}" for c in cells
+                 if c.get("positions")]
+    if fractions:
+        lines += ["phase two's decoded nodes / candidate token positions: " + "; ".join(fractions), ""]
     diffs = [f"K={c['beam']} {c['method']}: {c['grad_rel_diff']:.1e}" for c in cells if "grad_rel_diff" in c]
     lines.append("relative gradient difference |g - g_two-phase| / |g_two-phase| (all parameters) on the same "
                  "candidates: " + "; ".join(diffs))
@@ -60,11 +69,11 @@ def grid_markdown(cells: list[dict]) -> str:
 
 
 def speed_markdown(speed: dict) -> str:
-    lines = ["| method | peak MiB | tensors MiB | graph MiB | step s |", "|---|---|---|---|---|"]
+    lines = ["| method | peak MiB | tensors MiB | graph MiB | step s | nodes/positions |", "|---|---|---|---|---|---|"]
     for c in speed["cells"]:
         lines.append(f"| {label(c['method'], c['chunk'])} | {_value(c, 'peak_mb', '{:.0f}')} | "
                      f"{_value(c, 'alloc_mb', '{:.0f}')} | "
-                     f"{_value(c, 'graph_mb', '{:.0f}')} | {_value(c, 'step_s', '{:.3f}')} |")
+                     f"{_value(c, 'graph_mb', '{:.0f}')} | {_value(c, 'step_s', '{:.3f}')} | {node_fraction(c)} |")
     lines.append("")
     lines.append("time ratios: " + ", ".join(f"{k} = {v:.2f}" for k, v in speed["time_ratios"].items()))
     return "\n".join(lines)
@@ -77,8 +86,10 @@ def describe_sizes(cfg: dict) -> str:
 
 def markdown(report: dict) -> str:
     meta = report["meta"]
-    out = [f"# twophase bench ({meta['grid']} grid, {meta['device']}, torch {meta['torch']})", "", NOTE, "",
-           f"## Beam sizes ({describe_sizes(report['grid_config'])}; beam varies)", "", grid_markdown(report["grid"])]
+    out = [f"# twophase bench ({meta['grid']} grid, {meta['device']}, torch {meta['torch']})", "", NOTE]
+    if report["grid"]:
+        out += ["", f"## Beam sizes ({describe_sizes(report['grid_config'])}; beam varies)", "",
+                grid_markdown(report["grid"])]
     if report.get("speed"):
         out += ["", f"## Speed target ({describe_sizes(report['speed']['config'])})", "", speed_markdown(report["speed"])]
     return "\n".join(out) + "\n"

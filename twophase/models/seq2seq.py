@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from . import fused, outputlayer
+from . import deferred, fused, outputlayer
 from ..vocab import BOS, EOS, PAD
 
 
@@ -169,6 +169,29 @@ class Seq2Seq(nn.Module):
             owner = torch.arange(tgt.shape[0], device=tgt.device)
         return self.score(self.encode((src, src_lengths)), tgt, owner)
 
+    def tree_decoder_states(self, enc: Encoded, nodes, weights: deferred.DeferredWeights | None = None) -> Tensor:
+        """Teacher-forced states (M, H), dropout applied, of a `twophase.prefixtree.PrefixTree`'s nodes: depth
+        t's rows are its distinct prefixes, each advanced from its parent's state by the parent's token. With
+        `weights`, the LSTM cell's weight gradients are left to it (a few nodes per depth: see `deferred`)."""
+        # Every node's input embedding at once: one embedding backward, as in decoder_states.
+        embs = self.drop(self.tgt_embed(nodes.inputs(self.bos_id)))  # (M, E)
+        hs, state = [], None
+        for t in range(nodes.depth):
+            here = nodes.level(t)
+            owner = nodes.owner[here]  # (n_t,)
+            if t == 0:
+                state = self.init_state(enc, owner)
+            else:
+                parent = nodes.parent[here]  # (n_t,) into depth t - 1's nodes
+                state = (state[0].index_select(0, parent), state[1].index_select(0, parent))
+            if weights is None:
+                state = self._advance_embedded(enc, owner, embs[here], state)
+            else:
+                x = torch.cat([embs[here], self.attend(enc, owner, state[0])], dim=-1)  # (n_t, E + D)
+                state = _lstm_cell(self.cell, x, state, weights)
+            hs.append(state[0])
+        return self.drop(torch.cat(hs)) if hs else embs.new_zeros(0, self.out.in_features)
+
     def weighted_score_backward(self, enc: Encoded, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list,
                                 collect: bool):
         """Phase two's chunk (see `twophase.protocol`): sum_i c_i log p_i and its gradients with the output layer
@@ -177,28 +200,63 @@ class Seq2Seq(nn.Module):
         backward) and the decoder's graph is back-propagated from its output h. Without collect, everything is
         added into .grad here and the returned gradient list is empty."""
         h, target, row = self.decoder_states(enc, tokens, owner)  # (M, H), (M,), (M,)
+        # (M,) d loss / d log p of each position: its row's coefficient, never rounded to a 16-bit h's dtype
+        # (fp16 loss scaling puts coefficients far above fp16's range)
+        w = c.to(outputlayer.sum_dtype(self.out.weight)).index_select(0, row)
+        tok, grads = self._output_layer_backward(h, target, w, inputs, collect)
+        with torch.no_grad():
+            log_p = tok.new_zeros(len(c)).index_add_(0, row, tok)  # (C,), as `score` sums it
+            return (c.to(log_p.dtype) * log_p).sum(), grads
+
+    def weighted_tree_backward(self, enc: Encoded, nodes, inputs: list, collect: bool):
+        """`weighted_score_backward` over a prefix tree (`twophase.prefixtree`): every distinct prefix decoded
+        once, its log-probability weighted by the summed coefficients of the rows through it. Nodes of weight
+        exactly zero (a prefix every candidate of a beam objective shares) skip the output layer."""
+        weights = deferred.DeferredWeights()
+        h = self.tree_decoder_states(enc, nodes, weights)  # (M, H)
+        w = nodes.weights.to(outputlayer.sum_dtype(self.out.weight))  # (M,)
+        target, scored = nodes.tokens, (w != 0).nonzero().squeeze(1)
+        if len(scored) < len(w):
+            h, w, target = h.index_select(0, scored), w[scored], target[scored]
+        tok, grads = self._output_layer_backward(h, target, w, inputs, collect, weights)
+        return (w * tok).sum(), grads
+
+    def _output_layer_backward(self, h: Tensor, target: Tensor, w: Tensor, inputs: list, collect: bool,
+                               weights: deferred.DeferredWeights | None = None):
+        """log p(target) at h (M,) and the gradients of sum_m w[m] log p_m with respect to inputs: the output
+        layer's by hand, the rest back-propagated from h (and the `weights` backward left aside). Without collect
+        they are added into .grad and the returned list is empty."""
         out = self.out
         with torch.no_grad():
-            # (M,) d loss / d log p of each position: its row's coefficient, never rounded to a 16-bit h's dtype
-            # (fp16 loss scaling puts coefficients far above fp16's range)
-            w = c.to(outputlayer.sum_dtype(out.weight)).index_select(0, row)
             into = [None if collect or not p.requires_grad else _grad_of(p) for p in (out.weight, out.bias)]
             tok, dh, dweight, dbias = outputlayer.target_log_probs_and_grads(
                 h, out.weight, out.bias, target, self.banned, w, dw=into[0], db=into[1])
-            log_p = tok.new_zeros(len(c)).index_add_(0, row, tok)  # (C,), as `score` sums it
-            loss = (c.to(log_p.dtype) * log_p).sum()
         if not collect:
             if h.requires_grad:
                 h.backward(dh, inputs=[x for x in inputs if x is not out.weight and x is not out.bias])
-            return loss, []
+            with torch.no_grad():
+                for param, extra in weights.gradients() if weights is not None else ():
+                    _grad_of(param).add_(extra)
+            return tok, []
         grads = [None] * len(inputs)
         if h.requires_grad:
             grads = list(torch.autograd.grad(h, inputs, dh, allow_unused=True))  # frees this chunk's graph
-        for extra, param in ((dweight, out.weight), (dbias, out.bias)):
+        late = weights.gradients() if weights is not None else []
+        for param, extra in [(out.weight, dweight), (out.bias, dbias)] + late:
             for j, x in enumerate(inputs):
                 if x is param:
                     grads[j] = extra if grads[j] is None else grads[j] + extra
-        return loss, grads
+        return tok, grads
+
+
+def _lstm_cell(cell: nn.LSTMCell, x: Tensor, state: tuple[Tensor, Tensor], weights: deferred.DeferredWeights):
+    """`cell(x, state)` with its two weight products through `weights`: torch's CPU arithmetic, in its order
+    (gates i, f, g, o; under autocast, the same products and sums in the same dtypes), so search's numbers."""
+    h, c = state
+    gates = weights.linear(h, cell.weight_hh, cell.bias_hh) + weights.linear(x, cell.weight_ih, cell.bias_ih)
+    i, f, g, o = gates.chunk(4, dim=1)  # (n, H) each
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
 
 
 def _grad_of(x: Tensor) -> Tensor:

@@ -128,28 +128,31 @@ class AllocationPeak:
         del self._prof
 
 
-def graph_bytes(model, source, samples, coefficients: Tensor, chunk_size: int) -> int:
+def graph_bytes(model, source, samples, coefficients: Tensor, chunk_size: int, prefix_sharing: bool = True) -> int:
     """Peak bytes saved for backward by the largest chunk of one `rescore_backward` call.
 
     For the built-in `Seq2Seq`. Each chunk's graph is freed before the next is built, so the call's graph footprint is the maximum over
-    chunks. Phase two's only graph is the decoder's, built inside `model.decoder_states` (the output layer is
-    differentiated by hand, without a graph), so that method is wrapped for the duration of the call (an instance
-    attribute shadowing it, removed afterwards). Parameters, buffers and its arguments (shared encoder outputs;
-    token and owner slices of the call's candidates) are resident: they exist whatever the chunk, so they are
-    not counted."""
+    chunks. Phase two's only graph is the decoder's, built inside `model.decoder_states` (rows) or
+    `model.tree_decoder_states` (a prefix tree; the output layer is differentiated by hand, without a graph), so
+    those methods are wrapped for the duration of the call (instance attributes shadowing them, removed
+    afterwards). Parameters, buffers and the arguments (shared encoder outputs; the chunk's tokens, owner, or
+    tree) are resident: they exist whatever the chunk, so they are not counted."""
     per_chunk: list[int] = []
     resident = list(model.parameters()) + list(model.buffers())
-    decoder_states = model.decoder_states
 
-    def measured(enc, tgt, owner):
-        with SavedTensorMeter(resident + tree.floating(enc) + [tgt, owner]) as meter:
-            out = decoder_states(enc, tgt, owner)
-        per_chunk.append(meter.peak_bytes)
-        return out
+    def measured(method):
+        def run(enc, *args):
+            inputs = [x for a in args for x in tree.tensors(a if isinstance(a, Tensor) else vars(a))]
+            with SavedTensorMeter(resident + tree.floating(enc) + inputs) as meter:
+                out = method(enc, *args)
+            per_chunk.append(meter.peak_bytes)
+            return out
+        return run
 
-    model.decoder_states = measured
+    model.decoder_states = measured(model.decoder_states)
+    model.tree_decoder_states = measured(model.tree_decoder_states)
     try:
-        rescore_backward(model, source, samples, coefficients, chunk_size)
+        rescore_backward(model, source, samples, coefficients, chunk_size, prefix_sharing=prefix_sharing)
     finally:
-        del model.decoder_states
+        del model.decoder_states, model.tree_decoder_states
     return max(per_chunk, default=0)

@@ -1,0 +1,129 @@
+"""The prefix tree of phase two's candidate rows: each distinct (source, prefix) decoded once.
+
+Candidates of one source share long prefixes (a beam's rows often differ in their last few tokens only). Since
+    sum_i c_i log p(y_i) = sum_nodes (sum_{i through node} c_i) log p(token at node | source, prefix),
+decoding every distinct prefix once, weighted by the summed coefficients of the rows through it, gives the same
+loss and the same gradient as decoding every row, with a fraction of the steps and a smaller graph.
+
+A node at depth t is a distinct (source, tokens[0..t]) among the rows that score position t (`target_mask`: up to
+and including the first eos_id). Nodes are stored depth by depth; a node's state is its parent's (a node of depth
+t - 1, by index) advanced by the parent's token, and at depth 0 the model's initial state for its source. Rows
+are sorted lexicographically within each source (`sort_rows`) so that rows sharing a prefix are neighbours; a row
+then adds `new_nodes` nodes to the tree of the rows before it, which sizes phase two's chunks in nodes.
+
+Letters: N rows, T target length, M nodes (all depths), n_t nodes at depth t, V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import tree
+
+
+@dataclass
+class PrefixTree:
+    """Nodes depth-major: depth t's nodes are positions offsets[t]:offsets[t + 1] of every (M,) tensor."""
+
+    tokens: Tensor  # (M,) long: the token each node scores (its prefix's last token)
+    owner: Tensor  # (M,) long: the node's source
+    parent: Tensor  # (M,) long: index of the parent among the previous depth's nodes (0 at depth 0)
+    weights: Tensor  # (M,) summed coefficients of the rows through the node, in the coefficients' dtype
+    offsets: list  # T + 1 ints
+    positions: int  # token positions the rows score (sum of their lengths): what the rows would decode
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def depth(self) -> int:
+        return len(self.offsets) - 1
+
+    def level(self, t: int) -> slice:
+        return slice(self.offsets[t], self.offsets[t + 1])
+
+    def inputs(self, bos_id: int) -> Tensor:
+        """(M,) the token each node is predicted from: bos_id at depth 0, else its parent's token."""
+        prev = torch.full_like(self.tokens, bos_id)
+        for t in range(1, self.depth):
+            here, above = self.level(t), self.level(t - 1)
+            prev[here] = self.tokens[above].index_select(0, self.parent[here])
+        return prev
+
+
+def _keys(tokens: Tensor, lengths: Tensor) -> Tensor:
+    """(N, T) tokens with -1 past each row's length: a row that ends sorts before its continuations, and the
+    padding (or repeated eos_id) after the end never makes two rows differ."""
+    T = tokens.shape[1]
+    scored = torch.arange(T, device=tokens.device)[None, :] < lengths[:, None]  # (N, T)
+    return torch.where(scored, tokens, torch.full_like(tokens, -1))
+
+
+def sort_rows(tokens: Tensor, owner: Tensor, lengths: Tensor) -> Tensor:
+    """(N,) the row order by source, then lexicographically by scored tokens: rows sharing a prefix become
+    neighbours. Any order gives an exact tree; this one gives the fewest nodes."""
+    key = torch.cat([owner[:, None], _keys(tokens, lengths)], dim=1)  # (N, 1 + T)
+    _, rank = torch.unique(key, dim=0, sorted=True, return_inverse=True)  # lexicographic rank of each row
+    return torch.sort(rank, stable=True).indices
+
+
+def common_prefix(tokens: Tensor, owner: Tensor, lengths: Tensor) -> Tensor:
+    """(N,) how many leading scored tokens each row shares with the row before it (0 for the first row and for
+    a row of another source)."""
+    key = _keys(tokens, lengths)  # (N, T)
+    same = torch.zeros_like(key, dtype=torch.bool)
+    same[1:] = (key[1:] == key[:-1]) & (owner[1:] == owner[:-1])[:, None]
+    return same.long().cumprod(dim=1).sum(dim=1)
+
+
+def new_nodes(tokens: Tensor, owner: Tensor, lengths: Tensor) -> Tensor:
+    """(N,) the nodes each row adds to the tree of the rows before it; in `sort_rows` order, the rows a..b have
+    lengths[a] + sum(new_nodes[a + 1:b + 1]) nodes (a longer shared prefix would run through the rows between)."""
+    return lengths - torch.minimum(common_prefix(tokens, owner, lengths), lengths)
+
+
+def build(tokens: Tensor, owner: Tensor, lengths: Tensor, coefficients: Tensor) -> PrefixTree:
+    """The tree of rows tokens (N, T) with their sources, scored lengths and coefficients (N,).
+
+    Exact for rows in any order: row i opens new nodes from depth common_prefix[i] on and shares the previous
+    row's nodes above it. Sorted rows (`sort_rows`) share every prefix they have in common."""
+    T = int(lengths.max()) if len(lengths) else 0
+    tokens = tokens[:, :T]
+    steps = torch.arange(T, device=tokens.device)
+    active = steps[None, :] < lengths[:, None]  # (N, T) positions the rows score
+    opens = active & (steps[None, :] >= common_prefix(tokens, owner, lengths)[:, None])  # (N, T)
+    index = opens.long().cumsum(dim=0) - 1  # (N, T) row i's node among depth t's nodes (where active)
+    per_depth = opens.sum(dim=0)  # (T,)
+    offsets = [0] + per_depth.cumsum(0).tolist()
+    depth, row = opens.t().nonzero(as_tuple=True)  # (M,) each: depth-major, rows in order = node order
+    parent = torch.where(depth > 0, index[row, (depth - 1).clamp_min(0)], torch.zeros_like(row))
+    # every active position adds its row's coefficient to its node: weights summed over the rows through it
+    base = torch.tensor(offsets[:-1], device=tokens.device)  # (T,)
+    at = (base[None, :] + index)[active]  # (P,) global node of each scored position
+    weights = coefficients.new_zeros(offsets[-1]).index_add_(0, at, coefficients[:, None].expand(-1, T)[active])
+    return PrefixTree(tokens=tokens[row, depth], owner=owner[row], parent=parent, weights=weights,
+                      offsets=offsets, positions=int(active.sum()))
+
+
+def step_loss(model, enc, nodes: PrefixTree) -> Tensor:
+    """sum_nodes weight * log p(node's token | its prefix), with a graph, through the model's `step` only: each
+    depth's states are the previous depth's selected by parent (`tree.select_rows`). Nodes of weight exactly zero
+    add nothing (a -inf log-probability there would otherwise make 0 * -inf = nan)."""
+    prev = nodes.inputs(model.bos_id)  # (M,)
+    state, total = None, None
+    for t in range(nodes.depth):
+        here = nodes.level(t)
+        owner = nodes.owner[here]  # (n_t,)
+        state = model.init_state(enc, owner) if t == 0 else tree.select_rows(state, nodes.parent[here])
+        state, log_probs = model.step(enc, owner, prev[here], state)  # (n_t, V)
+        # summed in at least float32: autocast's bf16 log-probabilities would round the weights to 8 bits
+        tok = log_probs.gather(1, nodes.tokens[here, None]).squeeze(1)  # (n_t,)
+        tok = tok.to(torch.promote_types(tok.dtype, torch.float32))
+        w = nodes.weights[here].to(tok.dtype)
+        term = torch.where(w != 0, w * tok, torch.zeros_like(tok)).sum()
+        total = term if total is None else total + term
+    if total is None:
+        return torch.zeros((), device=nodes.tokens.device)
+    return total
