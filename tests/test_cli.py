@@ -44,6 +44,8 @@ def test_train_py_end_to_end_then_decode(task, capsys):
     assert all(r["time"].endswith("Z") and r["elapsed_s"] >= 0 for r in rows)
     assert [r["elapsed_s"] for r in rows] == sorted(r["elapsed_s"] for r in rows)
     assert all("reward_mean" in r for r in rows if r["phase"] == "rl")
+    # phase two decodes each distinct (source, prefix) once: never more nodes than candidate token positions
+    assert all(0 < r["prefix_nodes"] <= r["prefix_positions"] for r in rows if r["phase"] in ("mle", "rl"))
     evals = [r for r in rows if r["phase"] == "eval"]
     assert [(r["step"], r["after"]) for r in evals] == [(10, "mle"), (20, "mle"), (26, "rl")]
     state = torch.load(save / "checkpoint_last.pt", weights_only=True)

@@ -108,6 +108,9 @@ class Config:
                                       "of a step (encoder, phase one, every phase-two chunk, optimizer step)")
     one_phase: bool = arg(False, "the memory-hungry baseline, for comparison: phase one keeps the graph of every "
                                  "search step and one backward replaces phase two (same gradient, far more memory)")
+    no_prefix_sharing: bool = arg(False, "phase two re-decodes every candidate from its first token instead of "
+                                         "each distinct (source, prefix) once: the same gradient, slower "
+                                         "(for comparison)")
     # ---- both phases
     clip_norm: float = arg(1.0, "clip the gradient norm to this (0: no clipping)", minimum=0.0)
     eval_every: int = arg(500, "validate every N steps (and at the end of each phase)", minimum=1)

@@ -36,6 +36,7 @@ class RunLoop:
         if self.cfg.profile_memory:
             self.profiler = StepProfiler(self.device)
         start = time.perf_counter()
+        self.step_counts = {}  # phase two's decoded prefix-tree nodes and candidate token positions
         try:
             row = self.mle_step() if phase == "mle" else self.rl_step()
         except torch.cuda.OutOfMemoryError:
@@ -45,6 +46,8 @@ class RunLoop:
         if self.cfg.rescore_chunk == "auto":
             row["chunk"] = self.last_chunk
         row["lr"] = lr
+        if self.step_counts.get("positions"):  # phase two decoded this many prefixes for this many positions
+            row["prefix_nodes"], row["prefix_positions"] = self.step_counts["nodes"], self.step_counts["positions"]
         if self.profiler is not None:
             self.report_profile(phase)
         stats = self.stats[phase]

@@ -148,8 +148,12 @@ class Trainer(Resumable, RunLoop):
             if chunk == "auto":
                 chunk = self.chunk_planner.chunk_size(self.model, source, rows)
                 self.last_chunk = chunk
-            return rescore_backward(self.model, source, rows, coef, chunk, profiler=self.profiler,
-                                    keep_mode=keep_mode) / scale
+            stats = {}
+            loss = rescore_backward(self.model, source, rows, coef, chunk, profiler=self.profiler,
+                                    keep_mode=keep_mode, prefix_sharing=not self.cfg.no_prefix_sharing, stats=stats)
+            for key in ("positions", "nodes"):  # phase_two may run twice a step (--one-phase's MLE rows)
+                self.step_counts[key] = self.step_counts.get(key, 0) + stats.get(key, 0)
+            return loss / scale
 
     def section(self, name: str):
         """A --profile-memory section of the current step (a no-op otherwise)."""
