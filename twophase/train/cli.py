@@ -158,7 +158,7 @@ def build(cfg: Config) -> Trainer:
         trainer.load_state(state)
         if trainer.is_main:  # one run, one log: rows of steps after the checkpoint were lost with it
             for log in rundir.LOGS:
-                rundir.cut_back(trainer.save_dir / log, trainer.step)
+                rundir.cut_back(trainer.save_dir / log, trainer.log_step)
     return trainer
 
 

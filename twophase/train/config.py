@@ -79,7 +79,14 @@ class Config:
     # ---- MLE warm start
     mle_steps: int = arg(4000, "teacher-forcing steps on the references before RL", minimum=0)
     mle_batch_size: int = arg(64, "(source, reference) pairs per MLE step", minimum=1)
-    lr: float = arg(2e-3, "Adam learning rate during MLE", minimum=0.0)
+    lr: float = arg(2e-3, "Adam learning rate during MLE (its starting value with --lr-decay)", minimum=0.0)
+    lr_decay: float = arg(1.0, "multiply the MLE learning rate by this after --patience validations in a row "
+                               "without a better --best-metric score; a decay below --min-lr ends the MLE phase "
+                               "early (--mle-steps is then a maximum); 1: constant rate, no early stop",
+                          minimum=0.0)
+    patience: int = arg(2, "with --lr-decay: validations without improvement before the rate decays", minimum=1)
+    min_lr: float = arg(2e-4, "with --lr-decay: the MLE phase ends instead of decaying below this rate",
+                        minimum=0.0)
     # ---- RL fine-tuning
     rl_steps: int = arg(600, "two-phase RL steps after the warm start", minimum=0)
     batch_size: int = arg(32, "sources per RL step", minimum=1)
@@ -95,6 +102,10 @@ class Config:
                                      "(self-critical); only with --objective reinforce (default: mean)",
                                choices=("none", "mean", "loo", "greedy"))
     mrt_alpha: float = arg(0.5, "MRT sharpness alpha: Q ∝ p^alpha over a source's candidates", minimum=0.0)
+    compare_mle: bool = arg(True, "after RL, continue MLE from the end-of-MLE checkpoint at --rl-lr for the RL "
+                                  "phase's training time, validate (and test) it, and report it beside RL: the "
+                                  "control RL must beat; adds the RL phase's time to the run (--no-compare-mle: "
+                                  "skip it)")
     mle_weight: float = arg(0.0, "lambda of the mixed objective lambda*MLE + (1-lambda)*RL", minimum=0.0)
     reward: str | None = arg(None, "registered reward plug-in (bleu, chrf, exact, edit, ...) or "
                                    "package.module:callable; default: the task's (edit for g2p and tsv)")
@@ -150,6 +161,8 @@ class Config:
                              "--task g2p has its own data")
         if self.task in (None, "tsv") and (self.train is None) != (self.valid is None):
             raise ValueError("--train and --valid go together")
+        if not 0 < self.lr_decay <= 1:
+            raise ValueError(f"--lr-decay must be in (0, 1], got {self.lr_decay}")
         if self.mle_weight > 1:
             raise ValueError(f"--mle-weight must be in [0, 1], got {self.mle_weight}")
         if self.rescore_chunk == "auto" and self.memory_budget is None:
@@ -226,6 +239,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         text = f.metadata["help"] + ("" if default is None else f" (default: {default})")
         if f.metadata["parse"] is not None:
             parser.add_argument(_flag(f.name), type=f.metadata["parse"], default=default, help=text)
+        elif kind is bool and default:  # on unless --no-FLAG
+            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=True,
+                                help=f.metadata["help"])
         elif kind is bool:
             parser.add_argument(_flag(f.name), action="store_true", help=f.metadata["help"])
         else:
