@@ -11,6 +11,15 @@ import sys
 from dataclasses import MISSING, dataclass, field, fields
 
 
+# --preset NAME: other defaults for a named recipe; flags given on the command line still win.
+PRESETS = {
+    # The long G2P recipe (docs/g2p.md): a bidirectional encoder with dropout, validation-driven MLE up to 12,000
+    # steps, then RL and its equal-time MLE control. Estimated at 45-60 minutes on 2 free cores from a smoke run's
+    # speed; not run to completion.
+    "g2p-long": dict(bidirectional=True, dropout=0.3, mle_steps=12000, lr_decay=0.5, patience=2, min_lr=1e-4,
+                     eval_every=1000, save_every=1000, rl_steps=500, rl_lr=1e-4),
+}
+
 DEFAULT_BEAM = 5  # validation's and twophase-decode's beam width, one figure so the two agree
 
 
@@ -51,6 +60,8 @@ def check_size(text: str) -> str:
 
 @dataclass
 class Config:
+    preset: str | None = arg(None, "a named recipe that sets other defaults (the flags given still win): "
+                                   "g2p-long (docs/g2p.md)", choices=tuple(PRESETS))
     # ---- data
     task: str | None = arg(None, "what to train on: g2p (CMUdict grapheme-to-phoneme, the default without --train), "
                                  "tsv (--train/--valid files, the default with --train), an installed "
@@ -127,6 +138,8 @@ class Config:
                                    "that improves it: one of the task's metrics (g2p: word_acc, wer, per; tsv: "
                                    "word_acc (sequence accuracy), per (token error rate)), or reward; auto: the "
                                    "task's main metric (word_acc for g2p, reward for tsv)")
+    tensorboard: bool = arg(False, "also write the metrics as TensorBoard scalars to <save-dir>/tensorboard "
+                                   "(needs the tensorboard package: pip install 'twophase[tb]')")
     log_every: int = arg(100, "when stdout is not a terminal (no progress bar), print a progress line every N "
                               "steps (0: never)", minimum=0)
     seed: int = arg(1, "seed of every random number generator")
@@ -159,6 +172,8 @@ class Config:
         if self.task == "g2p" and (self.train or self.valid or self.test):
             raise ValueError("--train, --valid and --test are files of --task tsv (or a task that reads them); "
                              "--task g2p has its own data")
+        if self.preset == "g2p-long" and (self.train or self.task not in (None, "g2p")):
+            raise ValueError("--preset g2p-long is a recipe for the built-in G2P data (no --train, --task g2p)")
         if self.task in (None, "tsv") and (self.train is None) != (self.valid is None):
             raise ValueError("--train and --valid go together")
         if not 0 < self.lr_decay <= 1:

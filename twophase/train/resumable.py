@@ -78,6 +78,8 @@ class Resumable:
         self.mle_end = int(state["mle_end"]) if self.plateau.stopped else self.cfg.mle_steps
         self.compared = bool(state.get("compared", False))
         self.log_step = int(state.get("log_step", self.step))
+        if self.step < self.total:  # more steps asked for: a comparison after the shorter run no longer applies
+            self.compared, self.log_step = False, self.step
         saved = state.get("rank_rngs") or [{"rng": state["rng"], "sampling_rng": state["sampling_rng"]}]
         if len(saved) != distributed.world() and distributed.rank() > 0:
             return  # resumed on another number of processes: continues, though not bit-identically
