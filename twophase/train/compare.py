@@ -84,7 +84,7 @@ class Comparison:
         self.stats[CONTINUED] = {"steps": 0, "seconds": 0.0, "skipped": 0, "out_of_memory": 0,
                                  "reward_sum": 0.0, "reward_steps": 0}
         if self.is_main:
-            print(f"comparison: MLE continued from step {self.mle_end} at lr {cfg.rl_lr:g} for {budget:.0f} s of "
+            print(f"comparison: MLE continued from step {self.mle_end} at lr {cfg.rl_lr:g} for {budget:.1f} s of "
                   "training steps (the RL phase's)", flush=True)
         scores = self._continue(budget, stop)
         st = self.stats[CONTINUED]
