@@ -95,8 +95,8 @@ class Config:
                                "without a better --best-metric score; a decay below --min-lr ends the MLE phase "
                                "early (--mle-steps is then a maximum); 1: constant rate, no early stop",
                           minimum=0.0)
-    patience: int = arg(2, "with --lr-decay: validations without improvement before the rate decays", minimum=1)
-    min_lr: float = arg(2e-4, "with --lr-decay: the MLE phase ends instead of decaying below this rate",
+    patience: int = arg(1, "with --lr-decay: validations without improvement before the rate decays", minimum=1)
+    min_lr: float = arg(2.5e-4, "with --lr-decay: the MLE phase ends instead of decaying below this rate",
                         minimum=0.0)
     # ---- RL fine-tuning
     rl_steps: int = arg(600, "two-phase RL steps after the warm start", minimum=0)
