@@ -78,18 +78,20 @@ class Comparison:
                 print(f"note: no {self.branch_path.name} (the run began before it was saved): MLE continued is "
                       "not compared", flush=True)
             return
-        budget = distributed.reduce_max(self.stats["rl"]["seconds"])  # the slowest process's RL time
+        clock = self.budget_clock()
+        budget = distributed.reduce_max(self.stats["rl"].get(clock, 0.0))  # the slowest process's RL time
         self.final = self.snapshot()
         self.restore(branch)
-        self.stats[CONTINUED] = {"steps": 0, "seconds": 0.0, "skipped": 0, "out_of_memory": 0,
+        self.stats[CONTINUED] = {"steps": 0, "seconds": 0.0, "cpu_seconds": 0.0, "skipped": 0, "out_of_memory": 0,
                                  "reward_sum": 0.0, "reward_steps": 0}
         if self.is_main:
             print(f"comparison: MLE continued from step {self.mle_end} at lr {cfg.rl_lr:g} for {budget:.1f} s of "
-                  "training steps (the RL phase's)", flush=True)
-        scores = self._continue(budget, stop)
+                  f"training steps ({'CPU' if clock == 'cpu_seconds' else 'wall'} time, the RL phase's)", flush=True)
+        scores = self._continue(budget, clock, stop)
         st = self.stats[CONTINUED]
         self.summary[CONTINUED] = {**scores, "steps_per_s": st["steps"] / max(st["seconds"], 1e-9),
-                                   "skipped": st["skipped"], "steps": st["steps"], "seconds": st["seconds"]}
+                                   "skipped": st["skipped"], "steps": st["steps"], "seconds": st["seconds"],
+                                   "cpu_seconds": st["cpu_seconds"]}
         self.test_models = {"mle": branch["model"], CONTINUED: copy.deepcopy(self.model.state_dict())}
         self.save(path=self.continued_path, phase=CONTINUED)
         self.restore(self.final)
@@ -97,7 +99,13 @@ class Comparison:
         self.log_step = self.step + st["steps"]
         self.save()  # checkpoint_last.pt: the RL model again, the comparison done
 
-    def _continue(self, budget: float, stop) -> dict:
+    def budget_clock(self) -> str:
+        """The stats field the budget is counted in: on CPU this process's CPU time (a shared machine's other
+        processes slowed RL's steps and the continuation's unequally by up to 2x in wall time), else wall time
+        (a GPU's work is not the process's CPU time)."""
+        return "cpu_seconds" if self.device.type == "cpu" else "seconds"
+
+    def _continue(self, budget: float, clock: str, stop) -> dict:
         """MLE steps at --rl-lr while any process has budget left; validation every --eval-every and at the end."""
         cfg, start, k, scores = self.cfg, time.monotonic(), 0, None
         while True:
@@ -106,7 +114,7 @@ class Comparison:
                 raise Interrupted(128 + signum, f"stopped by signal {signum} during the comparison with MLE "
                                                 f"continued; {self.save_dir / 'checkpoint_last.pt'} holds the end "
                                                 "of RL (--resume redoes the comparison)")
-            if distributed.reduce_max(float(self.stats[CONTINUED]["seconds"] < budget)) == 0:
+            if distributed.reduce_max(float(self.stats[CONTINUED][clock] < budget)) == 0:
                 break
             row = self.train_step(CONTINUED)
             k += 1

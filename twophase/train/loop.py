@@ -41,7 +41,7 @@ class RunLoop:
             group["lr"] = lr
         if self.cfg.profile_memory:
             self.profiler = StepProfiler(self.device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         try:
             row = self.rl_step() if phase == "rl" else self.mle_step()
         except torch.cuda.OutOfMemoryError:
@@ -55,6 +55,8 @@ class RunLoop:
             self.report_profile(phase)
         stats = self.stats[phase]
         stats["seconds"] += time.perf_counter() - start
+        # this process's CPU time: --compare-mle's budget on CPU, which other processes on the machine do not tilt
+        stats["cpu_seconds"] = stats.get("cpu_seconds", 0.0) + time.process_time() - cpu_start
         stats["steps"] += 1
         stats["skipped"] += row["skipped"]
         if "reward_mean" in row:
@@ -173,6 +175,7 @@ class RunLoop:
             st = self.stats[phase]
             self.summary[phase] = {**scores, "steps_per_s": st["steps"] / max(st["seconds"], 1e-9),
                                    "skipped": st["skipped"], "steps": st["steps"], "seconds": st["seconds"],
+                                   "cpu_seconds": st.get("cpu_seconds", math.nan),
                                    "reward_mean": st["reward_sum"] / max(st["reward_steps"], 1)
                                    if phase == "rl" else math.nan}
         if phase_end or self.step % cfg.save_every == 0:

@@ -18,7 +18,8 @@ def fmt_scores(scores: dict) -> str:
 
 
 OTHER_ROWS = [("reward_mean", "train reward (mean)", "{:.4f}"), ("steps", "training steps", "{:.0f}"),
-              ("seconds", "training time (s)", "{:.0f}"), ("steps_per_s", "steps/s", "{:.2f}"),
+              ("seconds", "training time (s)", "{:.0f}"), ("cpu_seconds", "training CPU time (s)", "{:.0f}"),
+              ("steps_per_s", "steps/s", "{:.2f}"),
               ("skipped", "skipped steps", "{:.0f}")]
 COLUMNS = (("mle", "end of MLE"), ("mle-continued", "MLE continued"), ("rl", "RL"))
 
