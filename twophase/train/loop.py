@@ -39,7 +39,7 @@ class RunLoop:
         lr = self.plateau.lr if phase == "mle" else self.cfg.rl_lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.cfg.profile_memory:
+        if self.cfg.profile_memory and phase != "mle-continued":  # the profile is of the run's own steps
             self.profiler = StepProfiler(self.device)
         start, cpu_start = time.perf_counter(), time.process_time()
         try:
