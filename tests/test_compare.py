@@ -238,3 +238,12 @@ def test_preset_sets_defaults_the_flags_still_win(task, tmp_path, capsys):
     assert cli.main(["--preset", "g2p-long", "--train", str(task / "train.tsv"), "--valid",
                      str(task / "valid.tsv"), "--save-dir", str(tmp_path)]) == 2
     assert "--preset g2p-long is a recipe for the built-in G2P data" in capsys.readouterr().err
+
+
+def test_an_mle_only_run_resumed_with_rl_compares(task, tmp_path):
+    _trainer(task, tmp_path, mle_steps=4, rl_steps=0).run()
+    assert not (tmp_path / "checkpoint_mle_end.pt").exists()  # nothing to compare without RL
+    tr = _trainer(task, tmp_path, mle_steps=4, rl_steps=2, resume=True)
+    summary = tr.run()
+    assert "mle-continued" in summary and tr.compared
+    assert torch.load(tmp_path / "checkpoint_mle_end.pt", weights_only=True)["step"] == 4

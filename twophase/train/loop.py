@@ -97,8 +97,8 @@ class RunLoop:
         try:
             with GracefulStop(repeats_within=2.0 if distributed.world() > 1 else 0.0) as stop, bar:
                 # Every process must stop after the same step, whichever got the signal first (one all-reduce).
-                if self.step == self.mle_end == 0 and self.comparing and self.branch is None:
-                    self.save_branch()  # no MLE steps: the comparison branches from the initial model
+                if self.step == self.mle_end and self.comparing and self.branch is None:
+                    self.save_branch()  # no MLE steps, or a run resumed at the end of MLE (an MLE-only run's)
                 while self.step < self.total and distributed.agree_to_stop(stop.received) is None:
                     phase = self.phase_at(self.step)
                     row = self.train_step(phase)

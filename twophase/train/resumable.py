@@ -74,6 +74,8 @@ class Resumable:
         self.metrics.resume_at(state.get("elapsed_s", 0.0))
         if "schedule" in state:  # saved by a version without --lr-decay: the rate starts afresh
             self.plateau.load_state_dict(state["schedule"])
+        if self.cfg.lr_decay >= 1:  # a constant rate: this run's --lr, as before the schedule existed
+            self.plateau.lr = self.cfg.lr
         # An MLE phase the schedule ended early stays ended; otherwise --mle-steps (perhaps raised) decides.
         self.mle_end = int(state["mle_end"]) if self.plateau.stopped else self.cfg.mle_steps
         self.compared = bool(state.get("compared", False))
