@@ -113,10 +113,10 @@ class Config:
                                      "(self-critical); only with --objective reinforce (default: mean)",
                                choices=("none", "mean", "loo", "greedy"))
     mrt_alpha: float = arg(0.5, "MRT sharpness alpha: Q ∝ p^alpha over a source's candidates", minimum=0.0)
-    compare_mle: bool = arg(True, "after RL, continue MLE from the end-of-MLE checkpoint at --rl-lr for the RL "
-                                  "phase's training time, validate (and test) it, and report it beside RL: the "
-                                  "control RL must beat; adds the RL phase's time to the run (--no-compare-mle: "
-                                  "skip it)")
+    compare_mle: bool = arg(True, "after RL, continue MLE from the end-of-MLE state at --rl-lr for the RL "
+                                  "phase's training time (CPU time on CPU, wall time on GPU), validate (and test) "
+                                  "it, and report it beside RL: the control RL must beat; adds the RL phase's time "
+                                  "to the run; the final model stays RL's (--no-compare-mle: skip it)")
     mle_weight: float = arg(0.0, "lambda of the mixed objective lambda*MLE + (1-lambda)*RL", minimum=0.0)
     reward: str | None = arg(None, "registered reward plug-in (bleu, chrf, exact, edit, ...) or "
                                    "package.module:callable; default: the task's (edit for g2p and tsv)")
