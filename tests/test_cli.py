@@ -32,15 +32,18 @@ def test_train_py_end_to_end_then_decode(task, capsys):
          "--log-every", "5"],
         capture_output=True, text=True, timeout=120, cwd=task)
     assert proc.returncode == 0, proc.stderr
-    assert "valid, end MLE" in proc.stdout and "valid, end RL" in proc.stdout and "peak memory" in proc.stdout
-    assert "token error rate" in proc.stdout and "phoneme" not in proc.stdout  # TSV data: not G2P's words
+    header = next(line for line in proc.stdout.splitlines() if "end of MLE" in line)
+    assert header.split() == ["end", "of", "MLE", "MLE", "continued", "RL"] and "peak memory" in proc.stdout
+    assert "valid token error rate" in proc.stdout and "phoneme" not in proc.stdout  # TSV data: not G2P's words
     progress = [line for line in proc.stdout.splitlines() if line.startswith("step ") and "steps/s" in line]
     assert [line.split()[1] for line in progress] == ["5/26", "10/26", "15/26", "20/26", "25/26"]  # no tty: lines
     assert "[rl] loss=" in progress[-1] and "reward_mean=" in progress[-1] and "lr=0.0002" in progress[-1]
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["phase"] in ("mle", "rl")] == list(range(1, 27))
-    assert {r["phase"] for r in rows} == {"mle", "rl", "eval"}  # no --test: no test row
+    assert {r["phase"] for r in rows} == {"mle", "rl", "eval", "mle-continued"}  # no --test: no test row
     assert all(r["lr"] == (2e-3 if r["phase"] == "mle" else 2e-4) for r in rows if r["phase"] != "eval")
+    continued = [r for r in rows if r["phase"] == "mle-continued"]  # --compare-mle (the default): after RL
+    assert [r["step"] for r in continued] == list(range(27, 27 + len(continued))) and continued
     assert all(r["time"].endswith("Z") and r["elapsed_s"] >= 0 for r in rows)
     assert [r["elapsed_s"] for r in rows] == sorted(r["elapsed_s"] for r in rows)
     assert all("reward_mean" in r for r in rows if r["phase"] == "rl")
@@ -49,7 +52,8 @@ def test_train_py_end_to_end_then_decode(task, capsys):
     assert all(0 < r["prefix_nodes"] <= r["prefix_positions"] for r in rows if "prefix_nodes" in r)
     assert all("prefix_nodes" in r for r in rows if r["phase"] == "mle")
     evals = [r for r in rows if r["phase"] == "eval"]
-    assert [(r["step"], r["after"]) for r in evals] == [(10, "mle"), (20, "mle"), (26, "rl")]
+    assert [(r["step"], r["after"]) for r in evals][:3] == [(10, "mle"), (20, "mle"), (26, "rl")]
+    assert evals[-1]["after"] == "mle-continued" and evals[-1]["continued"] == len(continued)
     state = torch.load(save / "checkpoint_last.pt", weights_only=True)
     assert state["step"] == 26 and state["phase"] == "rl" and "model" in state
 
@@ -73,11 +77,12 @@ def test_default_task_runs_on_cmudict(tmp_path, capsys):
     # greedy and short outputs: the test split (3,143 words) is decoded in full at the end
     assert cli.main(["--mle-steps", "2", "--rl-steps", "1", "--valid-size", "16", "--hidden-size", "16",
                      "--embed-dim", "8", "--batch-size", "2", "--beam-size", "2", "--eval-beam", "1",
-                     "--max-len", "6", "--save-dir", str(tmp_path)]) == 0
+                     "--max-len", "6", "--save-dir", str(tmp_path), "--no-compare-mle"]) == 0
     out = capsys.readouterr().out
-    assert "119810 train / 3099 valid / 3143 test" in out and "phoneme error rate" in out and "test, final" in out
+    assert "119810 train / 3099 valid / 3143 test" in out and "test phoneme error rate" in out
+    assert "MLE continued" not in out  # --no-compare-mle: the final model alone is tested
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["n"]) for r in rows if r["phase"] == "test"] == [(3, 3143)]
+    assert [(r["step"], r["n"], r["model"]) for r in rows if r["phase"] == "test"] == [(3, 3143, "rl")]
     state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
     assert state["task"]["spec"] == "g2p" and state["config"]["task"] == "g2p" and state["config"]["reward"] == "edit"
     assert state["task"]["state"]["char_source"] is True  # decode splits words into letters

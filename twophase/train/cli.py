@@ -11,7 +11,7 @@ import torch
 
 from . import amp, distributed, rundir
 from .. import rewards
-from .config import Config, OneLineParser, add_config_flags, config_from_args
+from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args
 from .. import tasks
 from ..tasks.data import DataError
 from .evaluation import score
@@ -19,6 +19,7 @@ from .checkpoint import CheckpointError, load
 from .report import summary_table
 from .interrupt import Interrupted
 from .trainer import Trainer
+from . import tensorboard
 
 
 PROG = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(("train.py", "twophase-train")) \
@@ -133,6 +134,11 @@ def build(cfg: Config) -> Trainer:
     cfg.reward = cfg.reward or task.default_reward
     reward = rewards.get(cfg.reward)  # before loading data: a typo should fail in a second, not after it
     cfg.best_metric = resolve_best_metric(cfg, task)
+    if cfg.tensorboard:
+        try:
+            tensorboard.writer_class()
+        except ImportError as err:
+            raise UsageError(str(err)) from None
     try:  # refuse a directory holding another run now; its files are removed only once this run can start
         stale = rundir.claim(cfg.save_dir, cfg.resume, cfg.overwrite)
     except ValueError as err:
@@ -158,12 +164,30 @@ def build(cfg: Config) -> Trainer:
         trainer.load_state(state)
         if trainer.is_main:  # one run, one log: rows of steps after the checkpoint were lost with it
             for log in rundir.LOGS:
-                rundir.cut_back(trainer.save_dir / log, trainer.step)
+                rundir.cut_back(trainer.save_dir / log, trainer.log_step)
+    if cfg.tensorboard and trainer.is_main:
+        open_tensorboard(trainer, resumed=state is not None)
     return trainer
 
 
+def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
+    """--tensorboard: <save-dir>/tensorboard, its steps after the checkpoint purged on --resume (as in
+    metrics.jsonl); a new run starts without the event files of the run it replaces."""
+    folder = trainer.save_dir / "tensorboard"
+    if not resumed and folder.is_dir():
+        for old in folder.glob("events.out.tfevents.*"):
+            old.unlink()
+    writer = tensorboard.writer_class()(log_dir=str(folder), purge_step=trainer.log_step + 1 if resumed else None)
+    trainer.metrics.mirror = tensorboard.TensorBoardLog(writer, lambda: trainer.mle_end)
+
+
 def main(argv: list[str] | None = None) -> int:
-    cfg = config_from_args(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.preset:  # the recipe's values become the defaults, so the flags given on the command line still win
+        parser.set_defaults(**PRESETS[args.preset])
+        args = parser.parse_args(argv)
+    cfg = config_from_args(args)
     try:
         return _train(cfg)
     finally:
@@ -181,7 +205,11 @@ def _train(cfg: Config) -> int:
                   f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters on {trainer.device}"
                   + (f", {threads} CPU thread{'s' * (threads > 1)}" if trainer.device.type == "cpu" else "")
                   + (f" (x {distributed.world()} processes)" if distributed.world() > 1 else ""), flush=True)
-        summary = trainer.run()
+        try:
+            summary = trainer.run()
+        finally:
+            if trainer.metrics.mirror is not None:
+                trainer.metrics.mirror.close()
     except (UsageError, DataError, rewards.RewardError, tasks.TaskError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2

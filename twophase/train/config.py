@@ -11,6 +11,15 @@ import sys
 from dataclasses import MISSING, dataclass, field, fields
 
 
+# --preset NAME: other defaults for a named recipe; flags given on the command line still win.
+PRESETS = {
+    # The long G2P recipe (docs/g2p.md): a bidirectional encoder with dropout, validation-driven MLE up to 12,000
+    # steps, then RL and its equal-time MLE control. Estimated at 45-60 minutes on 2 free cores from a smoke run's
+    # speed; not run to completion.
+    "g2p-long": dict(bidirectional=True, dropout=0.3, mle_steps=12000, lr_decay=0.5, patience=2, min_lr=1e-4,
+                     eval_every=1000, save_every=1000, rl_steps=500, rl_lr=1e-4),
+}
+
 DEFAULT_BEAM = 5  # validation's and twophase-decode's beam width, one figure so the two agree
 
 
@@ -51,6 +60,8 @@ def check_size(text: str) -> str:
 
 @dataclass
 class Config:
+    preset: str | None = arg(None, "a named recipe that sets other defaults (the flags given still win): "
+                                   "g2p-long (docs/g2p.md)", choices=tuple(PRESETS))
     # ---- data
     task: str | None = arg(None, "what to train on: g2p (CMUdict grapheme-to-phoneme, the default without --train), "
                                  "tsv (--train/--valid files, the default with --train), an installed "
@@ -80,7 +91,14 @@ class Config:
     # ---- MLE warm start
     mle_steps: int = arg(4000, "teacher-forcing steps on the references before RL", minimum=0)
     mle_batch_size: int = arg(64, "(source, reference) pairs per MLE step", minimum=1)
-    lr: float = arg(2e-3, "Adam learning rate during MLE", minimum=0.0)
+    lr: float = arg(2e-3, "Adam learning rate during MLE (its starting value with --lr-decay)", minimum=0.0)
+    lr_decay: float = arg(1.0, "multiply the MLE learning rate by this after --patience validations in a row "
+                               "without a better --best-metric score; a decay below --min-lr ends the MLE phase "
+                               "early (--mle-steps is then a maximum); 1: constant rate, no early stop",
+                          minimum=0.0)
+    patience: int = arg(1, "with --lr-decay: validations without improvement before the rate decays", minimum=1)
+    min_lr: float = arg(2.5e-4, "with --lr-decay: the MLE phase ends instead of decaying below this rate",
+                        minimum=0.0)
     # ---- RL fine-tuning
     rl_steps: int = arg(600, "two-phase RL steps after the warm start", minimum=0)
     batch_size: int = arg(32, "sources per RL step", minimum=1)
@@ -96,6 +114,10 @@ class Config:
                                      "(self-critical); only with --objective reinforce (default: mean)",
                                choices=("none", "mean", "loo", "greedy"))
     mrt_alpha: float = arg(0.5, "MRT sharpness alpha: Q ∝ p^alpha over a source's candidates", minimum=0.0)
+    compare_mle: bool = arg(True, "after RL, continue MLE from the end-of-MLE state at --rl-lr for the RL "
+                                  "phase's training time (CPU time on CPU, wall time on GPU), validate (and test) "
+                                  "it, and report it beside RL: the control RL must beat; adds the RL phase's time "
+                                  "to the run; the final model stays RL's (--no-compare-mle: skip it)")
     mle_weight: float = arg(0.0, "lambda of the mixed objective lambda*MLE + (1-lambda)*RL", minimum=0.0)
     reward: str | None = arg(None, "registered reward plug-in (bleu, chrf, exact, edit, ...) or "
                                    "package.module:callable; default: the task's (edit for g2p and tsv)")
@@ -120,6 +142,8 @@ class Config:
                                    "that improves it: one of the task's metrics (g2p: word_acc, wer, per; tsv: "
                                    "word_acc (sequence accuracy), per (token error rate)), or reward; auto: the "
                                    "task's main metric (word_acc for g2p, reward for tsv)")
+    tensorboard: bool = arg(False, "also write the metrics as TensorBoard scalars to <save-dir>/tensorboard "
+                                   "(needs the tensorboard package: pip install 'twophase[tb]')")
     log_every: int = arg(100, "when stdout is not a terminal (no progress bar), print a progress line every N "
                               "steps (0: never)", minimum=0)
     seed: int = arg(1, "seed of every random number generator")
@@ -152,8 +176,12 @@ class Config:
         if self.task == "g2p" and (self.train or self.valid or self.test):
             raise ValueError("--train, --valid and --test are files of --task tsv (or a task that reads them); "
                              "--task g2p has its own data")
+        if self.preset == "g2p-long" and (self.train or self.task not in (None, "g2p")):
+            raise ValueError("--preset g2p-long is a recipe for the built-in G2P data (no --train, --task g2p)")
         if self.task in (None, "tsv") and (self.train is None) != (self.valid is None):
             raise ValueError("--train and --valid go together")
+        if not 0 < self.lr_decay <= 1:
+            raise ValueError(f"--lr-decay must be in (0, 1], got {self.lr_decay}")
         if self.mle_weight > 1:
             raise ValueError(f"--mle-weight must be in [0, 1], got {self.mle_weight}")
         if self.rescore_chunk == "auto" and self.memory_budget is None:
@@ -230,6 +258,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         text = f.metadata["help"] + ("" if default is None else f" (default: {default})")
         if f.metadata["parse"] is not None:
             parser.add_argument(_flag(f.name), type=f.metadata["parse"], default=default, help=text)
+        elif kind is bool and default:  # on unless --no-FLAG
+            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=True,
+                                help=f.metadata["help"])
         elif kind is bool:
             parser.add_argument(_flag(f.name), action="store_true", help=f.metadata["help"])
         else:

@@ -26,19 +26,25 @@ class RunLoop:
 
     def phase_at(self, step: int) -> str:
         """Phase of the step after `step` steps have been taken."""
-        return "mle" if step < self.cfg.mle_steps else "rl"
+        return "mle" if step < self.mle_end else "rl"
+
+    @property
+    def total(self) -> int:
+        """The run's last step: the end of MLE (--mle-steps, or earlier where --lr-decay stopped it) plus RL's."""
+        return self.mle_end + self.cfg.rl_steps
 
     def train_step(self, phase: str) -> dict:
-        """One step of the phase; a non-finite loss or gradient skips the update (counted, see _update)."""
-        lr = self.cfg.lr if phase == "mle" else self.cfg.rl_lr
+        """One step of the phase (mle, rl or mle-continued, the comparison's); a non-finite loss or gradient skips
+        the update (counted, see _update)."""
+        lr = self.plateau.lr if phase == "mle" else self.cfg.rl_lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.cfg.profile_memory:
+        if self.cfg.profile_memory and phase != "mle-continued":  # the profile is of the run's own steps
             self.profiler = StepProfiler(self.device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         self.step_counts = {}  # phase two's decoded prefix-tree nodes and candidate token positions
         try:
-            row = self.mle_step() if phase == "mle" else self.rl_step()
+            row = self.rl_step() if phase == "rl" else self.mle_step()
         except torch.cuda.OutOfMemoryError:
             if distributed.world() > 1:
                 raise  # one process cannot skip alone: the others would wait for it in the all-reduce
@@ -52,6 +58,8 @@ class RunLoop:
             self.report_profile(phase)
         stats = self.stats[phase]
         stats["seconds"] += time.perf_counter() - start
+        # this process's CPU time: --compare-mle's budget on CPU, which other processes on the machine do not tilt
+        stats["cpu_seconds"] = stats.get("cpu_seconds", 0.0) + time.process_time() - cpu_start
         stats["steps"] += 1
         stats["skipped"] += row["skipped"]
         if "reward_mean" in row:
@@ -82,7 +90,7 @@ class RunLoop:
 
     def run(self) -> dict:
         cfg = self.cfg
-        total = cfg.mle_steps + cfg.rl_steps
+        total = self.total
         # disable=None: a bar on a terminal, nothing in log files; only the main process draws one.
         bar = tqdm(total=total, initial=self.step, desc="train", dynamic_ncols=True, mininterval=1.0,
                    disable=None if self.is_main else True)
@@ -92,7 +100,9 @@ class RunLoop:
         try:
             with GracefulStop(repeats_within=2.0 if distributed.world() > 1 else 0.0) as stop, bar:
                 # Every process must stop after the same step, whichever got the signal first (one all-reduce).
-                while self.step < total and distributed.agree_to_stop(stop.received) is None:
+                if self.step == self.mle_end and self.comparing and self.branch is None:
+                    self.save_branch()  # no MLE steps, or a run resumed at the end of MLE (an MLE-only run's)
+                while self.step < self.total and distributed.agree_to_stop(stop.received) is None:
                     phase = self.phase_at(self.step)
                     row = self.train_step(phase)
                     self.step += 1
@@ -104,7 +114,13 @@ class RunLoop:
                     if line:
                         print(line, flush=True)
                     self.after_step(phase, bar)
+                    if self.total != total:  # the MLE phase stopped early
+                        total = bar.total = self.total
+                        if progress:
+                            progress.total = total
                 signum = distributed.agree_to_stop(stop.received)  # also a signal during the last step
+                if signum is None and self.comparing and not self.compared:
+                    self.compare(stop)
                 if signum is None:
                     self.evaluate_test()
         except RewardError as err:
@@ -123,37 +139,64 @@ class RunLoop:
         there (torchrun stops them)."""
         if distributed.world() > 1:
             return err
+        self.restore_final()  # failed during the comparison: the RL model is the one to keep
         self.save()
         return RewardError(f"{err} (after step {self.step}; saved {self.save_dir / 'checkpoint_last.pt'}, "
                            "--resume continues once the reward is fixed)")
 
     def evaluate_test(self) -> None:
-        """The test split, once, with the final model: the summary's last column and a "test" metrics row."""
+        """The test split, once per model: the final one (the summary's "test"), and after --compare-mle the
+        end-of-MLE and continued-MLE models too; one "test" metrics row each, naming the model."""
         if self.test is None:
             return
         cfg = self.cfg
-        scores = validate(self.model, self.task, self.test, self.reward, cfg.eval_beam, cfg.max_len, self.device)
-        self.summary["test"] = scores
-        self.log({"step": self.step, "phase": "test", **scores})
-        if self.is_main:
-            tqdm.write(f"step {self.step} test " + fmt_scores(scores))
+        final = "rl" if cfg.rl_steps > 0 else "mle"
+        tests = {name: self.test_model(name, params) for name, params in self.compared_models().items()}
+        tests[final] = validate(self.model, self.task, self.test, self.reward, cfg.eval_beam, cfg.max_len,
+                                self.device)
+        self.summary["test"], self.summary["tests"] = tests[final], tests
+        for name, scores in tests.items():
+            self.log({"step": self.log_step, "phase": "test", "model": name, **scores})
+            if self.is_main:
+                tqdm.write(f"step {self.step} test ({name}) " + fmt_scores(scores))
 
     def after_step(self, phase: str, bar) -> None:
-        """Validation (and checkpoint_best.pt when it improves), phase summary and checkpoints, each when due."""
+        """Validation (and checkpoint_best.pt when it improves, and the --lr-decay schedule during MLE), phase
+        summary and checkpoints, each when due."""
         cfg = self.cfg
-        phase_end = self.step == cfg.mle_steps or self.step == cfg.mle_steps + cfg.rl_steps
         scores = None
-        if self.step % cfg.eval_every == 0 or phase_end:
+        if self.step % cfg.eval_every == 0 or self.step in (self.mle_end, self.total):
             scores = self.validate()
             self.log({"step": self.step, "phase": "eval", "after": phase, **scores})
             if self.is_main:
                 bar.write(f"step {self.step} [{phase}] valid " + fmt_scores(scores))
             self.save_best(scores)
+            if phase == "mle":
+                self.schedule(scores, bar)
+        phase_end = self.step in (self.mle_end, self.total)
         if phase_end:
             st = self.stats[phase]
             self.summary[phase] = {**scores, "steps_per_s": st["steps"] / max(st["seconds"], 1e-9),
-                                   "skipped": st["skipped"],
+                                   "skipped": st["skipped"], "steps": st["steps"], "seconds": st["seconds"],
+                                   "cpu_seconds": st.get("cpu_seconds", math.nan),
                                    "reward_mean": st["reward_sum"] / max(st["reward_steps"], 1)
                                    if phase == "rl" else math.nan}
         if phase_end or self.step % cfg.save_every == 0:
+            self.log_step = self.step
             self.save()
+        if self.step == self.mle_end and self.comparing:
+            self.save_branch()
+
+    def schedule(self, scores: dict, bar) -> None:
+        """--lr-decay: decay the MLE rate on a plateau, or end the MLE phase here."""
+        action = self.plateau.update(scores.get(self.best_key))
+        if action is None:
+            return
+        if action == "stop":
+            self.mle_end = self.step
+        self.log({"step": self.step, "phase": "schedule", "action": action, "lr": self.plateau.lr})
+        if self.is_main:
+            bar.write(f"step {self.step} [mle] " + (f"no better {self.best_key} in {self.cfg.patience} "
+                                                     f"validations: lr {self.plateau.lr:g}" if action == "decay"
+                                                     else f"MLE phase ends ({self.best_key} no better at the "
+                                                          f"lowest rate)"))

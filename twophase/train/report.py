@@ -17,24 +17,34 @@ def fmt_scores(scores: dict) -> str:
     return " ".join(f"{k}={v:.4f}" for k, v in scores.items() if isinstance(v, float) and k != "n")
 
 
-OTHER_ROWS = [("reward", "reward", "{:.4f}"), ("reward_mean", "train reward (mean)", "{:.4f}"),
-              ("steps_per_s", "steps/s", "{:.2f}"), ("skipped", "skipped steps", "{:.0f}")]
+OTHER_ROWS = [("reward_mean", "train reward (mean)", "{:.4f}"), ("steps", "training steps", "{:.0f}"),
+              ("seconds", "training time (s)", "{:.0f}"), ("cpu_seconds", "training CPU time (s)", "{:.0f}"),
+              ("steps_per_s", "steps/s", "{:.2f}"),
+              ("skipped", "skipped steps", "{:.0f}")]
+COLUMNS = (("mle", "end of MLE"), ("mle-continued", "MLE continued"), ("rl", "RL"))
 
 
 def summary_table(summary: dict, metrics=()) -> str:
-    """Validation at the end of the warm start and at the end of RL, and the test split (final model) beside;
-    `metrics`: the task's (twophase.tasks.Metric), their labels and formats."""
-    rows = [(m.key, m.label, m.fmt) for m in metrics] + OTHER_ROWS
-    cols = [(c, f"valid, end {c.upper()}") for c in ("mle", "rl") if c in summary]
-    cols += [("test", "test, final")] if "test" in summary else []
-    lines = [f"{'':22}" + "".join(f"{title:>16}" for _, title in cols)]
-    for key, label, fmt in rows:
-        cells = []
-        for c, _ in cols:
-            v = summary[c].get(key, float("nan"))
-            cells.append(f"{'-' if v != v else fmt.format(v):>16}")
-        lines.append(f"{label:22}" + "".join(cells))
-    lines.append(f"{'peak memory':22}{summary.get('peak_memory_mb', float('nan')):>15.0f}M")
+    """One column per model: the end of the MLE warm start, MLE continued for RL's time (--compare-mle) and the
+    end of RL; validation rows, then test rows (the test split scores each model the run compared, else the final
+    one only), then the phase's training figures. `metrics`: the task's (twophase.tasks.Metric)."""
+    scored = [(m.key, m.label, m.fmt) for m in metrics] + [("reward", "reward", "{:.4f}")]
+    cols = [(c, title) for c, title in COLUMNS if c in summary]
+    tests = summary.get("tests") or ({cols[-1][0]: summary["test"]} if "test" in summary and cols else {})
+    sections = [("valid ", {c: summary[c] for c, _ in cols}, scored)]
+    if tests:
+        sections.append(("test ", tests, scored))
+    sections.append(("", {c: summary[c] for c, _ in cols}, OTHER_ROWS))
+    lines = [f"{'':26}" + "".join(f"{title:>16}" for _, title in cols)]
+    for prefix, table, rows in sections:
+        for key, label, fmt in rows:
+            cells = []
+            for c, _ in cols:
+                v = table.get(c, {}).get(key, float("nan"))
+                cells.append(f"{'-' if v != v else fmt.format(v):>16}")
+            if any(cell.strip() != "-" for cell in cells):
+                lines.append(f"{prefix + label:26}" + "".join(cells))
+    lines.append(f"{'peak memory':26}{summary.get('peak_memory_mb', float('nan')):>15.0f}M")
     return "\n".join(lines)
 
 

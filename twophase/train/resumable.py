@@ -24,6 +24,8 @@ class Resumable:
                 "mle_batches": self.mle_batches.state_dict(), "rl_batches": self.rl_batches.state_dict(),
                 "stats": self.stats, "summary": self.summary, "bad_in_a_row": self.bad_in_a_row,
                 "best_step": self.best_step, "elapsed_s": self.metrics.elapsed,
+                "schedule": self.plateau.state_dict(), "mle_end": self.mle_end, "compared": self.compared,
+                "log_step": self.log_step,
                 **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}  # floats and ints
 
     def save_best(self, scores: dict) -> None:
@@ -34,8 +36,9 @@ class Resumable:
             self.checkpoints.best, self.best_step = float(metric), self.step
             self.save(best=True)
 
-    def save(self, best: bool = False, crash: bool = False) -> None:
-        """checkpoint_last.pt and a step checkpoint (best: checkpoint_best.pt instead; crash: checkpoint_crash.pt).
+    def save(self, best: bool = False, crash: bool = False, path=None, phase: str | None = None) -> None:
+        """checkpoint_last.pt and a step checkpoint (best: checkpoint_best.pt instead; crash: checkpoint_crash.pt;
+        path: that file alone, e.g. --compare-mle's branch point; phase: what the state says it is the end of).
         Every process calls this at the same step: rank 0's checkpoint gathers every process's RNG streams, so a
         resumed multi-process run continues exactly too."""
         rank_rngs = distributed.gather_objects({"rng": rng_state(), "sampling_rng": self.sampling.get_state()})
@@ -44,7 +47,11 @@ class Resumable:
         state = self.state()
         if len(rank_rngs) > 1:
             state.update(world_size=len(rank_rngs), rank_rngs=rank_rngs)
-        if crash:
+        if phase is not None:
+            state["phase"] = phase
+        if path is not None:
+            save_atomic({**state, "best_metric": self.checkpoints.best}, path)
+        elif crash:
             save_atomic(state, self.save_dir / "checkpoint_crash.pt")
         elif best:
             self.checkpoints.write_best(state)
@@ -60,11 +67,21 @@ class Resumable:
         self.step = int(state["step"])
         self.mle_batches.load_state_dict(state["mle_batches"])
         self.rl_batches.load_state_dict(state["rl_batches"])
-        self.stats = {p: dict(v) for p, v in state["stats"].items()}
+        self.stats.update({p: dict(v) for p, v in state["stats"].items()})
         self.summary = dict(state["summary"])
         self.bad_in_a_row = int(state["bad_in_a_row"])
         self.checkpoints.best, self.best_step = state.get("best_metric"), state.get("best_step")
         self.metrics.resume_at(state.get("elapsed_s", 0.0))
+        if "schedule" in state:  # saved by a version without --lr-decay: the rate starts afresh
+            self.plateau.load_state_dict(state["schedule"])
+        if self.cfg.lr_decay >= 1:  # a constant rate: this run's --lr, as before the schedule existed
+            self.plateau.lr = self.cfg.lr
+        # An MLE phase the schedule ended early stays ended; otherwise --mle-steps (perhaps raised) decides.
+        self.mle_end = int(state["mle_end"]) if self.plateau.stopped else self.cfg.mle_steps
+        self.compared = bool(state.get("compared", False))
+        self.log_step = int(state.get("log_step", self.step))
+        if self.step < self.total:  # more steps asked for: a comparison after the shorter run no longer applies
+            self.compared, self.log_step = False, self.step
         saved = state.get("rank_rngs") or [{"rng": state["rng"], "sampling_rng": state["sampling_rng"]}]
         if len(saved) != distributed.world() and distributed.rank() > 0:
             return  # resumed on another number of processes: continues, though not bit-identically

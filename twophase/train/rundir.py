@@ -91,6 +91,7 @@ class MetricsLog:
 
     def __init__(self, path, enabled: bool = True):
         self.path, self.enabled = Path(path), enabled
+        self.mirror = None  # --tensorboard's TensorBoardLog
         self.elapsed_before = 0.0  # what earlier processes of this run spent, up to the resumed checkpoint
         self._start = time.monotonic()
 
@@ -107,3 +108,5 @@ class MetricsLog:
         stamp = datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps({**row, "time": stamp, "elapsed_s": round(self.elapsed, 3)}) + "\n")
+        if self.mirror is not None:
+            self.mirror.write(row)

@@ -27,18 +27,20 @@ from ..tasks.base import Example, Task
 from ..tasks.data import BatchSampler
 from .interrupt import Interrupted
 from .evaluation import score, validate
+from .compare import Comparison
 from .loop import RunLoop
 from ..onephase import one_phase_backward, one_phase_search
 from .profiling import ChunkPlanner, StepProfiler
 from .resumable import Resumable
 from .rundir import MetricsLog
+from .schedule import Plateau
 from ..rescoring import rescore_backward
 from ..samples import Samples
 from ..search import beam_search, greedy, sample
 from ..vocab import pad_targets
 
 
-class Trainer(Resumable, RunLoop):
+class Trainer(Resumable, RunLoop, Comparison):
     def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device):
         self.cfg, self.task, self.model, self.device, self.reward = cfg, task, model, device, reward
         self.train, self.valid, self.test = task.train, task.valid, task.test or None
@@ -63,8 +65,18 @@ class Trainer(Resumable, RunLoop):
         self.best_step: int | None = None
         self.summary: dict[str, dict] = {}
         self.stats = {p: {"steps": 0, "seconds": 0.0, "skipped": 0, "out_of_memory": 0, "reward_sum": 0.0,
-                          "reward_steps": 0} for p in ("mle", "rl")}
+                          "reward_steps": 0} for p in ("mle", "rl", "mle-continued")}
         self.bad_in_a_row = 0
+        self.plateau = Plateau(cfg.lr, cfg.lr_decay, cfg.patience, cfg.min_lr, self.checkpoints.higher_is_better)
+        self.mle_end = cfg.mle_steps  # earlier once --lr-decay ends the MLE phase
+        # --compare-mle: the end-of-MLE branch point, whether the comparison is done, the models it tested, the
+        # RL model kept aside during it, and the last step number in metrics.jsonl (beyond RL's with it)
+        self.comparing = cfg.compare_mle and cfg.rl_steps > 0
+        self.branch: dict | None = None
+        self.compared = False
+        self.test_models: dict | None = None
+        self.final: dict | None = None
+        self.log_step = 0
         self.profiler: StepProfiler | None = None  # set per step under --profile-memory
         self.chunk_planner = ChunkPlanner(parse_size(cfg.memory_budget)) if cfg.rescore_chunk == "auto" else None
         self.last_chunk = cfg.rescore_chunk
