@@ -122,7 +122,7 @@ def test_tiny_end_to_end_run_and_decode(tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     argv = ["--task", "karel", "--train-size", "24", "--valid-size", "6", "--hidden-size", "16", "--embed-dim", "8",
             "--mle-steps", "3", "--rl-steps", "2", "--mle-batch-size", "8", "--batch-size", "4", "--beam-size", "3",
-            "--max-len", "31", "--rescore-chunk", "5", "--eval-beam", "2", "--save-dir", str(run)]
+            "--max-len", "31", "--rescore-chunk", "5", "--eval-beam", "2", "--no-compare-mle", "--save-dir", str(run)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "24 train / 6 valid / 12 test tasks generated" in out and "generalization (top-1)" in out
