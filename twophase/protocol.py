@@ -21,11 +21,12 @@ Letters: B sources, N rows, T target length, V vocabulary.
     prev (N,)       long: the previous tokens (bos_id at the first step)
     log_probs (N, V) normalised log-probabilities of the next token
     tokens (N, T)   candidate rows: tokens, then eos_id (when produced), then pad_id; never bos_id. A row ends at
-                    its first eos_id, so pad_id may equal eos_id (as in GPT-2).
+                    its first eos_id, so pad_id may equal eos_id (as in GPT-2), and so may bos_id (BART's decoder
+                    start token is its eos).
 
-Search never proposes pad_id or bos_id (a model should give them probability zero); a candidate's score is the
-sum of its tokens' log-probabilities, which `score` must reproduce: both phases call the model's own functions,
-in evaluation mode (no dropout) unless told otherwise.
+Search never proposes pad_id or bos_id unless it is eos_id (a model should give them probability zero); a
+candidate's score is the sum of its tokens' log-probabilities, which `score` must reproduce: both phases call the
+model's own functions, in evaluation mode (no dropout) unless told otherwise.
 
 `weighted_score_backward` lets a model differentiate its output layer by hand (the built-in LSTM computes each
 V-sized logit block once instead of twice): given coefficients c (C,) it returns loss = sum_i c_i log p_i (a
