@@ -1,6 +1,7 @@
 """Hugging Face models through the protocol (`twophase.models.hf`): search scores are the model's own
 teacher-forced log-probabilities, the chunked phase-two gradient equals one backward over all rows, computed
 independently (one HF forward per row over its unpadded source or prompt + completion), in float64."""
+import importlib.util
 import os
 import subprocess
 import sys
@@ -8,7 +9,8 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+if importlib.util.find_spec("transformers") is None:  # only a missing extra skips: a broken install fails
+    pytest.skip("transformers is not installed (pip install twophase[hf])", allow_module_level=True)
 
 from twophase import beam_search, rescore_backward, sample  # noqa: E402
 from twophase.models.hf import HFCausalLM, HFSeq2Seq  # noqa: E402
@@ -38,6 +40,11 @@ EXACT = 1e-10
 SEEDS = {"t5": 1}  # seed 0's T5 ends no row within 6 tokens: the tests must see rows that end with eos
 
 
+def _tolerance(kind, scores):
+    # transformers 4.x's Llama returns float32 logits whatever the model's dtype
+    return 1e-4 if scores.dtype == torch.float32 else TOLERANCE.get(kind, EXACT)
+
+
 def _wrapped(kind):
     if kind in hf_tiny.SEQ2SEQ:
         return HFSeq2Seq(hf_tiny.seq2seq(kind, seed=SEEDS.get(kind, 0)))
@@ -45,10 +52,13 @@ def _wrapped(kind):
 
 
 def _assert_close_grads(got, want, tol):
-    """Per parameter tensor, |got - want| / |want| <= tol (L2 norms)."""
+    """Per parameter tensor, |got - want| <= tol (|want| + |all of want| / 100) (L2 norms): a gradient that is
+    zero in exact arithmetic (an attention key bias: softmax ignores a shift shared by all keys) is rounding
+    noise in both, so its own norm cannot be the scale."""
     assert got.keys() == want.keys()
+    scale = float(torch.stack([g.norm() for g in want.values()]).norm()) / 100
     for n in want:
-        assert float((got[n] - want[n]).norm()) <= tol * float(want[n].norm()) + 1e-12, n
+        assert float((got[n] - want[n]).norm()) <= tol * (float(want[n].norm()) + scale), n
 
 
 def _reference(wrapper, samples):
@@ -79,7 +89,7 @@ def test_search_scores_are_the_models_log_probs(kind, left, one_thread):
     ended = False
     for s in (beam_search(wrapper, source, 4, 6),
               sample(wrapper, source, 4, 6, generator=torch.Generator().manual_seed(0))):
-        assert torch.allclose(s.scores, _reference(wrapper, s), atol=TOLERANCE.get(kind, EXACT), rtol=0)
+        assert torch.allclose(s.scores, _reference(wrapper, s), atol=_tolerance(kind, s.scores), rtol=0)
         specials = {wrapper.pad_id, wrapper.bos_id} - {wrapper.eos_id}
         for row, n in zip(s.tokens.tolist(), s.lengths.tolist()):
             assert not specials & set(row[:n])
@@ -151,6 +161,7 @@ def test_bad_models_and_prompts_are_refused():
 def test_tokenizer_and_model_reload_offline(tmp_path, one_thread):
     """save_pretrained / from_pretrained of a tiny model and tokenizer from a local folder, hub offline; the
     tokenizer's batches feed the wrapper and the reloaded model scores the same candidates identically."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok, model = hf_tiny.tokenizer(padding_side="left"), hf_tiny.causal("llama")
     tok.save_pretrained(tmp_path)
@@ -159,7 +170,8 @@ def test_tokenizer_and_model_reload_offline(tmp_path, one_thread):
     os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     try:
         tok2 = AutoTokenizer.from_pretrained(tmp_path)
-        model2 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+        dtype = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"  # renamed in 5.0
+        model2 = AutoModelForCausalLM.from_pretrained(tmp_path, **{dtype: torch.float64}).eval()
     finally:
         for k, v in env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)

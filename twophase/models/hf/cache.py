@@ -2,65 +2,71 @@
 
 Search reorders a model's state by selecting rows of every tensor in it (`twophase.tree.select_rows`), so the
 wrappers keep a decoder's cache as plain tuples, one (keys, values) pair of (N, heads, length, head_dim) tensors
-per layer, and rebuild the library's `Cache` object around them for each forward. Building a `DynamicCache` from
-tensors stores them as they are (its first `update` concatenates onto an empty tensor: one copy), which is what
-`generate` itself does at every step.
+per layer (cross-attention pairs apart), and rebuild what the model's forward takes around them: a `Cache`
+object (`DynamicCache`, `EncoderDecoderCache`), or the legacy tuples for a 4.x model class that predates them
+(`_supports_cache_class` False: GPT-2 and T5 before about 4.45). Building a `DynamicCache` from tensors copies
+them once (its first `update` concatenates onto an empty tensor), as `generate`'s own concatenation does.
 
-transformers renamed the forward keyword `past_key_values` to `cache` in 5.x (the old name still works until
-5.40 with a deprecation warning) and removed `from_legacy_cache`; both spellings are handled here, so the
-wrappers need nothing newer than `EncoderDecoderCache` (4.42).
+transformers 5 renamed the forward keyword `past_key_values` to `cache` (the old name still works until 5.40,
+with a warning), renamed the output field likewise and removed `from_legacy_cache`; both spellings are handled.
 """
 from __future__ import annotations
 
 import inspect
 
-from transformers import DynamicCache, EncoderDecoderCache
-
 Layers = tuple  # ((keys, values), ...) one pair per layer
 
 
-def keyword(model) -> str:
-    """The forward keyword that takes the cache: `cache` (transformers 5.x) or `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+class Caches:
+    """How one model takes and returns its cache."""
+
+    def __init__(self, model):
+        self.keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.objects = getattr(model, "_supports_cache_class", True)  # the attribute is gone in 5.x: all do
+
+    def argument(self, self_pairs: Layers, cross_pairs: Layers | None = None) -> dict:
+        """The forward's cache keyword argument for a decoder-only cache (cross_pairs None) or an encoder-decoder
+        one. Cross-attention pairs, when present, are read instead of projecting the encoder output again."""
+        if not self.objects:
+            if not self_pairs:
+                return {}
+            if cross_pairs is None:
+                return {self.keyword: self_pairs}
+            return {self.keyword: tuple(s + c for s, c in zip(self_pairs, cross_pairs))}
+        if cross_pairs is None:
+            return {self.keyword: _dynamic(self_pairs)}
+        from transformers import EncoderDecoderCache
+        return {self.keyword: EncoderDecoderCache(_dynamic(self_pairs), _dynamic(cross_pairs))}
+
+    @staticmethod
+    def layers(output) -> Layers:
+        """The decoder-only cache a forward returned, as ((keys, values), ...)."""
+        return _pairs(_returned(output))
+
+    @staticmethod
+    def layers2(output) -> tuple[Layers, Layers]:
+        """The encoder-decoder cache a forward returned, as (self-attention pairs, cross-attention pairs)."""
+        found = _returned(output)
+        if isinstance(found, tuple):  # legacy: (keys, values, cross keys, cross values) per layer
+            return tuple((x[0], x[1]) for x in found), tuple((x[2], x[3]) for x in found)
+        return _pairs(found.self_attention_cache), _pairs(found.cross_attention_cache)
 
 
-def returned(output):
-    """The cache a forward returned (`cache` in 5.x outputs, `past_key_values` before)."""
-    found = getattr(output, "cache", None)
-    return found if found is not None else getattr(output, "past_key_values", None)
+def _returned(output):
+    found = getattr(output, "cache", None)  # 5.x
+    return found if found is not None else output.past_key_values
 
 
 def _pairs(cache) -> Layers:
-    if isinstance(cache, tuple):  # a model that still returns the legacy format
+    if isinstance(cache, tuple):
         return tuple((layer[0], layer[1]) for layer in cache)
     if hasattr(cache, "layers"):  # 4.56+: a list of layer objects
         return tuple((layer.keys, layer.values) for layer in cache.layers)
     return tuple(zip(cache.key_cache, cache.value_cache))
 
 
-def _dynamic(pairs: Layers) -> DynamicCache:
-    if hasattr(DynamicCache, "from_legacy_cache"):  # before 5.0
-        return DynamicCache.from_legacy_cache(pairs)
+def _dynamic(pairs: Layers):
+    from transformers import DynamicCache
+    if hasattr(DynamicCache, "from_legacy_cache"):  # 4.x
+        return DynamicCache.from_legacy_cache(pairs if pairs else None)
     return DynamicCache(pairs) if pairs else DynamicCache()
-
-
-def to_layers(cache) -> Layers:
-    """A decoder-only cache as ((keys, values), ...)."""
-    return _pairs(cache)
-
-
-def from_layers(pairs: Layers) -> DynamicCache:
-    return _dynamic(pairs)
-
-
-def to_layers2(cache) -> tuple[Layers, Layers]:
-    """An encoder-decoder cache as (self-attention pairs, cross-attention pairs)."""
-    if isinstance(cache, tuple):  # legacy: (self keys, self values, cross keys, cross values) per layer
-        return tuple((x[0], x[1]) for x in cache), tuple((x[2], x[3]) for x in cache)
-    return _pairs(cache.self_attention_cache), _pairs(cache.cross_attention_cache)
-
-
-def from_layers2(self_pairs: Layers, cross_pairs: Layers) -> EncoderDecoderCache:
-    """The cross-attention entries count as computed when present: attention layers then read them instead of
-    projecting the encoder output again."""
-    return EncoderDecoderCache(_dynamic(self_pairs), _dynamic(cross_pairs))

@@ -45,7 +45,7 @@ class HFCausalLM(torch.nn.Module):
         bos = special_id(model, "bos_token_id", required=False)
         self.bos_id = self.eos_id if bos is None else bos
         params = inspect.signature(model.forward).parameters
-        self._cache_kw = cache.keyword(model)
+        self._caches = cache.Caches(model)
         self._keep_kw = "logits_to_keep" in params
 
     def encode(self, source: dict) -> dict:
@@ -66,7 +66,7 @@ class HFCausalLM(torch.nn.Module):
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), **extra)
         at = last if keep is None else torch.searchsorted(keep, last)  # (B,) into out.logits' positions
         logits = out.logits[torch.arange(len(ids), device=ids.device), at]  # (B, V)
-        return {"kv": cache.to_layers(cache.returned(out)), "mask": mask, "next": real, "last": logits}
+        return {"kv": self._caches.layers(out), "mask": mask, "next": real, "last": logits}
 
     def init_state(self, enc: dict, owner: Tensor) -> dict:
         return {"kv": ()}  # the first step reads the prompts' logits and copies their cache to the rows
@@ -76,7 +76,7 @@ class HFCausalLM(torch.nn.Module):
             return {"kv": tree.select_rows(enc["kv"], owner)}, log_softmax(enc["last"].index_select(0, owner))
         fed = state["kv"][0][0].shape[2] - enc["mask"].shape[1]  # completion tokens already in the cache
         out = self._continue(enc, owner, prev[:, None], state["kv"], fed)
-        return {"kv": cache.to_layers(cache.returned(out))}, log_softmax(out.logits[:, -1])  # (N, V)
+        return {"kv": self._caches.layers(out)}, log_softmax(out.logits[:, -1])  # (N, V)
 
     def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
         """(N,) teacher-forced log p(tokens | prompt): the first token from the prompts' logits, the rest from
@@ -96,7 +96,7 @@ class HFCausalLM(torch.nn.Module):
         steps = torch.arange(fed, fed + L, device=inputs.device)
         positions = enc["next"].index_select(0, owner)[:, None] + steps  # (N, L)
         return self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True,
-                          **{self._cache_kw: cache.from_layers(kv)})
+                          **self._caches.argument(kv))
 
 
 def _positions(mask: Tensor) -> Tensor:

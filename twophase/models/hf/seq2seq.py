@@ -31,7 +31,7 @@ class HFSeq2Seq(torch.nn.Module):
         self.pad_id = special_id(model, "pad_token_id")
         self.eos_id = special_id(model, "eos_token_id")
         self.bos_id = special_id(model, "decoder_start_token_id")
-        self._cache_kw = cache.keyword(model)
+        self._caches = cache.Caches(model)
 
     def encode(self, source: dict) -> dict:
         mask = source["attention_mask"]
@@ -42,9 +42,9 @@ class HFSeq2Seq(torch.nn.Module):
         return {"self": (), "cross": ()}  # nothing decoded yet: the first step fills both caches
 
     def step(self, enc: dict, owner: Tensor, prev: Tensor, state: dict):
-        past = cache.from_layers2(state["self"], state["cross"])
-        out = self._forward(enc, owner, prev[:, None], {self._cache_kw: past, "use_cache": True})
-        self_pairs, cross_pairs = cache.to_layers2(cache.returned(out))
+        past = self._caches.argument(state["self"], state["cross"])
+        out = self._forward(enc, owner, prev[:, None], {**past, "use_cache": True})
+        self_pairs, cross_pairs = self._caches.layers2(out)
         return {"self": self_pairs, "cross": cross_pairs}, log_softmax(out.logits[:, -1])  # (N, V)
 
     def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
