@@ -10,6 +10,10 @@ Three ids and three methods make a model; two optional methods make it faster:
     weighted_score_backward(enc, tokens, owner, coefficients, inputs, collect) -> (loss, grads)
                                                   optional: phase two's chunk done by the model (see below)
 
+`step` (and `advance`) may consume the `state` it is given: the library passes each state to the model once
+and never reads it afterwards, so a model may free its tensors early (the Hugging Face wrappers empty it, so
+that a step holds one copy of a key/value cache rather than the old and the new).
+
 `source` is whatever the task's batches hold: the pair (src, src_lengths) for the built-in `Seq2Seq`, a
 tokenizer's dict, a float tensor of grids. `enc` and `state` are trees (`twophase.tree`): a tensor, tuple, list,
 dict or dataclass of tensors, of any dtypes and shapes, whose leading dimension is B for `enc` and N for `state`.
