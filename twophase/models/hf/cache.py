@@ -24,14 +24,19 @@ class Caches:
         self.keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.objects = getattr(model, "_supports_cache_class", True)  # the attribute is gone in 5.x: all do
 
-    def argument(self, self_pairs: Layers, cross_pairs: Layers | None = None) -> dict:
+    def argument(self, self_pairs: list, cross_pairs: list | None = None) -> dict:
         """The forward's cache keyword argument for a decoder-only cache (cross_pairs None) or an encoder-decoder
-        one. Cross-attention pairs, when present, are read instead of projecting the encoder output again."""
+        one. Cross-attention pairs, when present, are read instead of projecting the encoder output again.
+
+        The lists are emptied as the cache object copies them, a layer at a time: with the caller's state
+        consumed (`step` may consume it, see twophase.protocol) each layer's old tensors are freed as its copy
+        is made and again as the forward extends it, so a step holds one copy of the cache and a layer, not two
+        copies (the previous state and the new one)."""
         if not self.objects:
             if not self_pairs:
                 return {}
             if cross_pairs is None:
-                return {self.keyword: self_pairs}
+                return {self.keyword: tuple(self_pairs)}
             return {self.keyword: tuple(s + c for s, c in zip(self_pairs, cross_pairs))}
         if cross_pairs is None:
             return {self.keyword: _dynamic(self_pairs)}
@@ -65,8 +70,15 @@ def _pairs(cache) -> Layers:
     return tuple(zip(cache.key_cache, cache.value_cache))
 
 
-def _dynamic(pairs: Layers):
+def _dynamic(pairs: list):
     from transformers import DynamicCache
     if hasattr(DynamicCache, "from_legacy_cache"):  # 4.x
-        return DynamicCache.from_legacy_cache(pairs if pairs else None)
-    return DynamicCache(pairs) if pairs else DynamicCache()
+        return DynamicCache.from_legacy_cache(tuple(pairs) if pairs else None)
+    return DynamicCache(_drain(pairs)) if pairs else DynamicCache()
+
+
+def _drain(pairs: list):
+    """The pairs, each removed from the list as it is handed over: once the cache has copied a layer, nothing
+    but the caller's state (if it was not consumed) holds the original."""
+    while pairs:
+        yield pairs.pop(0)

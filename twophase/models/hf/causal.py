@@ -11,7 +11,8 @@ and returns those logits' log-softmax; later steps feed one token with the cache
 Phase two runs `encode` with gradients: every chunk's rows index the B prompts' cache by owner (a (C, heads, P,
 head_dim) copy per layer and chunk), the library cuts that cache out of the graph at the chunk boundary, and the
 prompts are back-propagated once after the last chunk. The prompts cost O(B P) tokens of forward and backward,
-not O(B K P) as re-running prompt + completion per row does.
+not O(B K P) as re-running prompt + completion per row does; by default their activations are recomputed for
+that backward rather than held through all chunks (`recompute_source`).
 
 Letters: B prompts, P prompt length, N rows (C in a chunk), T completion length, V vocabulary.
 """
@@ -25,18 +26,20 @@ from torch import Tensor
 from ... import tree
 from ...protocol import target_mask
 from . import cache
-from .common import log_softmax, masked_sum, special_id, token_log_probs
+from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
 
 class HFCausalLM(torch.nn.Module):
     """`model`: an `AutoModelForCausalLM` instance; `tokenizer` (optional) supplies pad and eos where it sets
     them. Without a pad token (GPT-2), pad_id = eos_id: a row ends at its first eos_id. bos_id is the config's
     bos_token_id (eos_id when it has none): the first step's prev, which is ignored, and a token search never
-    proposes (unless it is eos_id)."""
+    proposes (unless it is eos_id). `recompute_source`: phase two keeps no activations of the prompts' forward
+    and runs it again in the backward (`common.source_forward`)."""
 
-    def __init__(self, model, tokenizer=None):
+    def __init__(self, model, tokenizer=None, recompute_source: bool = True):
         super().__init__()
         self.model = model
+        self.recompute_source = recompute_source
         ids = {name: getattr(tokenizer, name, None) for name in ("pad_token_id", "eos_token_id")}
         self.eos_id = ids["eos_token_id"] if ids["eos_token_id"] is not None else special_id(model, "eos_token_id")
         pad = ids["pad_token_id"] if ids["pad_token_id"] is not None else special_id(model, "pad_token_id",
@@ -56,6 +59,11 @@ class HFCausalLM(torch.nn.Module):
         if bool((real == 0).any()):
             raise ValueError("HFCausalLM: a prompt has no token (attention_mask all zero); a causal model needs at "
                              "least one to predict the completion from (e.g. the bos token)")
+        kv, logits = source_forward(self._prompt, self.recompute_source, ids, mask)
+        return {"kv": kv, "mask": mask, "next": real, "last": logits}
+
+    def _prompt(self, ids: Tensor, mask: Tensor):
+        """The prompts' cache pairs and the logits (B, V) at each one's last real token."""
         P = ids.shape[1]
         last = P - 1 - mask.long().flip(1).argmax(dim=1)  # (B,) each prompt's last real position
         extra = {"use_cache": True}
@@ -65,8 +73,7 @@ class HFCausalLM(torch.nn.Module):
             extra["logits_to_keep"] = keep
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), **extra)
         at = last if keep is None else torch.searchsorted(keep, last)  # (B,) into out.logits' positions
-        logits = out.logits[torch.arange(len(ids), device=ids.device), at]  # (B, V)
-        return {"kv": self._caches.layers(out), "mask": mask, "next": real, "last": logits}
+        return self._caches.layers(out), out.logits[torch.arange(len(ids), device=ids.device), at]
 
     def init_state(self, enc: dict, owner: Tensor) -> dict:
         return {"kv": ()}  # the first step reads the prompts' logits and copies their cache to the rows
@@ -75,7 +82,7 @@ class HFCausalLM(torch.nn.Module):
         if not state["kv"]:  # prev is bos_id: the prompt's last token was fed by encode
             return {"kv": tree.select_rows(enc["kv"], owner)}, log_softmax(enc["last"].index_select(0, owner))
         fed = state["kv"][0][0].shape[2] - enc["mask"].shape[1]  # completion tokens already in the cache
-        out = self._continue(enc, owner, prev[:, None], state["kv"], fed)
+        out = self._continue(enc, owner, prev[:, None], list(state.pop("kv")), fed)  # state consumed
         return {"kv": self._caches.layers(out)}, log_softmax(out.logits[:, -1])  # (N, V)
 
     def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
@@ -83,13 +90,13 @@ class HFCausalLM(torch.nn.Module):
         one forward of tokens[:, :-1] on the rows' copy of the prompts' cache."""
         tok = token_log_probs(enc["last"].index_select(0, owner)[:, None], tokens[:, :1])  # (N, 1)
         if tokens.shape[1] > 1:
-            rest = self._continue(enc, owner, tokens[:, :-1], tree.select_rows(enc["kv"], owner), 0).logits
+            rest = self._continue(enc, owner, tokens[:, :-1], list(tree.select_rows(enc["kv"], owner)), 0).logits
             tok = torch.cat([tok, token_log_probs(rest, tokens[:, 1:])], dim=1)  # (N, T)
         return masked_sum(tok, target_mask(tokens, self.pad_id, self.eos_id))
 
-    def _continue(self, enc: dict, owner: Tensor, inputs: Tensor, kv, fed: int):
+    def _continue(self, enc: dict, owner: Tensor, inputs: Tensor, kv: list, fed: int):
         """Forward `inputs` (N, L), the completion's tokens fed..fed+L-1, after rows whose cache kv holds their
-        prompt and `fed` completion tokens."""
+        prompt and `fed` completion tokens (kv is emptied: see `cache.Caches.argument`)."""
         N, L = inputs.shape
         mask = enc["mask"].index_select(0, owner)  # (N, P)
         mask = torch.cat([mask, mask.new_ones(N, fed + L)], dim=1)  # (N, P + fed + L)

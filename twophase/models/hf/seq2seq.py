@@ -17,17 +17,19 @@ from torch import Tensor
 
 from ...protocol import target_mask, teacher_forced_inputs
 from . import cache
-from .common import log_softmax, masked_sum, special_id, token_log_probs
+from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
 
 class HFSeq2Seq(torch.nn.Module):
     """`model`: an `AutoModelForSeq2SeqLM` instance. Ids come from its config (the generation config where the
     config lacks them): the protocol's bos_id is the decoder start token (pad for T5 and Marian, eos for BART),
-    which search never proposes unless it is eos_id."""
+    which search never proposes unless it is eos_id. `recompute_source`: phase two keeps no activations of the
+    encoder and runs it again in the backward (`common.source_forward`)."""
 
-    def __init__(self, model):
+    def __init__(self, model, recompute_source: bool = True):
         super().__init__()
         self.model = model
+        self.recompute_source = recompute_source
         self.pad_id = special_id(model, "pad_token_id")
         self.eos_id = special_id(model, "eos_token_id")
         self.bos_id = special_id(model, "decoder_start_token_id")
@@ -35,14 +37,17 @@ class HFSeq2Seq(torch.nn.Module):
 
     def encode(self, source: dict) -> dict:
         mask = source["attention_mask"]
-        hidden = self.model.get_encoder()(input_ids=source["input_ids"], attention_mask=mask).last_hidden_state
+        hidden = source_forward(self._encoder, self.recompute_source, source["input_ids"], mask)
         return {"hidden": hidden, "mask": mask}  # (B, S, H), (B, S)
+
+    def _encoder(self, ids: Tensor, mask: Tensor) -> Tensor:
+        return self.model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
 
     def init_state(self, enc: dict, owner: Tensor) -> dict:
         return {"self": (), "cross": ()}  # nothing decoded yet: the first step fills both caches
 
     def step(self, enc: dict, owner: Tensor, prev: Tensor, state: dict):
-        past = self._caches.argument(state["self"], state["cross"])
+        past = self._caches.argument(list(state.pop("self")), list(state.pop("cross")))  # state consumed
         out = self._forward(enc, owner, prev[:, None], {**past, "use_cache": True})
         self_pairs, cross_pairs = self._caches.layers2(out)
         return {"self": self_pairs, "cross": cross_pairs}, log_softmax(out.logits[:, -1])  # (N, V)
