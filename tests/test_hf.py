@@ -187,3 +187,44 @@ def test_the_core_never_imports_transformers():
     code = ("import sys, twophase, twophase.search, twophase.rescoring, twophase.onephase, twophase.objectives; "
             "sys.exit('transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], env=dict(os.environ)).returncode == 0
+
+
+def test_token_log_probs_by_hand():
+    """The hand-differentiated log-softmax-and-gather: float64 gradcheck, and 16-bit logits scored in float32
+    with a gradient in their own dtype."""
+    from twophase.models.hf.common import token_log_probs
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(2, 3, 7, dtype=torch.float64, generator=g)).requires_grad_()
+    tokens = torch.randint(0, 7, (2, 3), generator=g)
+    assert torch.autograd.gradcheck(token_log_probs, (logits, tokens))
+    want = torch.log_softmax(logits, -1).gather(2, tokens[:, :, None]).squeeze(2)
+    assert torch.allclose(token_log_probs(logits, tokens), want, atol=1e-12, rtol=0)
+    half = logits.detach().bfloat16().requires_grad_()
+    got = token_log_probs(half, tokens)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, torch.log_softmax(half.float(), -1).gather(2, tokens[:, :, None]).squeeze(2))
+    got.sum().backward()
+    assert half.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["t5", "gpt2"])
+def test_recomputed_source_keeps_no_activations_and_the_same_gradient(kind, one_thread):
+    """recompute_source (the default) runs the source's forward again in the backward: encode saves nothing of
+    it for backward but its inputs, and phase two's gradient is unchanged."""
+    from twophase.train.memstats import SavedTensorMeter
+    wrapper = _wrapped(kind)
+    source = _batch(PROMPTS, wrapper.pad_id, left=kind == "gpt2")
+    s = beam_search(wrapper, source, 3, 4)
+    c = torch.linspace(-1, 1, len(s), dtype=torch.float64)
+    grads, saved = [], []
+    for recompute in (True, False):
+        wrapper.recompute_source = recompute
+        with torch.enable_grad(), SavedTensorMeter(list(wrapper.parameters())) as meter:
+            wrapper.encode(source)
+        saved.append(meter.total_bytes)
+        wrapper.zero_grad(set_to_none=True)
+        rescore_backward(wrapper, source, s, c, chunk_size=2)
+        grads.append({n: p.grad.clone() for n, p in wrapper.named_parameters() if p.grad is not None})
+    inputs = sum(x.numel() * x.element_size() for x in source.values())
+    assert saved[0] <= inputs < 10 * inputs < saved[1]  # the checkpoint saves its inputs, ids and mask
+    _assert_close_grads(grads[0], grads[1], TOLERANCE.get(kind, EXACT))
