@@ -175,7 +175,7 @@ def test_tokenizer_and_model_reload_offline(tmp_path, one_thread):
     finally:
         for k, v in env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    source = dict(tok2(["a b c", "d"], return_tensors="pt", padding=True))
+    source = tok2(["a b c", "d"], return_tensors="pt", padding=True)  # a BatchEncoding, as it comes
     assert source["input_ids"][1].tolist() == [hf_tiny.PAD, hf_tiny.PAD, 7]  # <pad> <pad> d, left-padded
     s = beam_search(HFCausalLM(model, tok), source, 3, 4)
     again = beam_search(HFCausalLM(model2, tok2), source, 3, 4)

@@ -41,6 +41,7 @@ from ..train.profiling import reset_rss_peak, rss_bytes
 DEFAULTS = dict(batch=8, samples=16, prompt=128, completion=64, width=256, layers=4, heads=4, vocab=8000,
                 chunk=16, warmup=1, steps=2, seed=0, threads=1)
 MODELS = ("t5", "causal")
+TIMES = ("phase1_s", "phase2_s", "step_s", "phase2_cpu", "step_cpu")  # wall seconds; CPU seconds of the process
 METHODS = ("two-phase", "one-phase", "trl")
 
 
@@ -119,13 +120,13 @@ def train_step(cell: dict, wrapper, source: dict, window=contextlib.nullcontext)
     B, K, T = cell["batch"], cell["samples"], cell["completion"]
     wrapper.zero_grad(set_to_none=True)
     g = torch.Generator().manual_seed(cell["seed"] + 1)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     with window() as one:
         if cell["method"] == "one-phase":
             samples, log_p = one_phase_sample(wrapper, source, K, T, generator=g)
         else:
             samples = sample(wrapper, source, K, T, generator=g)
-    mid = time.perf_counter()
+    mid, mid_cpu = time.perf_counter(), time.process_time()
     c = coefficients(samples, B, cell["seed"])
     with window() as two:
         if cell["method"] == "one-phase":
@@ -135,8 +136,9 @@ def train_step(cell: dict, wrapper, source: dict, window=contextlib.nullcontext)
             rescore_backward(wrapper, source, samples, c, cell["chunk"])
         else:
             trl_backward(wrapper, source, samples, c, cell["chunk"])
-    end = time.perf_counter()
-    return {"phase1_s": mid - start, "phase2_s": end - mid, "step_s": end - start,
+    end, end_cpu = time.perf_counter(), time.process_time()
+    return {"phase1_s": mid - start, "phase2_s": end - mid, "step_s": end - start, "phase2_cpu": end_cpu - mid_cpu,
+            "step_cpu": end_cpu - start_cpu,
             "mean_len": float(samples.lengths.double().mean()), "windows": (one, two)}
 
 
@@ -153,7 +155,7 @@ def run_cell(cell: dict) -> dict:
     rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     wrapper.zero_grad(set_to_none=True)
     one, two = train_step(cell, wrapper, source, AllocationPeak)["windows"]
-    out = {key: statistics.median(r[key] for r in runs) for key in ("phase1_s", "phase2_s", "step_s", "mean_len")}
+    out = {key: statistics.median(r[key] for r in runs) for key in (*TIMES, "mean_len")}
     mib = 2**-20
     return dict(cell, **out, rss_mb=max(0, rss_peak) * mib, phase1_mb=one.peak_bytes * mib,
                 phase2_mb=two.peak_bytes * mib, tensors_mb=max(one.peak_bytes, one.end_bytes + two.peak_bytes) * mib,
@@ -168,7 +170,7 @@ def measure(cell: dict, timeout: float) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-FIGURES = ("phase1_s", "phase2_s", "step_s", "phase1_mb", "phase2_mb", "tensors_mb", "rss_mb")
+FIGURES = (*TIMES, "phase1_mb", "phase2_mb", "tensors_mb", "rss_mb")
 
 
 def measure_capped(cell: dict, max_rows: int, timeout: float) -> dict:
@@ -181,14 +183,17 @@ def measure_capped(cell: dict, max_rows: int, timeout: float) -> dict:
     a, b = measure(dict(cell, batch=b1), timeout), measure(dict(cell, batch=b1 // 2), timeout)
     if "error" in a or "error" in b:
         return dict(cell, error=a.get("error") or b.get("error"))
-    slope = {k: (a[k] - b[k]) / (b1 - b1 // 2) for k in FIGURES}
-    return dict(a, batch=B, extrapolated_from=[b1, b1 // 2], **{k: a[k] + slope[k] * (B - b1) for k in FIGURES})
+    out = dict(a, batch=B, extrapolated_from=[b1, b1 // 2])
+    for k in FIGURES:
+        out[k] = a[k] + (a[k] - b[k]) / (b1 - b1 // 2) * (B - b1)
+    out["tensors_mb"] = max(out["tensors_mb"], out["phase1_mb"])  # a step's peak is at least phase one's
+    return out
 
 
 def table(cells: list[dict]) -> str:
     """Per model one row per method, then each figure's ratio two-phase / method."""
-    lines = ["| model | method | phase one s | phase two s | step s | tensors MiB: phase one / phase two / step "
-             "| RSS MiB | mean T |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | method | phase one s | phase two s (CPU s) | step s (CPU s) | tensors MiB: phase one / "
+             "phase two / step | RSS MiB | mean T |", "|---|---|---|---|---|---|---|---|"]
     ratios = []
     for model in dict.fromkeys(c["model"] for c in cells):
         at = {c["method"]: c for c in cells if c["model"] == model}
@@ -197,18 +202,21 @@ def table(cells: list[dict]) -> str:
                 lines.append(f"| {model} | {method} | error: {c['error']} |||||")
                 continue
             star = "*" if "extrapolated_from" in c else ""
-            lines.append(f"| {model} | {method}{star} | {c['phase1_s']:.2f} | {c['phase2_s']:.2f} | {c['step_s']:.2f} "
+            lines.append(f"| {model} | {method}{star} | {c['phase1_s']:.1f} | {c['phase2_s']:.1f} ({c['phase2_cpu']:.1f}) "
+                         f"| {c['step_s']:.1f} ({c['step_cpu']:.1f}) "
                          f"| {c['phase1_mb']:.0f} / {c['phase2_mb']:.0f} / {c['tensors_mb']:.0f} | {c['rss_mb']:.0f} "
                          f"| {c['mean_len']:.1f} |")
         two = at.get("two-phase")
         for method, c in at.items():
             if method == "two-phase" or two is None or "error" in two or "error" in c:
                 continue
-            ratio = {k: two[k] / max(c[k], 1e-9) for k in ("phase2_s", "step_s", "phase2_mb", "tensors_mb", "rss_mb")}
+            ratio = {k: two[k] / max(c[k], 1e-9) for k in ("phase2_s", "phase2_cpu", "step_s", "step_cpu", "phase2_mb",
+                                                          "tensors_mb", "rss_mb")}
             star = "*" if "extrapolated_from" in c else ""
-            ratios.append(f"| {model} | two-phase / {method}{star} | " + " | ".join(f"{v:.2f}" for v in ratio.values())
-                          + " |")
-    lines += ["", "| model | ratio | phase two time | step time | phase two tensors | step tensors | RSS |",
+            r = [f"{v:.2f}" for v in ratio.values()]
+            ratios.append(f"| {model} | two-phase / {method}{star} | {r[0]} ({r[1]}) | {r[2]} ({r[3]}) | "
+                          + " | ".join(r[4:]) + " |")
+    lines += ["", "| model | ratio | phase two time (CPU) | step time (CPU) | phase two tensors | step tensors | RSS |",
               "|---|---|---|---|---|---|---|"]
     return "\n".join(lines + ratios)
 
