@@ -156,6 +156,12 @@ def test_bad_models_and_prompts_are_refused():
     source["attention_mask"][1] = 0
     with pytest.raises(ValueError, match="no token"):
         beam_search(wrapper, source, 2, 3)
+    source = _batch(PROMPTS, wrapper.pad_id)
+    s = beam_search(wrapper, source, 2, 3)
+    wrapper.model.gradient_checkpointing_enable()
+    wrapper.train()  # MLE rows scored with dropout: HF's gradient checkpointing then drops the cache
+    with pytest.raises(ValueError, match="no key/value cache"):
+        rescore_backward(wrapper, source, s, torch.ones(len(s)), 2, keep_mode=True)
 
 
 def test_tokenizer_and_model_reload_offline(tmp_path, one_thread):

@@ -58,8 +58,13 @@ class Caches:
 
 
 def _returned(output):
-    found = getattr(output, "cache", None)  # 5.x
-    return found if found is not None else output.past_key_values
+    # 5.x outputs have `cache` (their past_key_values is an alias that warns); 4.x ones past_key_values
+    name = "cache" if "cache" in getattr(output, "__dataclass_fields__", ()) else "past_key_values"
+    found = getattr(output, name, None)
+    if found is None:
+        raise ValueError("the model returned no key/value cache although use_cache=True (gradient checkpointing "
+                         "turns it off in training mode: disable it, or score in evaluation mode)")
+    return found
 
 
 def _pairs(cache) -> Layers:
