@@ -11,8 +11,9 @@ baseline, the GRPO shape), and the gradient of sum_i c_i log p(y_i | x_i). Metho
                 input (the causal LM: prompt + completion, logits of the completion only; T5: encoder + decoder),
                 log-softmax, gather, backward; the prompt (source) is re-encoded for each of its K rows
 Every method runs in a fresh subprocess (`--worker JSON`), so each peak belongs to one method. `tensors` is the
-peak of bytes held by tensors during a step (the profiler's allocation record, `memstats.AllocationPeak`; on
-CUDA max_memory_allocated), `rss` the process's peak resident set above its size before the first step.
+peak of bytes held by tensors during a step (the profiler's allocation record, `memstats.AllocationPeak`), `rss`
+the process's peak resident set above its size before the first step. CPU only, float32, one thread by default
+(steady on a shared machine; CPU seconds of the process are reported beside wall seconds).
 
 Letters: B sources, K samples per source, N = B*K rows, C rows per chunk, P prompt (source) length, T completion
 length, H width, L layers, V vocabulary.
@@ -175,7 +176,9 @@ FIGURES = (*TIMES, "phase1_mb", "phase2_mb", "tensors_mb", "rss_mb")
 
 def measure_capped(cell: dict, max_rows: int, timeout: float) -> dict:
     """A one-phase cell of more than max_rows rows (its graph holds every step's key/value cache: gigabytes) is
-    measured at two smaller batches and extrapolated linearly in B to the cell's; its figures are marked."""
+    measured at two smaller batches b1 > b2 and extrapolated to the cell's B: memory along the line through both
+    (it has a fixed part: parameters, gradients), times in proportion to b1's (the difference of two short,
+    noisy times is no slope). Both measurements are kept in the cell; its figures are marked."""
     K, B = cell["samples"], cell["batch"]
     if cell["method"] != "one-phase" or B * K <= max_rows:
         return measure(cell, timeout)
@@ -183,9 +186,9 @@ def measure_capped(cell: dict, max_rows: int, timeout: float) -> dict:
     a, b = measure(dict(cell, batch=b1), timeout), measure(dict(cell, batch=b1 // 2), timeout)
     if "error" in a or "error" in b:
         return dict(cell, error=a.get("error") or b.get("error"))
-    out = dict(a, batch=B, extrapolated_from=[b1, b1 // 2])
+    out = dict(a, batch=B, extrapolated_from=[b1, b1 // 2], measured=[a, b])
     for k in FIGURES:
-        out[k] = a[k] + (a[k] - b[k]) / (b1 - b1 // 2) * (B - b1)
+        out[k] = a[k] * B / b1 if k in TIMES else a[k] + (a[k] - b[k]) / (b1 - b1 // 2) * (B - b1)
     out["tensors_mb"] = max(out["tensors_mb"], out["phase1_mb"])  # a step's peak is at least phase one's
     return out
 
@@ -214,6 +217,8 @@ def table(cells: list[dict]) -> str:
                                                           "tensors_mb", "rss_mb")}
             star = "*" if "extrapolated_from" in c else ""
             r = [f"{v:.2f}" for v in ratio.values()]
+            if method == "one-phase":  # its graph is built in phase one, its phase two a bare backward: no match
+                r[0] = r[1] = r[4] = "-"
             ratios.append(f"| {model} | two-phase / {method}{star} | {r[0]} ({r[1]}) | {r[2]} ({r[3]}) | "
                           + " | ".join(r[4:]) + " |")
     lines += ["", "| model | ratio | phase two time (CPU) | step time (CPU) | phase two tensors | step tensors | RSS |",
@@ -229,7 +234,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of two-phase,one-phase,trl")
     p.add_argument("--one-phase-rows", type=int, default=32, metavar="R",
                    help="one-phase cells of more than R rows are measured at two smaller batches and extrapolated "
-                        "linearly in the batch, marked * (default 32)")
+                        "(memory linearly, times in proportion to the batch), marked * (default 32)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per method")
     p.add_argument("--out", help="also write the table (Markdown) and the cells (JSON) to OUT.md / OUT.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -267,7 +272,7 @@ def main(argv=None) -> int:
     if any("extrapolated_from" in c for c in cells):
         text += "\n\n`*` one-phase measured at smaller batches (B = " + ", ".join(
             "/".join(map(str, c["extrapolated_from"])) for c in cells if "extrapolated_from" in c) + \
-            ") and extrapolated linearly in B."
+            "): memory extrapolated linearly in B, times in proportion to B."
     print("\n" + text)
     if args.out:
         with open(args.out + ".md", "w") as f:
