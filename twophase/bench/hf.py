@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import resource
 import statistics
@@ -105,9 +106,11 @@ def trl_backward(wrapper, source: dict, samples, c: torch.Tensor, micro: int) ->
                            decoder_input_ids=teacher_forced_inputs(tokens, wrapper.bos_id)).logits  # (C, T, V)
         else:
             full = torch.cat([mask, keep.long()], dim=1)  # (C, P + T)
+            T = tokens.shape[1]
+            only = {"logits_to_keep": T + 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
             logits = model(input_ids=torch.cat([ids, tokens], dim=1), attention_mask=full,
-                           position_ids=(full.cumsum(1) - 1).clamp_min(0), logits_to_keep=tokens.shape[1] + 1).logits
-            logits = logits[:, :-1]  # (C, T, V): the position before each completion token predicts it
+                           position_ids=(full.cumsum(1) - 1).clamp_min(0), **only).logits
+            logits = logits[:, -T - 1:-1]  # (C, T, V): the position before each completion token predicts it
         logp = selective_log_softmax(logits, tokens)  # (C, T)
         loss = (c[rows].float() * torch.where(keep, logp, torch.zeros_like(logp)).sum(1)).sum()
         loss.backward()
@@ -205,8 +208,8 @@ def table(cells: list[dict]) -> str:
                 lines.append(f"| {model} | {method} | error: {c['error']} |||||")
                 continue
             star = "*" if "extrapolated_from" in c else ""
-            lines.append(f"| {model} | {method}{star} | {c['phase1_s']:.1f} | {c['phase2_s']:.1f} ({c['phase2_cpu']:.1f}) "
-                         f"| {c['step_s']:.1f} ({c['step_cpu']:.1f}) "
+            lines.append(f"| {model} | {method}{star} | {c['phase1_s']:.1f} "
+                         f"| {c['phase2_s']:.1f} ({c['phase2_cpu']:.1f}) | {c['step_s']:.1f} ({c['step_cpu']:.1f}) "
                          f"| {c['phase1_mb']:.0f} / {c['phase2_mb']:.0f} / {c['tensors_mb']:.0f} | {c['rss_mb']:.0f} "
                          f"| {c['mean_len']:.1f} |")
         two = at.get("two-phase")
