@@ -5,7 +5,8 @@ wrappers keep a decoder's cache as plain tuples, one (keys, values) pair of (N, 
 per layer (cross-attention pairs apart), and rebuild what the model's forward takes around them: a `Cache`
 object (`DynamicCache`, `EncoderDecoderCache`), or the legacy tuples for a 4.x model class that predates them
 (`_supports_cache_class` False: GPT-2 and T5 before about 4.45). Building a `DynamicCache` from tensors copies
-them once (its first `update` concatenates onto an empty tensor), as `generate`'s own concatenation does.
+them once (its first `update` concatenates onto an empty tensor): one copy per step more than `generate` makes,
+time but not memory, as the lists are drained layer by layer (`Caches.argument`).
 
 transformers 5 renamed the forward keyword `past_key_values` to `cache` (the old name still works until 5.40,
 with a warning), renamed the output field likewise and removed `from_legacy_cache`; both spellings are handled.
