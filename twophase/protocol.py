@@ -12,6 +12,10 @@ Three ids and three methods make a model; two optional methods make it faster:
     weighted_tree_backward(enc, nodes, inputs, collect) -> (loss, grads)
                                                   optional: the same over a chunk's prefix tree (`twophase.prefixtree`)
 
+`step` (and `advance`) may consume the `state` it is given: the library passes each state to the model once
+and never reads it afterwards, so a model may free its tensors early (the Hugging Face wrappers empty it, so
+that a step holds one copy of a key/value cache rather than the old and the new).
+
 `source` is whatever the task's batches hold: the pair (src, src_lengths) for the built-in `Seq2Seq`, a
 tokenizer's dict, a float tensor of grids. `enc` and `state` are trees (`twophase.tree`): a tensor, tuple, list,
 dict or dataclass of tensors, of any dtypes and shapes, whose leading dimension is B for `enc` and N for `state`.
@@ -23,11 +27,12 @@ Letters: B sources, N rows, T target length, V vocabulary.
     prev (N,)       long: the previous tokens (bos_id at the first step)
     log_probs (N, V) normalised log-probabilities of the next token
     tokens (N, T)   candidate rows: tokens, then eos_id (when produced), then pad_id; never bos_id. A row ends at
-                    its first eos_id, so pad_id may equal eos_id (as in GPT-2).
+                    its first eos_id, so pad_id may equal eos_id (as in GPT-2), and so may bos_id (BART's decoder
+                    start token is its eos).
 
-Search never proposes pad_id or bos_id (a model should give them probability zero); a candidate's score is the
-sum of its tokens' log-probabilities, which `score` must reproduce: both phases call the model's own functions,
-in evaluation mode (no dropout) unless told otherwise.
+Search never proposes pad_id or bos_id unless it is eos_id (a model should give them probability zero); a
+candidate's score is the sum of its tokens' log-probabilities, which `score` must reproduce: both phases call the
+model's own functions, in evaluation mode (no dropout) unless told otherwise.
 
 `weighted_score_backward` lets a model differentiate its output layer by hand (the built-in LSTM computes each
 V-sized logit block once instead of twice): given coefficients c (C,) it returns loss = sum_i c_i log p_i (a

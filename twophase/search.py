@@ -28,7 +28,7 @@ BLOCK_BYTES = 8 * 2**20
 class _Decoder:
     """A model's `step` as two calls: `advance` every row, then the log-probabilities of a slice of rows. A model
     with its own `advance` and `log_probs` computes the latter per slice, so no (N, V) tensor exists at once;
-    otherwise `step`'s (N, V) result is sliced. Search never proposes pad_id or bos_id."""
+    otherwise `step`'s (N, V) result is sliced. Search never proposes pad_id or bos_id, unless it is eos_id."""
 
     def __init__(self, model):
         self.model = model
@@ -51,7 +51,7 @@ class _Decoder:
         return self.ban_specials(logp)
 
     def ban_specials(self, logp: Tensor) -> Tensor:
-        if self.specials is None:  # eos_id stays proposable where pad_id (or bos_id) shares its id, as in GPT-2
+        if self.specials is None:  # eos_id stays open when pad_id or bos_id equal it (GPT-2's pad, BART's start)
             banned = sorted({self.model.pad_id, self.model.bos_id} - {self.model.eos_id})
             self.specials = torch.tensor(banned, dtype=torch.long, device=logp.device)
         # Out of place: with a graph (one-phase) logp is saved for backward. Skipped when already impossible.

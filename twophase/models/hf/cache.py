@@ -1,0 +1,90 @@
+"""Hugging Face key/value caches as trees of tensors, and back.
+
+Search reorders a model's state by selecting rows of every tensor in it (`twophase.tree.select_rows`), so the
+wrappers keep a decoder's cache as plain tuples, one (keys, values) pair of (N, heads, length, head_dim) tensors
+per layer (cross-attention pairs apart), and rebuild what the model's forward takes around them: a `Cache`
+object (`DynamicCache`, `EncoderDecoderCache`), or the legacy tuples for a 4.x model class that predates them
+(`_supports_cache_class` False: GPT-2 and T5 before about 4.45). Building a `DynamicCache` from tensors copies
+them once (its first `update` concatenates onto an empty tensor): one copy per step more than `generate` makes,
+time but not memory, as the lists are drained layer by layer (`Caches.argument`).
+
+transformers 5 renamed the forward keyword `past_key_values` to `cache` (the old name still works until 5.40,
+with a warning), renamed the output field likewise and removed `from_legacy_cache`; both spellings are handled.
+"""
+from __future__ import annotations
+
+import inspect
+
+Layers = tuple  # ((keys, values), ...) one pair per layer
+
+
+class Caches:
+    """How one model takes and returns its cache."""
+
+    def __init__(self, model):
+        self.keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.objects = getattr(model, "_supports_cache_class", True)  # the attribute is gone in 5.x: all do
+
+    def argument(self, self_pairs: list, cross_pairs: list | None = None) -> dict:
+        """The forward's cache keyword argument for a decoder-only cache (cross_pairs None) or an encoder-decoder
+        one. Cross-attention pairs, when present, are read instead of projecting the encoder output again.
+
+        The lists are emptied as the cache object copies them, a layer at a time: with the caller's state
+        consumed (`step` may consume it, see twophase.protocol) each layer's old tensors are freed as its copy
+        is made and again as the forward extends it, so a step holds one copy of the cache and a layer, not two
+        copies (the previous state and the new one)."""
+        if not self.objects:
+            if not self_pairs:
+                return {}
+            if cross_pairs is None:
+                return {self.keyword: tuple(self_pairs)}
+            return {self.keyword: tuple(s + c for s, c in zip(self_pairs, cross_pairs))}
+        if cross_pairs is None:
+            return {self.keyword: _dynamic(self_pairs)}
+        from transformers import EncoderDecoderCache
+        return {self.keyword: EncoderDecoderCache(_dynamic(self_pairs), _dynamic(cross_pairs))}
+
+    @staticmethod
+    def layers(output) -> Layers:
+        """The decoder-only cache a forward returned, as ((keys, values), ...)."""
+        return _pairs(_returned(output))
+
+    @staticmethod
+    def layers2(output) -> tuple[Layers, Layers]:
+        """The encoder-decoder cache a forward returned, as (self-attention pairs, cross-attention pairs)."""
+        found = _returned(output)
+        if isinstance(found, tuple):  # legacy: (keys, values, cross keys, cross values) per layer
+            return tuple((x[0], x[1]) for x in found), tuple((x[2], x[3]) for x in found)
+        return _pairs(found.self_attention_cache), _pairs(found.cross_attention_cache)
+
+
+def _returned(output):
+    # 5.x outputs have `cache` (their past_key_values is an alias that warns); 4.x ones past_key_values
+    name = "cache" if "cache" in getattr(output, "__dataclass_fields__", ()) else "past_key_values"
+    found = getattr(output, name, None)
+    if found is None:
+        raise ValueError("the model returned no key/value cache although use_cache=True (gradient checkpointing "
+                         "turns it off in training mode: disable it, or score in evaluation mode)")
+    return found
+
+
+def _pairs(cache) -> Layers:
+    if isinstance(cache, tuple):
+        return tuple((layer[0], layer[1]) for layer in cache)
+    if hasattr(cache, "layers"):  # 4.56+: a list of layer objects
+        return tuple((layer.keys, layer.values) for layer in cache.layers)
+    return tuple(zip(cache.key_cache, cache.value_cache))
+
+
+def _dynamic(pairs: list):
+    from transformers import DynamicCache
+    if hasattr(DynamicCache, "from_legacy_cache"):  # 4.x
+        return DynamicCache.from_legacy_cache(tuple(pairs) if pairs else None)
+    return DynamicCache(_drain(pairs)) if pairs else DynamicCache()
+
+
+def _drain(pairs: list):
+    """The pairs, each removed from the list as it is handed over: once the cache has copied a layer, nothing
+    but the caller's state (if it was not consumed) holds the original."""
+    while pairs:
+        yield pairs.pop(0)

@@ -1,0 +1,111 @@
+"""`HFCausalLM`: a Hugging Face decoder-only model (`AutoModelForCausalLM`: GPT-2, Llama, ...) as a
+`twophase.SequenceModel`; the prompt is the source, the completion the candidate row.
+
+The source is a tokenizer's output, {"input_ids", "attention_mask"} of (B, P) tensors, left- or right-padded.
+Positions come from the mask as `generate` makes them (cumsum(mask) - 1), so a prompt's completions score the
+same whichever side it was padded on. `encode` runs the prompts once and keeps their key/value cache, their
+mask and the logits at each prompt's last real token: the first completion token's distribution. The prompt's
+last token is therefore read once, by `encode`, and never fed again: the first `step` ignores prev (bos_id)
+and returns those logits' log-softmax; later steps feed one token with the cache.
+
+Phase two runs `encode` with gradients: every chunk's rows index the B prompts' cache by owner (a (C, heads, P,
+head_dim) copy per layer and chunk), the library cuts that cache out of the graph at the chunk boundary, and the
+prompts are back-propagated once after the last chunk. The prompts cost O(B P) tokens of forward and backward,
+not O(B K P) as re-running prompt + completion per row does; by default their activations are recomputed for
+that backward rather than held through all chunks (`recompute_source`).
+
+Letters: B prompts, P prompt length, N rows (C in a chunk), T completion length, V vocabulary.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor
+
+from ... import tree
+from ...protocol import target_mask
+from . import cache
+from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
+
+
+class HFCausalLM(torch.nn.Module):
+    """`model`: an `AutoModelForCausalLM` instance; `tokenizer` (optional) supplies pad and eos where it sets
+    them. Without a pad token (GPT-2), pad_id = eos_id: a row ends at its first eos_id. bos_id is the config's
+    bos_token_id (eos_id when it has none): the first step's prev, which is ignored, and a token search never
+    proposes (unless it is eos_id). `recompute_source`: phase two keeps no activations of the prompts' forward
+    and runs it again in the backward (`common.source_forward`)."""
+
+    def __init__(self, model, tokenizer=None, recompute_source: bool = True):
+        super().__init__()
+        self.model = model
+        self.recompute_source = recompute_source
+        ids = {name: getattr(tokenizer, name, None) for name in ("pad_token_id", "eos_token_id")}
+        self.eos_id = ids["eos_token_id"] if ids["eos_token_id"] is not None else special_id(model, "eos_token_id")
+        pad = ids["pad_token_id"] if ids["pad_token_id"] is not None else special_id(model, "pad_token_id",
+                                                                                     required=False)
+        self.pad_id = self.eos_id if pad is None else int(pad)
+        bos = special_id(model, "bos_token_id", required=False)
+        self.bos_id = self.eos_id if bos is None else bos
+        params = inspect.signature(model.forward).parameters
+        self._caches = cache.Caches(model)
+        self._keep_kw = "logits_to_keep" in params
+
+    def encode(self, source: dict) -> dict:
+        """The prompts' cache (one (B, heads, P, head_dim) pair per layer), mask (B, P), first completion
+        position (B,) and next-token logits (B, V)."""
+        ids, mask = source["input_ids"], source["attention_mask"]
+        real = mask.long().sum(dim=1)  # (B,)
+        if bool((real == 0).any()):
+            raise ValueError("HFCausalLM: a prompt has no token (attention_mask all zero); a causal model needs at "
+                             "least one to predict the completion from (e.g. the bos token)")
+        kv, logits = source_forward(self._prompt, self.recompute_source, ids, mask)
+        return {"kv": kv, "mask": mask, "next": real, "last": logits}
+
+    def _prompt(self, ids: Tensor, mask: Tensor):
+        """The prompts' cache pairs and the logits (B, V) at each one's last real token."""
+        P = ids.shape[1]
+        last = P - 1 - mask.long().flip(1).argmax(dim=1)  # (B,) each prompt's last real position
+        extra = {"use_cache": True}
+        keep = None
+        if self._keep_kw:  # the LM head on those positions only, not on (B, P, V)
+            keep = torch.unique(last)  # (U,) sorted
+            extra["logits_to_keep"] = keep
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), **extra)
+        at = last if keep is None else torch.searchsorted(keep, last)  # (B,) into out.logits' positions
+        return self._caches.layers(out), out.logits[torch.arange(len(ids), device=ids.device), at]
+
+    def init_state(self, enc: dict, owner: Tensor) -> dict:
+        return {"kv": ()}  # the first step reads the prompts' logits and copies their cache to the rows
+
+    def step(self, enc: dict, owner: Tensor, prev: Tensor, state: dict):
+        if not state["kv"]:  # prev is bos_id: the prompt's last token was fed by encode
+            return {"kv": tree.select_rows(enc["kv"], owner)}, log_softmax(enc["last"].index_select(0, owner))
+        fed = state["kv"][0][0].shape[2] - enc["mask"].shape[1]  # completion tokens already in the cache
+        out = self._continue(enc, owner, prev[:, None], list(state.pop("kv")), fed)  # state consumed
+        return {"kv": self._caches.layers(out)}, log_softmax(out.logits[:, -1])  # (N, V)
+
+    def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
+        """(N,) teacher-forced log p(tokens | prompt): the first token from the prompts' logits, the rest from
+        one forward of tokens[:, :-1] on the rows' copy of the prompts' cache."""
+        tok = token_log_probs(enc["last"].index_select(0, owner)[:, None], tokens[:, :1])  # (N, 1)
+        if tokens.shape[1] > 1:
+            rest = self._continue(enc, owner, tokens[:, :-1], list(tree.select_rows(enc["kv"], owner)), 0).logits
+            tok = torch.cat([tok, token_log_probs(rest, tokens[:, 1:])], dim=1)  # (N, T)
+        return masked_sum(tok, target_mask(tokens, self.pad_id, self.eos_id))
+
+    def _continue(self, enc: dict, owner: Tensor, inputs: Tensor, kv: list, fed: int):
+        """Forward `inputs` (N, L), the completion's tokens fed..fed+L-1, after rows whose cache kv holds their
+        prompt and `fed` completion tokens (kv is emptied: see `cache.Caches.argument`)."""
+        N, L = inputs.shape
+        mask = enc["mask"].index_select(0, owner)  # (N, P)
+        mask = torch.cat([mask, mask.new_ones(N, fed + L)], dim=1)  # (N, P + fed + L)
+        steps = torch.arange(fed, fed + L, device=inputs.device)
+        positions = enc["next"].index_select(0, owner)[:, None] + steps  # (N, L)
+        return self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True,
+                          **self._caches.argument(kv))
+
+
+def _positions(mask: Tensor) -> Tensor:
+    """(B, P) each token's position among its prompt's real tokens; padding gets 0 (it is masked anyway)."""
+    return (mask.long().cumsum(dim=1) - 1).clamp_min(0)

@@ -1,0 +1,67 @@
+"""`HFSeq2Seq`: a Hugging Face encoder-decoder (`AutoModelForSeq2SeqLM`: T5, BART, Marian, ...) as a
+`twophase.SequenceModel`.
+
+The source is a tokenizer's output, {"input_ids", "attention_mask"} of (B, S) tensors. The encoder runs once per
+batch of sources; candidate rows read its output through `owner`. Search steps feed one token per row with the
+decoder's key/value cache kept in the state as tuples of tensors (`cache`), cross-attention entries included, so
+the library's row selection reorders them as `generate` reorders its cache. `score` decodes a chunk of rows in
+one teacher-forced forward without a cache: it copies the encoder output once per chunk, (C, S, H), and the
+decoder computes the chunk's cross-attention keys and values from it.
+
+Letters: B sources, S source length, H model width, N rows (C in a chunk), T target length, V vocabulary.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...protocol import target_mask, teacher_forced_inputs
+from . import cache
+from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
+
+
+class HFSeq2Seq(torch.nn.Module):
+    """`model`: an `AutoModelForSeq2SeqLM` instance. Ids come from its config (the generation config where the
+    config lacks them): the protocol's bos_id is the decoder start token (pad for T5 and Marian, eos for BART),
+    which search never proposes unless it is eos_id. `recompute_source`: phase two keeps no activations of the
+    encoder and runs it again in the backward (`common.source_forward`)."""
+
+    def __init__(self, model, recompute_source: bool = True):
+        super().__init__()
+        self.model = model
+        self.recompute_source = recompute_source
+        self.pad_id = special_id(model, "pad_token_id")
+        self.eos_id = special_id(model, "eos_token_id")
+        self.bos_id = special_id(model, "decoder_start_token_id")
+        self._caches = cache.Caches(model)
+
+    def encode(self, source: dict) -> dict:
+        mask = source["attention_mask"]
+        hidden = source_forward(self._encoder, self.recompute_source, source["input_ids"], mask)
+        return {"hidden": hidden, "mask": mask}  # (B, S, H), (B, S)
+
+    def _encoder(self, ids: Tensor, mask: Tensor) -> Tensor:
+        return self.model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    def init_state(self, enc: dict, owner: Tensor) -> dict:
+        return {"self": (), "cross": ()}  # nothing decoded yet: the first step fills both caches
+
+    def step(self, enc: dict, owner: Tensor, prev: Tensor, state: dict):
+        past = self._caches.argument(list(state.pop("self")), list(state.pop("cross")))  # state consumed
+        out = self._forward(enc, owner, prev[:, None], {**past, "use_cache": True})
+        self_pairs, cross_pairs = self._caches.layers2(out)
+        return {"self": self_pairs, "cross": cross_pairs}, log_softmax(out.logits[:, -1])  # (N, V)
+
+    def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
+        """(N,) teacher-forced log p(tokens | source): one decoder forward over the whole rows."""
+        inputs = teacher_forced_inputs(tokens, self.bos_id)  # (N, T)
+        logits = self._forward(enc, owner, inputs, {"use_cache": False}).logits  # (N, T, V)
+        return masked_sum(token_log_probs(logits, tokens), target_mask(tokens, self.pad_id, self.eos_id))
+
+    def _forward(self, enc: dict, owner: Tensor, decoder_input_ids: Tensor, extra: dict):
+        """The decoder and output layer for N rows. Attention layers whose cross-attention keys and values are
+        cached never read the encoder output, but the model checks it is given: index_select's (N, S, H)."""
+        from transformers.modeling_outputs import BaseModelOutput
+        encoder_outputs = BaseModelOutput(last_hidden_state=enc["hidden"].index_select(0, owner))  # (N, S, H)
+        return self.model(encoder_outputs=encoder_outputs, attention_mask=enc["mask"].index_select(0, owner),
+                          decoder_input_ids=decoder_input_ids, **extra)
