@@ -85,8 +85,8 @@ def hand_made(poison_held_out=False):
     spec = ((world(0, "E"), world(1, "E")),)  # move and IFELSE both pass it
     held_1 = (world(1, "E"), world(2, "E"))  # move and IFELSE both pass it
     held_2 = (world(2, "E"), world(2, "N"))  # wall ahead: move crashes, IFELSE turns left
-    ex1 = Example(spec, [MOVE], {"spec": spec, "held_out": Untouchable() if poison_held_out else held_1})
-    ex2 = Example(spec, [IFELSE], {"spec": spec, "held_out": Untouchable() if poison_held_out else held_2})
+    ex1 = Example(spec, [MOVE], {"spec": spec}, hidden={"held_out": Untouchable() if poison_held_out else held_1})
+    ex2 = Example(spec, [IFELSE], {"spec": spec}, hidden={"held_out": Untouchable() if poison_held_out else held_2})
     hyps = [MOVE, MOVE, IFELSE, "DEF run m( move", "DEF run m( move move move m)", "DEF run m( turnLeft m)"]
     return hyps, [ex1, ex2, ex2, ex1, ex1, ex1]
 
@@ -101,6 +101,10 @@ def test_reward_passes_the_spec_only_and_never_reads_held_out():
     assert score(rewards.validated(fn, "k"), hyps, examples) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     assert fn.counts == {"candidates": 6, "ok": 3, "syntax_error": 1, "runtime_error": 1, "wrong": 1}
     assert fn.rates() == {"passed": 0.5, "syntax_error": 1 / 6, "runtime_error": 1 / 6}
+    seen = {}  # a reward taking every keyword still gets no held-out pair
+    greedy_kw = rewards.validated(lambda h, r, **kw: seen.update(kw) or [0.0] * len(h), "all")
+    score(greedy_kw, hyps, examples)
+    assert set(seen) == {"sources", "spec"}
 
 
 def test_metrics_on_hand_made_hypotheses():

@@ -23,6 +23,8 @@ class Example:
     source: Any  # the raw source: what a reward's `sources` keyword receives (a string for text tasks)
     references: list[str] = field(default_factory=list)  # target strings, tokens joined by single spaces
     fields: dict = field(default_factory=dict)  # extra per-example data; each key becomes a reward keyword
+    hidden: dict = field(default_factory=dict)  # data only the task's metrics read (a held-out test): never
+    #                                             offered to a reward, so no plug-in (not even **kwargs) trains on it
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 `karel(hypotheses, references, spec)` is 1.0 when a candidate program maps every input world of its task's
 specification pairs to the pair's output world, else 0.0; a syntax error, a crash or a time-out gives 0.0. It
-declares only `spec`: the held-out pair (the `held_out` field of the task's examples) is offered to every reward
-by name, and a reward that does not declare it never receives it, so training never sees it.
+declares only `spec`; the held-out pair lives in the examples' `hidden` data, which no reward is offered, so
+training never sees it.
 
 `karel.counts` adds up, over every call in this process, the candidates scored (`candidates`) and their outcomes
 (`outcome`): `ok` (passed), `wrong`, `syntax_error`, and `runtime_error` (crashed or timed out on some pair);

@@ -1,8 +1,8 @@
 """`--task karel`: program synthesis from input/output examples with an execution reward (Bunel et al., 2018).
 
 Each example is a generated Karel task: the model sees its five specification pairs (`Example.source`, also the
-`spec` field the reward reads) and writes a program; the sixth pair (`held_out` field) is read by validation
-metrics only. The data is generated once by `generate_dataset` (seed 0, whatever --seed: every training seed
+`spec` field the reward reads) and writes a program; the sixth pair (`Example.hidden`, never offered to a
+reward) is read by validation metrics only. The data is generated once by `generate_dataset` (seed 0, whatever --seed: every training seed
 sees the same tasks) and cached under its default directory ($TWOPHASE_CACHE_DIR/karel, else
 ~/.cache/twophase/karel), keyed by the sizes and the generator's parameters.
 
@@ -45,7 +45,7 @@ CHANNELS = (32, 32)
 def as_example(task) -> Example:
     """A generated task (`generate.Example`) as the trainer's Example: spec in, program out, held-out aside."""
     spec = tuple(task.spec)
-    return Example(spec, [task.program], {"spec": spec, "held_out": task.held_out})
+    return Example(spec, [task.program], {"spec": spec}, hidden={"held_out": task.held_out})
 
 
 def pair_array(pair) -> np.ndarray:
@@ -133,7 +133,7 @@ class Karel(Task):
             sums["spec_ok"] += result == OK
             sums[SYNTAX] += result == SYNTAX
             sums[RUNTIME] += result == RUNTIME
-            sums["generalization"] += result == OK and outcome(hyp, [ex.fields["held_out"]]) == OK
+            sums["generalization"] += result == OK and outcome(hyp, [ex.hidden["held_out"]]) == OK
             sums["exact_match"] += hyp.split() in [r.split() for r in ex.references]
         return {**sums, "n": len(batch)}
 
