@@ -190,7 +190,7 @@ def test_mixed_reference_rows_and_row_path(name):
     assert counts[True, len(both)]["nodes"] < counts[False, 3]["nodes"]  # beams share prefixes
 
 
-def test_chunks_are_the_largest_runs_of_sorted_rows_within_their_nodes(monkeypatch):
+def test_chunks_are_the_largest_runs_of_sorted_rows_within_their_rows_and_nodes(monkeypatch):
     model, source = _lstm()
     s = _candidates(model, source, "beam", k=6, max_len=6)
     c = _coefficients("mrt", s, 3)
@@ -210,11 +210,12 @@ def test_chunks_are_the_largest_runs_of_sorted_rows_within_their_nodes(monkeypat
     for chunk in (1, 2, 5):
         built.clear()
         rescore_backward(model, source, s, c, chunk_size=chunk, stats=stats)
-        assert all(len(nodes) <= chunk * T for _, nodes in built)
+        assert all(len(nodes) <= chunk * T and n <= chunk for n, nodes in built)
         start = 0
-        for n, _ in built[:-1]:  # one more row would not have fit
+        for n, _ in built[:-1]:  # one more row would not have fit: too many rows, or too many nodes
             more = slice(start, start + n + 1)
-            assert len(real(rows.tokens[more], rows.owner[more], rows.lengths[more], c[:n + 1])) > chunk * T
+            assert n == chunk or len(real(rows.tokens[more], rows.owner[more], rows.lengths[more],
+                                          c[:n + 1])) > chunk * T
             start += n
         assert start + built[-1][0] == len(rows)
     assert stats["nodes"] > 100 and stats["rows"] == 3 * len(rows) and stats["chunks"] >= 3

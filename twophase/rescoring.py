@@ -117,8 +117,8 @@ def shares_prefixes(model) -> bool:
 
 
 class _Plan:
-    """Where each chunk ends. With a tree, rows sorted by `prefixtree.sort_rows` and chunks sized in nodes (a
-    chunk of `size` holds at most size * T of them); otherwise at most `size` rows."""
+    """Where each chunk ends: at most `size` rows; with a tree, rows sorted by `prefixtree.sort_rows` (so a
+    source's shared prefixes fall in one chunk) and never more than size * T nodes."""
 
     def __init__(self, model, samples: Samples, tree: bool):
         self.tree, self.samples, self.n = tree, samples, len(samples)
@@ -138,9 +138,11 @@ class _Plan:
         if not self.tree:
             end = min(start + size, self.n)
             return end, sum(self.lengths[start:end])
-        # rows start..b have lengths[start] + added[b] - added[start] nodes; at least row `start` (<= T)
+        # rows start..b have lengths[start] + added[b] - added[start] nodes; at least row `start` (<= T). At most
+        # `size` rows too: a level of the tree holds up to one node per row, and a level's transients (attention
+        # reads per node, say) must stay a row chunk's, so sharing saves work without raising the peak.
         limit = size * self.T - self.lengths[start] + self.added[start]
-        end = bisect.bisect_right(self.added, limit, lo=start + 1)
+        end = min(bisect.bisect_right(self.added, limit, lo=start + 1), start + size)
         return end, self.lengths[start] + self.added[end - 1] - self.added[start]
 
 
