@@ -102,13 +102,10 @@ class Trainer(Resumable, RunLoop, Comparison):
         batch = next(self.mle_batches)  # the global batch: every process draws it, then takes its share
         pairs = [self.pairs[k] for k in distributed.shard(batch)]
         source = self._sources([i for i, _ in pairs])
-        tgt = pad_targets([self.ref_ids[i][j] for i, j in pairs], self.device, self.model.pad_id,
-                          self.model.eos_id)  # (B, T)
-        owner = torch.arange(len(pairs), device=self.device)
-        refs = Samples.of_targets(tgt, owner, self.model.pad_id, self.model.eos_id)
+        refs = self._target_rows([self.ref_ids[i][j] for i, j in pairs], list(range(len(pairs))))  # (B, T)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.phase_two(source, refs, objectives.mle(owner, len(batch)), keep_mode=True)
+        loss = self.phase_two(source, refs, objectives.mle(refs.owner, len(batch)), keep_mode=True)
         loss = distributed.reduce_sums({"loss": loss})["loss"]
         return {"loss": loss, **self._update(loss)}
 
@@ -197,11 +194,15 @@ class Trainer(Resumable, RunLoop, Comparison):
         return objectives.reinforce(rewards, cand.owner, B, cfg.reinforce_baseline, greedy_rewards)
 
     def _reference_rows(self, idx: list[int]) -> Samples:
+        """Every reference of the sources idx, row owner = the source's position in idx."""
         owner = [b for b, i in enumerate(idx) for _ in self.ref_ids[i]]
-        tgt = pad_targets([r for i in idx for r in self.ref_ids[i]], self.device, self.model.pad_id,
-                          self.model.eos_id)  # (R, T)
-        owner = torch.tensor(owner, device=self.device)
-        return Samples.of_targets(tgt, owner, self.model.pad_id, self.model.eos_id)
+        return self._target_rows([r for i in idx for r in self.ref_ids[i]], owner)  # (R, T)
+
+    def _target_rows(self, ids: list[list[int]], owner: list[int]) -> Samples:
+        """Target ids (no EOS) as rows in the model's layout (tokens, eos_id, pad_id), which no search scored."""
+        pad, eos = self.model.pad_id, self.model.eos_id
+        tgt = pad_targets(ids, self.device, pad, eos)  # (R, T)
+        return Samples.of_targets(tgt, torch.tensor(owner, dtype=torch.long, device=self.device), pad, eos)
 
     def _update(self, loss: float) -> dict:
         """Clip and step, unless the loss or the gradient norm is not finite: then the parameters stay as they
