@@ -18,8 +18,7 @@ from .config import DEFAULT_BEAM, OneLineParser, config_from_dict
 from .. import tasks
 from ..tasks.base import Example
 from ..tasks.data import DataError, read_lines, split_utf8_lines
-from ..samples import best_rows
-from ..search import beam_search
+from .evaluation import best_hypotheses
 
 
 def build_parser() -> OneLineParser:
@@ -77,11 +76,9 @@ def decode_lines(model, task, lines: list[str], beam_size: int, max_len: int, ba
     the parsed sources."""
     out = [""] * len(lines)
     todo = [(i, Example(task.parse_source(line))) for i, line in enumerate(lines) if line.strip()]
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start:start + batch_size]
-        best = best_rows(beam_search(model, task.collate([ex for _, ex in chunk], device), beam_size, max_len))
-        for (i, _), row in zip(chunk, best.tolist()):  # best: (B, T)
-            out[i] = task.format_output(task.detokenize(row))
+    hyps = best_hypotheses(model, task, [ex for _, ex in todo], beam_size, max_len, device, batch_size)
+    for (i, _), hyp in zip(todo, hyps):
+        out[i] = task.format_output(hyp)
     return out, [ex.source for _, ex in todo]
 
 

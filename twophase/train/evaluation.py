@@ -29,16 +29,24 @@ def score(reward, hypotheses: list[str], examples: list[Example]) -> list[float]
 
 
 @torch.inference_mode()
+def best_hypotheses(model, task: Task, examples: list[Example], beam_size: int, max_len: int, device,
+                    batch_size: int) -> list[str]:
+    """The best beam candidate of each example, detokenised; validation and decoding both read these."""
+    hyps = []
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start:start + batch_size]
+        s = beam_search(model, task.collate(batch, device), beam_size, max_len)
+        hyps += [task.detokenize(row) for row in best_rows(s).tolist()]  # best_rows: (B, T)
+    return hyps
+
+
+@torch.inference_mode()
 def validate(model, task: Task, examples: list[Example], reward, beam_size: int, max_len: int,
              device: torch.device, limit: int = 0, batch_size: int = 256) -> dict:
     """The task's scores, n and the mean reward of the best hypotheses of examples (the first `limit`)."""
     n = min(limit, len(examples)) if limit else len(examples)
     share = [examples[i] for i in distributed.shard(list(range(n)))]
-    hyps = []
-    for start in range(0, len(share), batch_size):
-        batch = share[start:start + batch_size]
-        s = beam_search(model, task.collate(batch, device), beam_size, max_len)
-        hyps += [task.detokenize(row) for row in best_rows(s).tolist()]
+    hyps = best_hypotheses(model, task, share, beam_size, max_len, device, batch_size)
     sums = dict(task.metric_sums(hyps, share))
     sums["reward"] = sum(score(reward, hyps, share)) if share else 0.0
     sums = distributed.reduce_sums(sums)
