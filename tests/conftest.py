@@ -24,6 +24,13 @@ def toy_batch(lengths=(3, 1, 5), src_vocab=9, seed=1):
     return src, torch.tensor(lengths)
 
 
+def take_grads(model):
+    """Every parameter's gradient (zeros where none), then cleared: one gradient per call."""
+    out = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 @pytest.fixture
 def model():
     return tiny_model()

@@ -10,7 +10,7 @@ from twophase.bench.seedstyle import SeedStyleSeq2Seq
 from twophase.onephase import one_phase_backward, one_phase_beam_search, one_phase_sample
 from twophase.vocab import EOS
 
-from conftest import tiny_model, toy_batch
+from conftest import take_grads, tiny_model, toy_batch
 
 K, MAX_LEN = 5, 6
 
@@ -35,12 +35,6 @@ def _coefficients(objective, cand, B):
     return objectives.reinforce(rewards, cand.owner, B, "mean")
 
 
-def _grads(model):
-    out = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    return out
-
-
 def _assert_same(a, b):
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-7, atol=1e-10)
@@ -58,9 +52,9 @@ def test_one_phase_gradient_equals_two_phase(kind, objective):
     assert log_p.requires_grad and not one.scores.requires_grad
     coef = _coefficients(objective, two, src.shape[0])
     one_loss = one_phase_backward(log_p, coef)
-    g_one = _grads(model)
+    g_one = take_grads(model)
     two_loss = rescore_backward(model, (src, lens), two, coef, chunk_size=4)
-    g_two = _grads(model)
+    g_two = take_grads(model)
     assert one_loss == pytest.approx(two_loss, rel=1e-9)
     assert any(g.abs().max() > 0 for g in g_two)
     _assert_same(g_one, g_two)
@@ -79,7 +73,7 @@ def test_seed_style_matches_one_phase(kind):
     one_phase_backward(log_p, coef)
     one_phase_backward(seed_log_p, coef)
     seed.release()
-    _assert_same(_grads(seed), _grads(model))
+    _assert_same(take_grads(seed), take_grads(model))
 
 
 def test_seed_style_search_runs_the_seed_code(monkeypatch):

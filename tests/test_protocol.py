@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import foreign_models as fm
+from conftest import take_grads
 from foreign_models import NAMES, OBJECTIVES
 from twophase import Samples, beam_search, protocol, rescore_backward, sample, search
 from twophase.onephase import one_phase_backward, one_phase_beam_search, one_phase_sample
@@ -70,13 +71,7 @@ def _reference_grads(model, source, s, c):
     model.zero_grad(set_to_none=True)
     total = (c * _log_probs(model, source, s.tokens, s.owner)).sum()
     total.backward()
-    return _grads(model), float(total.detach())
-
-
-def _grads(model):
-    out = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    return out
+    return take_grads(model), float(total.detach())
 
 
 def _assert_same(got, want):
@@ -170,7 +165,7 @@ def test_chunked_gradient_at_every_chunk_size_with_reference_rows(name, kind):
     for chunk in range(1, len(s) + 1):
         value = rescore_backward(model, source, s, c, chunk_size=chunk, oom_retry=bool(chunk % 2))
         assert value == pytest.approx(total, abs=1e-10)
-        _assert_same(_grads(model), want)
+        _assert_same(take_grads(model), want)
     assert model.training
 
 
@@ -185,7 +180,7 @@ def test_every_objective_gradient_is_exact(name, kind, objective):
     assert any(float(g.abs().sum()) > 0 for g in want)
     for chunk in (1, 4):
         assert rescore_backward(model, source, s, c, chunk_size=chunk) == pytest.approx(total, abs=1e-10)
-        _assert_same(_grads(model), want)
+        _assert_same(take_grads(model), want)
 
 
 @pytest.mark.parametrize("kind", ["beam", "sample"])
@@ -198,9 +193,9 @@ def test_one_phase_equals_two_phase(name, kind):
     torch.testing.assert_close(one.scores, two.scores, rtol=0, atol=1e-12)
     c = fm.coefficients("beam" if kind == "beam" else "reinforce-mean", two, B)
     one_loss = one_phase_backward(log_p, c)
-    g_one = _grads(model)
+    g_one = take_grads(model)
     assert rescore_backward(model, source, two, c, chunk_size=2) == pytest.approx(one_loss, rel=1e-9)
-    _assert_same(_grads(model), g_one)
+    _assert_same(take_grads(model), g_one)
     assert model.training
 
 
@@ -238,7 +233,7 @@ def test_score_method_and_step_give_the_same_gradient():
     grads = []
     for model in (stepped, scored):
         rescore_backward(model, source, s, c, chunk_size=5)
-        grads.append(_grads(model))
+        grads.append(take_grads(model))
     assert any(float(g.abs().sum()) > 0 for g in grads[0])
     _assert_same(grads[1], grads[0])
 
@@ -264,10 +259,10 @@ def test_keep_mode_scores_with_dropout(name):
     c = fm.coefficients("mle", refs, B)
     torch.manual_seed(11)
     (c * protocol.score(model, model.encode(source), refs.tokens, refs.owner)).sum().backward()
-    want = _grads(model)
+    want = take_grads(model)
     torch.manual_seed(11)  # the row path draws the masks as one backward over the rows does (the prefix tree
     rescore_backward(model, source, refs, c, chunk_size=len(refs), keep_mode=True,  # shares a prefix's mask)
                      prefix_sharing=False)
-    _assert_same(_grads(model), want)
+    _assert_same(take_grads(model), want)
     rescore_backward(model, source, refs, c, chunk_size=len(refs))
-    assert any(not torch.allclose(g, w) for g, w in zip(_grads(model), want))  # evaluation mode differs
+    assert any(not torch.allclose(g, w) for g, w in zip(take_grads(model), want))  # evaluation mode differs
