@@ -44,6 +44,9 @@ class Task:
     default_reward = "edit"  # --reward when not given
     metrics: tuple[Metric, ...] = ()  # validation scores, in the summary table's order
     main_metric: str | None = None  # what --best-metric auto picks; None: the validation reward
+    # The task's recipe: train.py flags (Config field names) whose defaults differ for this task, e.g.
+    # {"hidden_size": 128}. Flags given on the command line still win; --preset overrides these.
+    flag_defaults: dict = {}
 
     def __init__(self):
         self.train: list[Example] = []

@@ -184,14 +184,31 @@ def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.preset:  # the recipe's values become the defaults, so the flags given on the command line still win
-        parser.set_defaults(**PRESETS[args.preset])
+    defaults = recipe_defaults(args)
+    if defaults:  # the recipe's values become the defaults, so the flags given on the command line still win
+        unknown = sorted(set(defaults) - set(vars(args)))
+        if unknown:
+            parser.error(f"--task {args.task}: its flag_defaults name no flag: {', '.join(unknown)}")
+        parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
     cfg = config_from_args(args)
     try:
         return _train(cfg)
     finally:
         distributed.finish()
+
+
+def recipe_defaults(args) -> dict:
+    """The defaults a run starts from, beyond the flags' own: its task's (`Task.flag_defaults`: Karel's model
+    size and RL recipe, say), then --preset's. Flags given on the command line win over both."""
+    try:
+        factory = tasks.get(tasks.default_name(args))
+    except tasks.TaskError:
+        factory = None  # reported in one line when the run builds its task
+    defaults = dict(getattr(factory, "flag_defaults", None) or {})
+    if args.preset:
+        defaults.update(PRESETS[args.preset])
+    return defaults
 
 
 def _train(cfg: Config) -> int:
