@@ -1,0 +1,53 @@
+"""A task's own recipe (`Task.flag_defaults`): below --preset, below the flags given on the command line."""
+import pytest
+
+from twophase import tasks
+from twophase.tasks.base import Task
+from twophase.train import cli
+
+
+@pytest.fixture
+def seen(monkeypatch):
+    """The Config main() would train with (the run itself is replaced)."""
+    configs = []
+    monkeypatch.setattr(cli, "_train", lambda cfg: configs.append(cfg) or 0)
+    return configs
+
+
+def test_karel_runs_its_recipe_and_given_flags_win(seen):
+    assert cli.main(["--task", "karel"]) == 0
+    assert cli.main(["--task", "karel", "--hidden-size", "64", "--rl-steps", "7"]) == 0
+    recipe, given = seen
+    assert (recipe.hidden_size, recipe.beam_size, recipe.rl_lr, recipe.save_dir) == (128, 16, 5e-4, "runs/karel")
+    assert (given.hidden_size, given.rl_steps, given.beam_size) == (64, 7, 16)
+
+
+def test_other_tasks_keep_the_flags_defaults(seen):
+    assert cli.main([]) == 0
+    assert (seen[0].hidden_size, seen[0].beam_size, seen[0].save_dir) == (256, 8, "runs/g2p")
+
+
+def test_preset_overrides_the_task_recipe(seen, monkeypatch):
+    class Recipe(Task):
+        flag_defaults = dict(rl_steps=3, dropout=0.1)
+
+    monkeypatch.setattr(tasks, "get", lambda name: Recipe)
+    assert cli.main(["--preset", "g2p-long"]) == 0
+    assert (seen[0].rl_steps, seen[0].dropout) == (500, 0.3)  # the preset's, over the task's
+
+
+def test_a_recipe_naming_no_flag_is_one_line(monkeypatch, capsys):
+    class Typo(Task):
+        flag_defaults = dict(hiden_size=8)
+
+    monkeypatch.setattr(tasks, "get", lambda name: Typo)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--task", "typo"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "flag_defaults name no flag: hiden_size" in err and err.count("\n") == 1
+
+
+def test_an_unknown_task_is_still_reported_by_the_run(capsys):
+    assert cli.main(["--task", "nosuchtask"]) == 2
+    assert "unknown task 'nosuchtask'" in capsys.readouterr().err
