@@ -131,6 +131,7 @@ def _fails_with_one_line(argv, capsys, match, entry=cli.main):
      "--beam-size 1 with --objective reinforce --baseline mean trains nothing"),
     (["--beam-size", "1", "--objective", "reinforce", "--baseline", "mean"], "--baseline mean trains nothing"),
     (["--beam-size", "1", "--objective", "reinforce", "--baseline", "loo"], "--baseline loo needs --beam-size"),
+    (["--mrt-alpha", "0.2"], "--mrt-alpha applies to --objective mrt only, not --objective beam"),
     (["--baseline", "mean"], "--baseline applies to --objective reinforce only, not --objective beam"),
     (["--baseline", "none", "--objective", "mrt"], "--baseline applies to --objective reinforce only"),
     (["--memory-budget", "2GiB"], "--memory-budget applies to --rescore-chunk auto only, not --rescore-chunk 128"),
@@ -147,6 +148,7 @@ def test_bad_flags_exit_2_with_one_line(argv, match, capsys, tmp_path):
     dict(beam_size=1, objective="reinforce", baseline="greedy"),
     dict(objective="reinforce", sampler="sample", baseline="loo", beam_size=2),
     dict(objective="mrt", sampler="sample", temperature=0.5),
+    dict(objective="mrt", mrt_alpha=0.2),
     dict(rescore_chunk="auto", memory_budget="2GiB"),
 ])
 def test_configurations_that_train_are_accepted(flags):

@@ -20,6 +20,7 @@ PRESETS = {
                      eval_every=1000, save_every=1000, rl_steps=500, rl_lr=1e-4),
 }
 
+MRT_ALPHA = 0.5  # --mrt-alpha's default; another value with another objective is refused
 DEFAULT_BEAM = 5  # validation's and twophase-decode's beam width, one figure so the two agree
 
 
@@ -113,7 +114,7 @@ class Config:
     baseline: str | None = arg(None, "REINFORCE baseline: none, mean, loo (leave-one-out) or greedy "
                                      "(self-critical); only with --objective reinforce (default: mean)",
                                choices=("none", "mean", "loo", "greedy"))
-    mrt_alpha: float = arg(0.5, "MRT sharpness alpha: Q ∝ p^alpha over a source's candidates", minimum=0.0)
+    mrt_alpha: float = arg(MRT_ALPHA, "MRT sharpness alpha: Q ∝ p^alpha over a source's candidates", minimum=0.0)
     compare_mle: bool = arg(True, "after RL, continue MLE from the end-of-MLE state at --rl-lr for the RL "
                                   "phase's training time (CPU time on CPU, wall time on GPU), validate (and test) "
                                   "it, and report it beside RL: the control RL must beat; adds the RL phase's time "
@@ -195,6 +196,8 @@ class Config:
     def _validate_rl(self) -> None:
         if self.temperature != 1 and self.sampler != "sample":
             raise ValueError(f"--temperature applies to --sampler sample only, not --sampler {self.sampler}")
+        if self.mrt_alpha != MRT_ALPHA and self.objective != "mrt":
+            raise ValueError(f"--mrt-alpha applies to --objective mrt only, not --objective {self.objective}")
         if self.objective != "reinforce":
             if self.baseline is not None:
                 raise ValueError(f"--baseline applies to --objective reinforce only, not --objective "
