@@ -101,6 +101,11 @@ def test_hf_model_trains_saves_resumes_and_decodes(kind, folder, monkeypatch, ca
     final = auto.from_pretrained(save / "hf_final", local_files_only=True)
     assert last["step"] == 6 and all(torch.equal(p, last["model"]["model." + n]) for n, p in final.state_dict().items())
 
+    other = "gpt2" if kind == "t5" else "t5"
+    capsys.readouterr()  # from_pretrained's progress bars
+    _fails_with_one_line(["--train", "train.tsv", "--valid", "valid.tsv", "--hf-model", other, "--save-dir",
+                          f"run_{kind}", "--resume", *TINY], capsys, f"was trained with --hf-model {folder / kind}")
+
     # twophase-decode reads the folder recorded in the checkpoint, or --hf-model (the run's hf_final holds both).
     (folder / "in.txt").write_text("a b c\n\nd\n")
     capsys.readouterr()
