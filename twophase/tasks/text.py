@@ -128,4 +128,3 @@ class TSV(TextTask):
                 self.notes.append(f"{flag}: skipped {data.skipped} lines longer than the limits (--too-long skip)")
             out.append(data)
         return tuple(out)
-
