@@ -16,14 +16,17 @@ SEQ2SEQ = ("t5", "bart", "marian")
 CAUSAL = ("gpt2", "llama")
 
 
-def tokenizer(padding_side: str = "right"):
-    """A PreTrainedTokenizerFast over SPECIALS + WORDS, splitting on whitespace; appends nothing."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def tokenizer(padding_side: str = "right", append_eos: bool = False):
+    """A PreTrainedTokenizerFast over SPECIALS + WORDS, splitting on whitespace; appends nothing, or with
+    `append_eos` </s> to every encoding with special tokens (as T5's and Marian's tokenizers do)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if append_eos:
+        core.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", EOS)])
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
                                    unk_token="<unk>", padding_side=padding_side)
 
@@ -78,3 +81,12 @@ def _peaked(model):
             if p.dim() > 1:
                 p.mul_(3.0)
     return model
+
+
+def save(folder, kind: str, seed: int = 0) -> str:
+    """A tiny model of `kind` (SEQ2SEQ or CAUSAL) and the word-level tokenizer (appending </s> for seq2seq, as T5's
+    does) written to `folder` with save_pretrained: a folder for --hf-model."""
+    model = seq2seq(kind, seed) if kind in SEQ2SEQ else causal(kind, seed)
+    model.save_pretrained(folder)
+    tokenizer(append_eos=kind in SEQ2SEQ).save_pretrained(folder)
+    return str(folder)

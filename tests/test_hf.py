@@ -191,7 +191,9 @@ def test_tokenizer_and_model_reload_offline(tmp_path, one_thread):
 
 
 def test_the_core_never_imports_transformers():
-    code = ("import sys, twophase, twophase.search, twophase.rescoring, twophase.onephase, twophase.objectives; "
+    """Nor does the training command, the built-in tasks or twophase.tasks.hf until --hf-model is given."""
+    code = ("import sys, twophase, twophase.search, twophase.rescoring, twophase.onephase, twophase.objectives, "
+            "twophase.train.cli, twophase.train.decode, twophase.tasks.text, twophase.tasks.hf; "
             "sys.exit('transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], env=dict(os.environ)).returncode == 0
 

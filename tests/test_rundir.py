@@ -107,3 +107,15 @@ def test_lower_is_better_metrics_and_auto():
     assert [m.key for m in g2p.metrics if not m.higher_is_better] == ["wer", "per"]
     with pytest.raises(UsageError, match="--best-metric bleu"):
         resolve_best_metric(Config(best_metric="bleu"), g2p)
+
+
+def test_the_final_model_folder_belongs_to_the_run(tmp_path):
+    """--hf-model's <save-dir>/hf_final: a directory holding one holds a run; --overwrite deletes it, not other
+    folders."""
+    (tmp_path / "hf_final").mkdir()
+    (tmp_path / "hf_final" / "config.json").write_text("{}")
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ValueError, match="already holds a run \\(hf_final\\)"):
+        rundir.claim(tmp_path, resume=False, overwrite=False)
+    rundir.remove(rundir.claim(tmp_path, resume=False, overwrite=True))
+    assert not (tmp_path / "hf_final").exists() and (tmp_path / "mine").is_dir()

@@ -71,6 +71,12 @@ class Task:
         """A fresh `twophase.SequenceModel` (an nn.Module) for this task's ids."""
         raise NotImplementedError
 
+    def save_final(self, model, save_dir):
+        """Write the run's final model in a form of the task's own besides the checkpoints (--hf-model: the
+        Hugging Face folder <save-dir>/hf_final), at the end of a run; returns its path, or None (the default:
+        the checkpoints are the model)."""
+        return None
+
     def collate(self, examples: list[Example], device) -> Any:
         """The model's `source` for a batch of examples, on `device`."""
         raise NotImplementedError

@@ -102,16 +102,25 @@ class TSV(TextTask):
     # Exact match can be near zero on such data (translation, say): the best checkpoint is the best reward.
     main_metric = None
 
+    def __new__(cls, cfg=None):
+        """With --hf-model, a Hugging Face model's TSV task (twophase.tasks.hf.HFTSV), whichever way `tsv` was
+        found (built-in or entry point); that module is imported only then: the rest runs without transformers."""
+        if cls is TSV and getattr(cfg, "hf_model", None) is not None:
+            from .hf import HFTSV
+            cls = HFTSV
+        return super().__new__(cls)
+
     def __init__(self, cfg):
         super().__init__(cfg, char_source=cfg.char_source, char_target=cfg.char_target,
                          fold_case=cfg.lowercase_source)
+        self.lengths = None  # load_tsv's token counts of the lines (HFTSV: its tokenizer's); None: whitespace tokens
 
     def splits(self):
         cfg = self.cfg
         if cfg.train is None or cfg.valid is None:
             raise DataError("the tsv task needs --train FILE and --valid FILE")
         limits = dict(max_source_len=cfg.max_src_len, max_target_len=cfg.max_len - 1, too_long=cfg.too_long,
-                      lowercase_source=self.fold_case)
+                      lowercase_source=self.fold_case, lengths=self.lengths)
         out = []
         for flag, path in (("--train", cfg.train), ("--valid", cfg.valid), ("--test", cfg.test)):
             data = load_tsv(path, self.char_source, self.char_target, **limits) if path else None

@@ -86,13 +86,14 @@ def resolve_best_metric(cfg: Config, task) -> str:
     return cfg.best_metric
 
 
-def cpu_threads(cfg: Config) -> int | None:
+def cpu_threads(cfg: Config, width: int | None = None) -> int | None:
     """--threads, or for 0 (auto) the count to set (None: leave torch's default). A small model's matmuls are
     too small to share out, and torch's threads wait for one another at every op: with another process busy on
-    the machine, 2 threads ran hidden-16 and hidden-256 MLE steps 16-20x slower than 1 (2 shared cores)."""
+    the machine, 2 threads ran hidden-16 and hidden-256 MLE steps 16-20x slower than 1 (2 shared cores).
+    `width`: the model's hidden size where the task's model is not the LSTM of --hidden-size (--hf-model)."""
     if cfg.threads:
         return cfg.threads
-    if "OMP_NUM_THREADS" in os.environ or cfg.hidden_size >= 512:
+    if "OMP_NUM_THREADS" in os.environ or (width or cfg.hidden_size) >= 512:
         return None  # the user's (or torchrun's) choice; large matmuls do gain from every core
     return 1
 
@@ -108,7 +109,7 @@ def resume_state(cfg: Config) -> dict | None:
         raise UsageError(f"--resume: {err}") from None
     saved = state["config"]
     for key in ("task", "train", "valid", "char_source", "char_target", "lowercase_source", "embed_dim",
-                "hidden_size", "bidirectional", "best_metric"):
+                "hidden_size", "bidirectional", "best_metric", "hf_model"):
         if key in saved and saved[key] != getattr(cfg, key):
             raise UsageError(f"--resume: {path} was trained with --{key.replace('_', '-')} {saved[key]}, "
                              f"not {getattr(cfg, key)}")
@@ -126,6 +127,8 @@ def build(cfg: Config) -> Trainer:
     except ValueError as err:
         raise UsageError(str(err)) from None
     distributed.init(device)  # a no-op without torchrun
+    if cfg.hf_model is not None:  # saved as an absolute path: --resume and decoding find it from anywhere
+        cfg.hf_model = os.path.abspath(cfg.hf_model)
     if distributed.rank() == 0:  # once, not once per process
         for warning in cfg.warnings():
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
@@ -150,7 +153,7 @@ def build(cfg: Config) -> Trainer:
                          f"sources of a whole step; {distributed.world()} processes need at least one each")
     check_reward(reward, task)
     torch.manual_seed(cfg.seed)
-    threads = cpu_threads(cfg)
+    threads = cpu_threads(cfg, getattr(task, "model_width", None))
     if threads:
         torch.set_num_threads(threads)
     model = task.build_model().to(device)
@@ -224,6 +227,7 @@ def _train(cfg: Config) -> int:
                   + (f" (x {distributed.world()} processes)" if distributed.world() > 1 else ""), flush=True)
         try:
             summary = trainer.run()
+            exported = save_final(trainer)
         finally:
             if trainer.metrics.mirror is not None:
                 trainer.metrics.mirror.close()
@@ -240,5 +244,18 @@ def _train(cfg: Config) -> int:
     best = trainer.checkpoints
     if best.best is not None:
         print(f"best {trainer.best_key}: {best.best:.4f} at step {trainer.best_step}: {best.best_path}")
-    print(f"metrics: {trainer.save_dir / 'metrics.jsonl'}; checkpoint: {best.last_path}")
+    print(f"metrics: {trainer.save_dir / 'metrics.jsonl'}; checkpoint: {best.last_path}"
+          + (f"; final model: {exported}" if exported else ""))
     return 0
+
+
+def save_final(trainer: Trainer):
+    """The task's own export of the final model (--hf-model: save_pretrained into <save-dir>/hf_final), once,
+    by the main process; None where the task has none."""
+    if not trainer.is_main:
+        return None
+    try:
+        return trainer.task.save_final(trainer.model, trainer.save_dir)
+    except OSError as err:
+        raise UsageError(f"cannot write the final model into {trainer.save_dir}: {err.strerror or err} "
+                         f"({trainer.checkpoints.last_path} holds it)") from None

@@ -77,13 +77,18 @@ class Config:
     char_target: bool = arg(False, "split TSV targets into characters instead of at spaces")
     lowercase_source: bool = arg(False, "lower-case sources, in training and decoding (always on for the built-in "
                                         "data, whose words are lower-case)")
-    max_src_len: int = arg(200, "longest source accepted, in tokens", minimum=1)
+    max_src_len: int = arg(200, "longest source accepted, in tokens (with --hf-model: the tokenizer's, its special "
+                                "tokens included)", minimum=1)
     too_long: str = arg("error", "a TSV line longer than --max-src-len, or whose target does not fit in --max-len "
                                  "with its EOS: 'error' (stop, naming FILE:LINE) or 'skip' (leave out, counted)",
                         choices=("error", "skip"))
     valid_size: int = arg(0, "validate on the first N validation sources only (0: all)", minimum=0)
     train_size: int = arg(0, "generated tasks (karel): training programs (0: the task's default)", minimum=0)
     # ---- model
+    hf_model: str | None = arg(None, "with --task tsv: train a local Hugging Face folder (save_pretrained of the "
+                                     "model and its tokenizer, never downloaded) instead of the built-in LSTM: "
+                                     "encoder-decoder configs as seq2seq, others as causal LMs (the source is the "
+                                     "prompt); the final model is also saved to <save-dir>/hf_final (docs/hf.md)")
     embed_dim: int = arg(64, "embedding size of source and target tokens", minimum=1)
     hidden_size: int = arg(256, "LSTM hidden size of encoder and decoder", minimum=1)
     bidirectional: bool = arg(False, "bidirectional encoder")
@@ -122,7 +127,8 @@ class Config:
     mle_weight: float = arg(0.0, "lambda of the mixed objective lambda*MLE + (1-lambda)*RL", minimum=0.0)
     reward: str | None = arg(None, "registered reward plug-in (bleu, chrf, exact, edit, ...) or "
                                    "package.module:callable; default: the task's (edit for g2p and tsv)")
-    max_len: int = arg(32, "longest candidate phase one may produce, EOS included", minimum=1)
+    max_len: int = arg(32, "longest candidate phase one may produce, EOS included (with --hf-model: in the "
+                           "tokenizer's tokens)", minimum=1)
     rescore_chunk: int | str = arg(128, "phase two re-decodes at most this many candidates at a time; 'auto': "
                                         "the most whose graph fits in --memory-budget", parse=parse_chunk)
     memory_budget: str | None = arg(None, "with --rescore-chunk auto: bytes phase two's graph may use, e.g. 2GiB",
@@ -159,7 +165,8 @@ class Config:
                                  "metrics.jsonl and memory_profile.jsonl")
     max_bad_steps: int = arg(5, "non-finite losses/gradients skipped in a row before the run stops with a "
                                 "crash checkpoint", minimum=0)
-    threads: int = arg(0, "CPU threads for torch; 0 (auto): 1 below --hidden-size 512, whose small matrices gain "
+    threads: int = arg(0, "CPU threads for torch; 0 (auto): 1 below --hidden-size 512 (--hf-model: the model's "
+                          "hidden size), whose small matrices gain "
                           "little from more and stall when another process is busy on the machine, else torch's "
                           "default (one per core); OMP_NUM_THREADS, where set, is left to decide", minimum=0)
     amp: str = arg("off", "automatic mixed precision of both phases and the MLE steps: matmuls in bf16 or fp16 "
@@ -190,8 +197,26 @@ class Config:
         if self.memory_budget is not None and self.rescore_chunk != "auto":
             raise ValueError(f"--memory-budget applies to --rescore-chunk auto only, not --rescore-chunk "
                              f"{self.rescore_chunk}")
+        if self.hf_model is not None:
+            self._validate_hf()
         if self.rl_steps > 0:  # a run without RL steps never reads the RL flags: nothing to refuse there
             self._validate_rl()
+
+    def _validate_hf(self) -> None:
+        if self.task not in (None, "tsv"):
+            raise ValueError(f"--hf-model trains on --train/--valid files (--task tsv), not --task {self.task}")
+        if self.train is None:
+            raise ValueError("--hf-model needs --train and --valid files (--task tsv); the built-in G2P data has "
+                             "no Hugging Face tokenizer")
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in ("embed_dim", "hidden_size", "bidirectional", "dropout"):
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(f"--hf-model: {_flag(name)} sets the built-in LSTM; a Hugging Face model's size and "
+                                 "dropout are its config's (dropout applies to its MLE steps)")
+        for name in ("char_source", "char_target"):
+            if getattr(self, name):
+                raise ValueError(f"--hf-model: {_flag(name)} splits text for the built-in vocabularies; the "
+                                 "model's tokenizer splits it")
 
     def _validate_rl(self) -> None:
         if self.temperature != 1 and self.sampler != "sample":

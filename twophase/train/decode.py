@@ -31,6 +31,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--max-len", type=int, default=None, help="longest output (default: the training --max-len)")
     p.add_argument("--batch-size", type=int, default=128, help="sources decoded together (default: 128)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--hf-model", default=None,
+                   help="a checkpoint of a --hf-model run: the folder to read the model's config and tokenizer "
+                        "from (default: the training --hf-model; the run's hf_final folder holds both too); the "
+                        "parameters are the checkpoint's")
     return p
 
 
@@ -38,11 +42,16 @@ def read_input(path: str) -> list[str]:
     return split_utf8_lines(sys.stdin.buffer.read(), "<stdin>") if path == "-" else read_lines(path)
 
 
-def load_model(path: str, device: torch.device):
-    """The checkpoint's model in evaluation mode, its task (ids restored, no data read) and its training config."""
+def load_model(path: str, device: torch.device, hf_model: str | None = None):
+    """The checkpoint's model in evaluation mode, its task (ids restored, no data read) and its training config;
+    `hf_model`: where a --hf-model run's config and tokenizer are now (default: where training read them)."""
     state = load(path, map_location=device)
     saved = state["config"]
     cfg = config_from_dict(saved)
+    if hf_model is not None:
+        if cfg.hf_model is None:
+            raise UsageError(f"--hf-model: {path} was not trained with --hf-model")
+        cfg.hf_model = hf_model
     if "task" in state:
         task = tasks.build(cfg, state["task"]["spec"])
         task.load_state_dict(state["task"]["state"])
@@ -53,7 +62,11 @@ def load_model(path: str, device: torch.device):
                               "char_target": saved.get("char_target", False),
                               "fold_case": saved.get("lowercase_source", saved.get("train") is None)})
     model = task.build_model().to(device)
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as err:  # --hf-model naming another architecture than the one trained, say
+        raise CheckpointError(f"{path}: its parameters do not fit the model its task builds "
+                              f"({str(err).strip().splitlines()[-1].strip()})") from None
     return model.eval(), task, saved
 
 
@@ -91,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
         check_output(args.output)  # before decoding: a typo should not cost the whole decode
         device = pick_device(args.device)
-        model, task, cfg = load_model(args.checkpoint, device)
+        model, task, cfg = load_model(args.checkpoint, device, args.hf_model)
         lines = read_input(args.input)
         hyps, sources = decode_lines(model, task, lines, args.beam_size, args.max_len or cfg["max_len"],
                                      args.batch_size, device)

@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 LOGS = ("metrics.jsonl", "memory_profile.jsonl")
+FOLDERS = ("hf_final",)  # a task's own copy of the final model (Task.save_final: --hf-model's save_pretrained)
 
 
 def run_files(save_dir) -> list[Path]:
-    """The files of a run in save_dir: its checkpoints and logs."""
+    """The files of a run in save_dir: its checkpoints, logs and final-model folder."""
     folder = Path(save_dir)
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir()
-                  if p.name in LOGS or (p.name.startswith("checkpoint_") and p.name.endswith(".pt")))
+    return sorted(p for p in folder.iterdir() if p.name in LOGS or p.name in FOLDERS
+                  or (p.name.startswith("checkpoint_") and p.name.endswith(".pt")))
 
 
 def claim(save_dir, resume: bool, overwrite: bool) -> list[Path]:
@@ -46,7 +48,10 @@ def claim(save_dir, resume: bool, overwrite: bool) -> list[Path]:
 def remove(files: list[Path]) -> None:
     """Delete an old run's files (what else its directory holds stays)."""
     for path in files:
-        path.unlink(missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _kept(row: dict, step: int) -> bool:
