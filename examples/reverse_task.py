@@ -5,8 +5,7 @@ validation, checkpoints, --resume, twophase-decode. Nothing in twophase knows th
 The reward, `reversal`, is source-aware: it reads `sources` (the digits given) and ignores the references, as an
 execution reward or a verifier would.
 
-    cd examples && python ../train.py --task reverse_task:ReverseDigits --mle-steps 100 --rl-steps 100 \\
-        --rescore-chunk 128 --save-dir /tmp/reverse
+    cd examples && python ../train.py --task reverse_task:ReverseDigits --save-dir /tmp/reverse
     echo "3 1 4 1 5" | python -m twophase.train.decode --checkpoint /tmp/reverse/checkpoint_best.pt
 """
 import random
@@ -35,6 +34,9 @@ class ReverseDigits(Task):
     default_reward = "reverse_task:reversal"
     metrics = (Metric("exact", "reversed exactly"),)
     main_metric = "exact"
+    # This task's recipe: defaults for train.py's flags (those given on the command line still win).
+    flag_defaults = dict(hidden_size=32, batch_size=16, beam_size=4, max_len=7, mle_steps=150, rl_steps=100,
+                         save_dir="runs/reverse")
 
     def __init__(self, cfg):
         super().__init__()

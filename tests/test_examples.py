@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -26,11 +28,13 @@ def test_task_plugin_trains_with_train_py_and_decodes(tmp_path):
     source-aware default reward, checkpoints, then twophase-decode rebuilding the task from the checkpoint."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, str(ROOT / "train.py"), "--task", "reverse_task:ReverseDigits",
-                          "--mle-steps", "30", "--rl-steps", "10", "--hidden-size", "32", "--batch-size", "16",
-                          "--beam-size", "4", "--eval-every", "20", "--max-len", "7", "--save-dir", str(tmp_path / "run")],
+                          "--mle-steps", "30", "--rl-steps", "10", "--eval-every", "20",  # its recipe: the rest
+                          "--save-dir", str(tmp_path / "run")],
                          cwd=ROOT / "examples", capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "task reverse_task:ReverseDigits: 2000 train / 200 valid / 200 test" in run.stdout
+    config = torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=False)["config"]
+    assert (config["hidden_size"], config["beam_size"], config["max_len"]) == (32, 4, 7)  # its flag_defaults
     assert "reversed exactly" in run.stdout and "reward reverse_task:reversal" in run.stdout
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["phase"] == "eval"]
