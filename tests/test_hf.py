@@ -47,7 +47,11 @@ def _tolerance(kind, scores):
 
 def _wrapped(kind):
     if kind in hf_tiny.SEQ2SEQ:
-        return HFSeq2Seq(hf_tiny.seq2seq(kind, seed=SEEDS.get(kind, 0)))
+        model = hf_tiny.seq2seq(kind, seed=SEEDS.get(kind, 0))
+        if hasattr(model, "final_logits_bias"):  # zeros as built; seed 5's bias still lets rows end with eos
+            with torch.no_grad():
+                model.final_logits_bias.normal_(generator=torch.Generator().manual_seed(5))
+        return HFSeq2Seq(model)
     return HFCausalLM(hf_tiny.causal(kind, seed=SEEDS.get(kind, 0)))
 
 
@@ -237,3 +241,91 @@ def test_recomputed_source_keeps_no_activations_and_the_same_gradient(kind, one_
     inputs = sum(x.numel() * x.element_size() for x in source.values())
     assert saved[0] <= inputs < 10 * inputs < saved[1]  # the checkpoint saves its inputs, ids and mask
     _assert_close_grads(grads[0], grads[1], TOLERANCE.get(kind, EXACT))
+
+
+def _grads(wrapper):
+    out = {n: p.grad.clone() for n, p in wrapper.named_parameters() if p.grad is not None}
+    wrapper.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", hf_tiny.SEQ2SEQ + hf_tiny.CAUSAL)
+def test_score_from_hidden_states_is_the_models_log_probs(kind, one_thread):
+    """`score` through the known head (`outputlayer.target_log_probs`, autograd; phase two itself goes through
+    `weighted_score_backward`): the reference's values and, in one backward, its gradient."""
+    wrapper = _wrapped(kind)
+    assert wrapper.head is not None
+    source = _batch(PROMPTS, wrapper.pad_id)
+    s = beam_search(wrapper, source, 3, 5)
+    c = torch.randn(len(s), dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    want = _reference(wrapper, s)
+    (c * want).sum().backward()
+    want_grads = _grads(wrapper)
+    log_p = wrapper.score(wrapper.encode(source), s.tokens, s.owner)
+    assert torch.allclose(log_p, want.detach(), atol=_tolerance(kind, log_p), rtol=0)
+    (c * log_p).sum().backward()
+    _assert_close_grads(_grads(wrapper), want_grads, TOLERANCE.get(kind, EXACT))
+
+
+@pytest.mark.parametrize("kind", hf_tiny.SEQ2SEQ + hf_tiny.CAUSAL)
+def test_phase_two_keeps_no_logits_where_the_head_is_known(kind, one_thread):
+    """Each family the tests cover has a known head, and phase two then saves nothing (C, T, V)-sized for
+    backward; the full-logits path (head None) saves the chunk's logits. The causal LM's first tokens keep
+    their (C, V) logits from the prompts' forward."""
+    from twophase.train.memstats import SavedTensorMeter
+    V = 8000
+    wrapper = (HFSeq2Seq(hf_tiny.seq2seq(kind, vocab=V)) if kind in hf_tiny.SEQ2SEQ else
+               HFCausalLM(hf_tiny.causal(kind, vocab=V)))
+    expected = {"t5": (0.25, None), "bart": (1.0, "final_logits_bias"), "marian": (1.0, "final_logits_bias")}
+    assert (wrapper.head.scale, wrapper.head.buffer) == expected.get(kind, (1.0, None))  # T5: d_model ** -0.5
+    source = _batch(PROMPTS, wrapper.pad_id)
+    s = sample(wrapper, source, 2, 6, generator=torch.Generator().manual_seed(0))
+    peaks = []
+    for head in (wrapper.head, None):
+        wrapper.head = head
+        with SavedTensorMeter(list(wrapper.parameters())) as meter:
+            rescore_backward(wrapper, source, s, torch.ones(len(s), dtype=torch.float64), chunk_size=len(s))
+        peaks.append(meter.peak_bytes)
+    logits = s.tokens.numel() * V * 8  # float64
+    first = len(s) * V * 8 if kind in hf_tiny.CAUSAL else 0
+    assert peaks[0] < first + logits / 4 and peaks[1] >= logits
+
+
+
+def test_unknown_heads_fall_back_to_the_full_logits(one_thread):
+    """No head where it cannot be known: a subclass (its forward may differ), a hook on lm_head, a T5 whose
+    forward scales its logits otherwise than its config says (caught by the wrap-time check). The fallback
+    scores and differentiates the model's own logits: search scores and the chunked gradient still equal the
+    reference."""
+    gpt2 = hf_tiny.causal("gpt2")
+    gpt2.__class__ = type("MyGPT2", (type(gpt2),), {})
+    hooked = hf_tiny.causal("llama")
+    hooked.lm_head.register_forward_hook(lambda module, args, out: out)
+    t5 = hf_tiny.seq2seq("t5", seed=SEEDS["t5"])
+    t5.model_dim *= 4  # lm_head(h / (2 d_model ** 0.5)): logits scaled by 1/2
+    assert HFCausalLM(hooked).head is None
+    for wrapper in (HFCausalLM(gpt2), HFSeq2Seq(t5)):
+        assert wrapper.head is None and wrapper.weighted_score_backward is None
+        source = _batch(PROMPTS, wrapper.pad_id)
+        s = beam_search(wrapper, source, 3, 5)
+        want = _reference(wrapper, s)
+        assert torch.allclose(s.scores, want.detach(), atol=TOLERANCE["t5"], rtol=0)
+        c = torch.linspace(-1, 1, len(s), dtype=torch.float64)
+        (c * want).sum().backward()
+        want_grads = _grads(wrapper)
+        rescore_backward(wrapper, source, s, c, chunk_size=2)
+        _assert_close_grads(_grads(wrapper), want_grads, TOLERANCE["t5"])
+
+
+def test_causal_rows_of_one_token(one_thread):
+    """A chunk whose rows score only their first token (from the prompts' logits): no forward after it."""
+    from twophase.samples import Samples
+    wrapper = _wrapped("gpt2")
+    source = _batch(PROMPTS, wrapper.pad_id)
+    s = beam_search(wrapper, source, 2, 4)
+    s = Samples(s.tokens[:, :1], torch.ones(len(s), dtype=torch.long), s.owner, s.scores)
+    c = torch.linspace(-1, 1, len(s), dtype=torch.float64)
+    (c * _reference(wrapper, s)).sum().backward()
+    want = _grads(wrapper)
+    rescore_backward(wrapper, source, s, c, chunk_size=3)
+    _assert_close_grads(_grads(wrapper), want, EXACT)

@@ -3,8 +3,9 @@
 Teacher forcing with plain ops saves the logits and the log-softmax (V floats each) per decoding step and row.
 `TargetLogProbs` saves the hidden states and each row's logsumexp and recomputes a block of logits at a time in
 backward; `target_log_probs_and_grads` is its forward and backward in one pass, for phase two, which knows the
-incoming gradient (the coefficients) before it decodes. Search normalises the same `logits`, so phase one's
-scores are phase two's log-probabilities. Under autocast the matmuls run in its dtype and every normalisation
+incoming gradient (the coefficients) before it decodes; `backward_from_hidden` adds the rest of the model's
+backward to it (the LSTM's and the Hugging Face wrappers' phase two). Search normalises the same `logits`, so
+phase one's scores are phase two's log-probabilities. Under autocast the matmuls run in its dtype and every normalisation
 and sum in float32 (`sum_dtype`).
 
 Letters used in shape comments:
@@ -147,3 +148,41 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
         dh[rows] = dz @ wm  # (m, H)
         _add_product(dw, dz.t(), hm[rows])  # (V, H)
     return tok, dh, dw, db
+
+
+def grad_buffer(x: Tensor) -> Tensor:
+    """x.grad, created as zeros if it does not exist yet: a buffer to accumulate into."""
+    if x.grad is None:
+        x.grad = torch.zeros_like(x)
+    return x.grad
+
+
+def backward_from_hidden(h: Tensor, weight: Tensor, bias: Tensor, target: Tensor, banned: Tensor, w: Tensor,
+                         inputs: list, collect: bool, roots: tuple = (), late=None) -> tuple[Tensor, list]:
+    """log p(target) at h (M,) and the gradients of sum_m w[m] log p_m with respect to inputs: the output layer's
+    by hand (`target_log_probs_and_grads`), the rest back-propagated from h, together with `roots` ((tensor,
+    gradient) pairs: other terms of the loss on the same graph). Without collect the gradients are added into
+    .grad and the returned list is empty. `late()` (optional) gives (parameter, gradient) pairs known only once
+    that backward ran (the LSTM's deferred weights). The weight may also be an input embedding (tied): h's
+    backward adds the embedding's share to the same gradient."""
+    with torch.no_grad():
+        into = [None if collect or not p.requires_grad else grad_buffer(p) for p in (weight, bias)]
+        tok, dh, dweight, dbias = target_log_probs_and_grads(h, weight, bias, target, banned, w, dw=into[0],
+                                                             db=into[1])
+    outs = [(x, g) for x, g in ((h, dh), *roots) if x.requires_grad]
+    tensors, grads_out = [x for x, _ in outs], [g for _, g in outs]
+    if not collect:
+        if outs:
+            torch.autograd.backward(tensors, grads_out, inputs=inputs)
+        with torch.no_grad():
+            for param, extra in late() if late is not None else ():
+                grad_buffer(param).add_(extra)
+        return tok, []
+    grads = [None] * len(inputs)
+    if outs:
+        grads = list(torch.autograd.grad(tensors, inputs, grads_out, allow_unused=True))  # frees the graph
+    for param, extra in [(weight, dweight), (bias, dbias)] + (late() if late is not None else []):
+        for j, x in enumerate(inputs):
+            if x is param:
+                grads[j] = extra if grads[j] is None else grads[j] + extra
+    return tok, grads

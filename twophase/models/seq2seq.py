@@ -226,27 +226,8 @@ class Seq2Seq(nn.Module):
         """log p(target) at h (M,) and the gradients of sum_m w[m] log p_m with respect to inputs: the output
         layer's by hand, the rest back-propagated from h (and the `weights` backward left aside). Without collect
         they are added into .grad and the returned list is empty."""
-        out = self.out
-        with torch.no_grad():
-            into = [None if collect or not p.requires_grad else _grad_of(p) for p in (out.weight, out.bias)]
-            tok, dh, dweight, dbias = outputlayer.target_log_probs_and_grads(
-                h, out.weight, out.bias, target, self.banned, w, dw=into[0], db=into[1])
-        if not collect:
-            if h.requires_grad:
-                h.backward(dh, inputs=[x for x in inputs if x is not out.weight and x is not out.bias])
-            with torch.no_grad():
-                for param, extra in weights.gradients() if weights is not None else ():
-                    _grad_of(param).add_(extra)
-            return tok, []
-        grads = [None] * len(inputs)
-        if h.requires_grad:
-            grads = list(torch.autograd.grad(h, inputs, dh, allow_unused=True))  # frees this chunk's graph
-        late = weights.gradients() if weights is not None else []
-        for param, extra in [(out.weight, dweight), (out.bias, dbias)] + late:
-            for j, x in enumerate(inputs):
-                if x is param:
-                    grads[j] = extra if grads[j] is None else grads[j] + extra
-        return tok, grads
+        return outputlayer.backward_from_hidden(h, self.out.weight, self.out.bias, target, self.banned, w, inputs,
+                                                collect, late=weights.gradients if weights is not None else None)
 
 
 def _lstm_cell(cell: nn.LSTMCell, x: Tensor, state: tuple[Tensor, Tensor], weights: deferred.DeferredWeights):
@@ -257,10 +238,3 @@ def _lstm_cell(cell: nn.LSTMCell, x: Tensor, state: tuple[Tensor, Tensor], weigh
     i, f, g, o = gates.chunk(4, dim=1)  # (n, H) each
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     return torch.sigmoid(o) * torch.tanh(c), c
-
-
-def _grad_of(x: Tensor) -> Tensor:
-    """x.grad, created as zeros if it does not exist yet: a buffer to accumulate into."""
-    if x.grad is None:
-        x.grad = torch.zeros_like(x)
-    return x.grad

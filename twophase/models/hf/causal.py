@@ -12,7 +12,9 @@ Phase two runs `encode` with gradients: every chunk's rows index the B prompts' 
 head_dim) copy per layer and chunk), the library cuts that cache out of the graph at the chunk boundary, and the
 prompts are back-propagated once after the last chunk. The prompts cost O(B P) tokens of forward and backward,
 not O(B K P) as re-running prompt + completion per row does; by default their activations are recomputed for
-that backward rather than held through all chunks (`recompute_source`).
+that backward rather than held through all chunks (`recompute_source`). Where the output layer is known
+(`heads.find`: GPT-2, Llama), a chunk's forward stops at the base model's hidden states and the output layer is
+applied a block of logits at a time, never holding the chunk's (C, T - 1, V) logits.
 
 Letters: B prompts, P prompt length, N rows (C in a chunk), T completion length, V vocabulary.
 """
@@ -24,8 +26,8 @@ import torch
 from torch import Tensor
 
 from ... import tree
-from ...protocol import target_mask
-from . import cache
+from ...protocol import scoring_mode, target_mask
+from . import cache, heads
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
 
@@ -34,7 +36,10 @@ class HFCausalLM(torch.nn.Module):
     them. Without a pad token (GPT-2), pad_id = eos_id: a row ends at its first eos_id. bos_id is the config's
     bos_token_id (eos_id when it has none): the first step's prev, which is ignored, and a token search never
     proposes (unless it is eos_id). `recompute_source`: phase two keeps no activations of the prompts' forward
-    and runs it again in the backward (`common.source_forward`)."""
+    and runs it again in the backward (`common.source_forward`).
+
+    `head`: the model's output layer (`heads.Head`) where its class is known and checked at wrap time, else
+    None: phase two then goes through the model's full logits (set it to None to force that)."""
 
     def __init__(self, model, tokenizer=None, recompute_source: bool = True):
         super().__init__()
@@ -50,6 +55,7 @@ class HFCausalLM(torch.nn.Module):
         params = inspect.signature(model.forward).parameters
         self._caches = cache.Caches(model)
         self._keep_kw = "logits_to_keep" in params
+        self.head = self._checked_head()
 
     def encode(self, source: dict) -> dict:
         """The prompts' cache (one (B, heads, P, head_dim) pair per layer), mask (B, P), first completion
@@ -82,28 +88,70 @@ class HFCausalLM(torch.nn.Module):
         if not state["kv"]:  # prev is bos_id: the prompt's last token was fed by encode
             return {"kv": tree.select_rows(enc["kv"], owner)}, log_softmax(enc["last"].index_select(0, owner))
         fed = state["kv"][0][0].shape[2] - enc["mask"].shape[1]  # completion tokens already in the cache
-        out = self._continue(enc, owner, prev[:, None], list(state.pop("kv")), fed)  # state consumed
+        out = self._continue(enc, owner, prev[:, None], fed, self.model, list(state.pop("kv")))  # state consumed
         return {"kv": self._caches.layers(out)}, log_softmax(out.logits[:, -1])  # (N, V)
 
     def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
         """(N,) teacher-forced log p(tokens | prompt): the first token from the prompts' logits, the rest from
         one forward of tokens[:, :-1] on the rows' copy of the prompts' cache."""
-        tok = token_log_probs(enc["last"].index_select(0, owner)[:, None], tokens[:, :1])  # (N, 1)
-        if tokens.shape[1] > 1:
-            rest = self._continue(enc, owner, tokens[:, :-1], list(tree.select_rows(enc["kv"], owner)), 0).logits
-            tok = torch.cat([tok, token_log_probs(rest, tokens[:, 1:])], dim=1)  # (N, T)
-        return masked_sum(tok, target_mask(tokens, self.pad_id, self.eos_id))
+        mask = target_mask(tokens, self.pad_id, self.eos_id)
+        total = self._first(enc, tokens, owner, mask)  # (N,)
+        if tokens.shape[1] == 1:
+            return total
+        if self.head is not None:
+            hidden = self._continue(enc, owner, tokens[:, :-1], 0, self.model.base_model).last_hidden_state
+            return total + heads.log_probs(self.head, self.model, hidden, tokens[:, 1:], mask[:, 1:])
+        rest = self._continue(enc, owner, tokens[:, :-1], 0, self.model).logits  # (N, T - 1, V)
+        return total + masked_sum(token_log_probs(rest, tokens[:, 1:]), mask[:, 1:])
 
-    def _continue(self, enc: dict, owner: Tensor, inputs: Tensor, kv: list, fed: int):
-        """Forward `inputs` (N, L), the completion's tokens fed..fed+L-1, after rows whose cache kv holds their
-        prompt and `fed` completion tokens (kv is emptied: see `cache.Caches.argument`)."""
+    @property
+    def weighted_score_backward(self):
+        """Phase two's chunk with the output layer differentiated by hand (see `twophase.protocol`); None
+        without a known head: the library then differentiates `score`."""
+        return None if self.head is None else self._weighted_score_backward
+
+    def _weighted_score_backward(self, enc: dict, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list,
+                                 collect: bool):
+        mask = target_mask(tokens, self.pad_id, self.eos_id)
+        first = self._first(enc, tokens, owner, mask)  # (N,): (N, V) logits, autograd's
+        first = (c.to(first.dtype) * first).sum()
+        if tokens.shape[1] > 1:
+            hidden = self._continue(enc, owner, tokens[:, :-1], 0, self.model.base_model).last_hidden_state
+        else:  # no position after the first: its graph alone
+            weight = self.model.get_output_embeddings().weight
+            hidden = weight.new_zeros(len(tokens), 0, weight.shape[1])  # (N, 0, H)
+        return heads.weighted_backward(self.head, self.model, hidden, tokens[:, 1:], mask[:, 1:], c, inputs,
+                                      collect, extra=first)
+
+    def _first(self, enc: dict, tokens: Tensor, owner: Tensor, mask: Tensor) -> Tensor:
+        """(N,) log p of each row's first token, from the prompts' last logits (0 where the row scores none)."""
+        tok = token_log_probs(enc["last"].index_select(0, owner)[:, None], tokens[:, :1])  # (N, 1)
+        return masked_sum(tok, mask[:, :1])
+
+    def _continue(self, enc: dict, owner: Tensor, inputs: Tensor, fed: int, module, kv: list | None = None):
+        """module's forward (the model, or its base model for the hidden states) of `inputs` (N, L), the
+        completion's tokens fed..fed+L-1, after rows whose cache kv holds their prompt and `fed` completion
+        tokens (kv is emptied: see `cache.Caches.argument`); kv None: the rows' copy of the prompts' cache."""
         N, L = inputs.shape
+        if kv is None:
+            kv = list(tree.select_rows(enc["kv"], owner))
         mask = enc["mask"].index_select(0, owner)  # (N, P)
         mask = torch.cat([mask, mask.new_ones(N, fed + L)], dim=1)  # (N, P + fed + L)
         steps = torch.arange(fed, fed + L, device=inputs.device)
         positions = enc["next"].index_select(0, owner)[:, None] + steps  # (N, L)
-        return self.model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True,
-                          **self._caches.argument(kv))
+        return module(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True,
+                      **self._caches.argument(kv))
+
+    def _checked_head(self):
+        """`heads.find`'s head if it maps the base model's states to the model's own logits on two tokens."""
+        found = heads.find(self.model)
+        if found is None or self.model.base_model is self.model:
+            return None
+        ids = torch.tensor([[self.bos_id, self.eos_id]], device=self.model.device)
+        with torch.no_grad(), scoring_mode(self.model):
+            logits = self.model(input_ids=ids, use_cache=False).logits  # (1, 2, V)
+            hidden = self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state  # (1, 2, H)
+        return found if found.agrees(self.model, hidden, logits) else None
 
 
 def _positions(mask: Tensor) -> Tensor:

@@ -6,7 +6,9 @@ batch of sources; candidate rows read its output through `owner`. Search steps f
 decoder's key/value cache kept in the state as tuples of tensors (`cache`), cross-attention entries included, so
 the library's row selection reorders them as `generate` reorders its cache. `score` decodes a chunk of rows in
 one teacher-forced forward without a cache: it copies the encoder output once per chunk, (C, S, H), and the
-decoder computes the chunk's cross-attention keys and values from it.
+decoder computes the chunk's cross-attention keys and values from it. Where the output layer is known
+(`heads.find`: T5, BART, Marian), `score` and `weighted_score_backward` stop at the decoder's hidden states and
+apply it a block of logits at a time, never holding the chunk's (C, T, V) logits.
 
 Letters: B sources, S source length, H model width, N rows (C in a chunk), T target length, V vocabulary.
 """
@@ -15,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...protocol import target_mask, teacher_forced_inputs
-from . import cache
+from ...protocol import scoring_mode, target_mask, teacher_forced_inputs
+from . import cache, heads
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
 
@@ -24,7 +26,10 @@ class HFSeq2Seq(torch.nn.Module):
     """`model`: an `AutoModelForSeq2SeqLM` instance. Ids come from its config (the generation config where the
     config lacks them): the protocol's bos_id is the decoder start token (pad for T5 and Marian, eos for BART),
     which search never proposes unless it is eos_id. `recompute_source`: phase two keeps no activations of the
-    encoder and runs it again in the backward (`common.source_forward`)."""
+    encoder and runs it again in the backward (`common.source_forward`).
+
+    `head`: the model's output layer (`heads.Head`) where its class is known and checked at wrap time, else
+    None: phase two then goes through the model's full logits (set it to None to force that)."""
 
     def __init__(self, model, recompute_source: bool = True):
         super().__init__()
@@ -34,6 +39,7 @@ class HFSeq2Seq(torch.nn.Module):
         self.eos_id = special_id(model, "eos_token_id")
         self.bos_id = special_id(model, "decoder_start_token_id")
         self._caches = cache.Caches(model)
+        self.head = self._checked_head()
 
     def encode(self, source: dict) -> dict:
         mask = source["attention_mask"]
@@ -55,8 +61,43 @@ class HFSeq2Seq(torch.nn.Module):
     def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
         """(N,) teacher-forced log p(tokens | source): one decoder forward over the whole rows."""
         inputs = teacher_forced_inputs(tokens, self.bos_id)  # (N, T)
+        mask = target_mask(tokens, self.pad_id, self.eos_id)
+        if self.head is not None:
+            return heads.log_probs(self.head, self.model, self._decoder(enc, owner, inputs), tokens, mask)
         logits = self._forward(enc, owner, inputs, {"use_cache": False}).logits  # (N, T, V)
-        return masked_sum(token_log_probs(logits, tokens), target_mask(tokens, self.pad_id, self.eos_id))
+        return masked_sum(token_log_probs(logits, tokens), mask)
+
+    @property
+    def weighted_score_backward(self):
+        """Phase two's chunk with the output layer differentiated by hand (see `twophase.protocol`); None
+        without a known head: the library then differentiates `score`."""
+        return None if self.head is None else self._weighted_score_backward
+
+    def _weighted_score_backward(self, enc: dict, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list,
+                                 collect: bool):
+        hidden = self._decoder(enc, owner, teacher_forced_inputs(tokens, self.bos_id))  # (N, T, H)
+        mask = target_mask(tokens, self.pad_id, self.eos_id)
+        return heads.weighted_backward(self.head, self.model, hidden, tokens, mask, c, inputs, collect)
+
+    def _decoder(self, enc: dict, owner: Tensor, decoder_input_ids: Tensor) -> Tensor:
+        """(N, T, H) the decoder's last hidden states, the input of the model's output layer, for N rows."""
+        return self.model.get_decoder()(
+            input_ids=decoder_input_ids, encoder_hidden_states=enc["hidden"].index_select(0, owner),
+            encoder_attention_mask=enc["mask"].index_select(0, owner), use_cache=False).last_hidden_state
+
+    def _checked_head(self):
+        """`heads.find`'s head if it maps the decoder's states to the model's own logits on a two-token row."""
+        found = heads.find(self.model)
+        if found is None:
+            return None
+        device = self.model.device
+        src = torch.tensor([[self.eos_id]], device=device)
+        inputs = torch.tensor([[self.bos_id, self.eos_id]], device=device)
+        with torch.no_grad(), scoring_mode(self.model):
+            logits = self.model(input_ids=src, decoder_input_ids=inputs, use_cache=False).logits  # (1, 2, V)
+            enc = {"hidden": self._encoder(src, torch.ones_like(src)), "mask": torch.ones_like(src)}
+            hidden = self._decoder(enc, torch.zeros(1, dtype=torch.long, device=device), inputs)
+        return found if found.agrees(self.model, hidden, logits) else None
 
     def _forward(self, enc: dict, owner: Tensor, decoder_input_ids: Tensor, extra: dict):
         """The decoder and output layer for N rows. Attention layers whose cross-attention keys and values are
