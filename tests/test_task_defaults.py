@@ -18,7 +18,7 @@ def test_karel_runs_its_recipe_and_given_flags_win(seen):
     assert cli.main(["--task", "karel"]) == 0
     assert cli.main(["--task", "karel", "--hidden-size", "64", "--rl-steps", "7"]) == 0
     recipe, given = seen
-    assert (recipe.hidden_size, recipe.beam_size, recipe.rl_lr, recipe.save_dir) == (128, 16, 5e-4, "runs/karel")
+    assert (recipe.hidden_size, recipe.beam_size, recipe.rl_steps, recipe.save_dir) == (128, 16, 2000, "runs/karel")
     assert (given.hidden_size, given.rl_steps, given.beam_size) == (64, 7, 16)
 
 
