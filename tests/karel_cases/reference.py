@@ -88,7 +88,6 @@ def reference_run(program: str, world_text: str, max_ticks: int = 200):
             elif t == "REPEAT":
                 end = closer(i + 2)
                 for _ in range(int(toks[i + 1][2:])):
-                    tick()  # each iteration costs a tick, as in Bunel et al.'s emulator
                     block(i + 3, end)
                 i = end + 1
             elif t == "WHILE":

@@ -29,8 +29,7 @@ from .dsl import try_parse
 from .generate import Example, GeneratorParams, sample_example
 from .world import World
 
-# 2: each REPEAT iteration costs a tick (Bunel et al.'s emulator), so a few programs now time out
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 1
 SPLITS = ("train", "valid", "test")
 _FORMAT = "twophase-karel"
 

@@ -5,10 +5,9 @@
   holds ten crashes.
 - `frontIsClear`/`leftIsClear`/`rightIsClear` are true when that neighbour cell is inside the grid and not
   a wall; `markersPresent`/`noMarkersPresent` look at the hero's cell; `not c( X c)` negates X.
-- Every action, every condition test (each WHILE test, including the last, failing one) and every
-  REPEAT iteration (before its body runs) costs one tick, as in Bunel et al.'s emulator (GandRL_for_NPS,
-  karel/fast_emulator.py: add_action, add_condition_tick, add_repeat_tick; `not` is free). A run that needs
-  more than `max_ticks` ticks is a time-out, so a loop that only tests conditions still ends.
+- Every action and every condition test (each WHILE test, including the last, failing one) costs one
+  tick; REPEAT's counter is free. A run that needs more than `max_ticks` ticks is a time-out, so a loop
+  that only tests conditions still ends.
 
 `execute(program, world)` returns the final world, or None on a syntax error, a crash or a time-out; it
 is memoised on (program string, world, max_ticks) (the latest 32,768), so a candidate that is sampled
@@ -148,9 +147,6 @@ class _Compiler:
 
             def run_repeat(st: _State) -> None:
                 for _ in times:
-                    st.ticks -= 1
-                    if st.ticks < 0:
-                        raise _TimeOut
                     body(st)
             return run_repeat
         k, cond = self.count, _condition(node.cond.name, node.cond.negated)
