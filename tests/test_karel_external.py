@@ -11,15 +11,14 @@ maps onto ours; `test_documented_differences` pins each one:
 - `putMarker`: no limit (karel.py:310, hero.py:27: the bag is unlimited); its state has channels for 0..10 markers
   only (karel.py:218, 238: an 11th marker raises IndexError there), the limit our worlds have: an 11th crashes.
 - time-outs: it counts completed statement calls, at most `max_func_call` = 50 (parser_base.py:21, 73), not ticks;
-  we switch that off and charge a tick for every action and condition it calls and for every REPEAT iteration (the
-  `range` of parser_for_synthesis.py:230/236 is replaced by a ticking one): Bunel et al.'s rule, and ours.
+  we switch that off and charge a tick for every action and condition it calls: the rule of issue #11, and ours
+  (Bunel et al.'s emulator also charges each REPEAT iteration a tick; docs/karel.md says why we do not).
 Outside the grid: karel.py:326 indexes its world with no bounds check (a negative index wraps), so worlds get a
 border of walls, as its own random_world does (karel.py:104). Its hero channels are N S W E (karel.py:203-206),
 ours N E S W. Its lexer also takes `R=03` and unspaced tokens (`movemove`), which ours rejects.
 
 If karel is missing this module fails to import: `pip install -e .[test]` installs it (it must not skip in CI).
 """
-import builtins
 import contextlib
 import io
 import random
@@ -28,7 +27,6 @@ import numpy as np
 import pytest
 
 try:
-    import karel.parser_for_synthesis as kps
     from karel import KarelForSynthesisParser, yacc
     from karel.karel import Karel
     from karel.utils import TimeoutError as KarelTimeout
@@ -120,16 +118,10 @@ def from_state(state: np.ndarray) -> World:
 class External:
     """Runs programs through karel 1.3.0; `run` -> (status, final World, ticks spent, what stopped it)."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self):
         self.parser = KarelForSynthesisParser(rng=np.random.RandomState(0))
         self.parser.max_func_call = 10 ** 9  # its own time-out, a count of statement calls, is off (see above)
         self.rng = np.random.RandomState(0)  # Karel() makes a RandomState per call without one
-        monkeypatch.setattr(kps, "range", self._repeat, raising=False)
-
-    def _repeat(self, n):
-        for i in builtins.range(n):
-            self.parser.karel.tick("repeat")
-            yield i
 
     def run(self, program: str, state: np.ndarray, max_ticks: int):
         hero = self.parser.karel = _Observed(state=state, rng=self.rng)
@@ -155,8 +147,8 @@ class External:
 
 
 @pytest.fixture
-def external(monkeypatch):
-    return External(monkeypatch)
+def external():
+    return External()
 
 
 def _worlds(np_rng, n):
@@ -209,7 +201,7 @@ def test_agrees_with_karel_1_3_0(external):
             assert external.run(task.program, to_state(world_in), params.max_ticks)[:2] == ("ok", world_out)
         runs += _compare(external, task.program, [w for w, _ in task.pairs] + _worlds(np_rng, 2), rng, seen)
     assert runs == 4 * 300 + 8 * 25
-    assert {"ok", "crash", "timeout", "move blocked", "pick empty", "put full", "repeat", "condition"} <= seen
+    assert {"ok", "crash", "timeout", "move blocked", "pick empty", "put full", "condition"} <= seen
 
 
 def test_parsers_agree_on_mutated_programs(external):
@@ -238,9 +230,8 @@ def test_parsers_agree_on_mutated_programs(external):
     assert n // 20 <= accepted <= n - n // 20, accepted  # both outcomes are exercised (30 accepted)
 
 
-def test_documented_differences(external, monkeypatch):
+def test_documented_differences(external):
     """karel 1.3.0's own semantics, unmapped: the differences the module docstring (and docs/karel.md) name."""
-    monkeypatch.undo()  # its own REPEAT loop again
     plain = external.parser
     plain.max_func_call = 50  # its default
 
@@ -258,7 +249,7 @@ def test_documented_differences(external, monkeypatch):
     plain.run(P("putMarker"))  # an 11th marker: no crash, but no state channel for it
     with pytest.raises(IndexError):
         plain.karel.state
-    # 57 turns: more than 50 statement calls there; 19 + 57 iterations + 57 turns = 133 ticks here (of 200)
+    # 57 turns: more than 50 statement calls there; 57 ticks here (of 200)
     nested = P("REPEAT R=19 r( REPEAT R=3 r( turnLeft r) r)")
     with pytest.raises(KarelTimeout):
         run_plain(nested, "hero 0 0 E\n.")

@@ -15,7 +15,7 @@ Program Synthesis"): the DSL, worlds, an interpreter and a seeded task generator
 Speed, measured on the development machine (2 cores shared with other jobs, Python 3.11; default
 parameters: 8x8 worlds, max depth 3, max 30 tokens, 200 ticks):
 - `run` of a parsed program: ~250,000 executions/s on generated tasks' input worlds (7.6 ticks on
-  average; 9.5 since REPEAT iterations cost a tick, speed not re-measured), ~7,000,000 ticks/s in long loops;
+  average), ~7,000,000 ticks/s in long loops;
 - `execute` of new programs, each on 5 worlds (parse + compile + 5 runs): ~140,000 executions/s
   (7 us each), down to ~35,000/s when Python's full garbage collections hit; memoised: ~1,500,000/s;
 - generator: ~300-350 tasks/s (program + 6 checked I/O pairs): 1,000 training tasks in ~3 s;
