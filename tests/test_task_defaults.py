@@ -22,9 +22,12 @@ def test_karel_runs_its_recipe_and_given_flags_win(seen):
     assert (given.hidden_size, given.rl_steps, given.beam_size) == (64, 7, 16)
 
 
-def test_other_tasks_keep_the_flags_defaults(seen):
-    assert cli.main([]) == 0
-    assert (seen[0].hidden_size, seen[0].beam_size, seen[0].save_dir) == (256, 8, "runs/g2p")
+def test_g2p_converges_its_warm_start_and_tsv_keeps_the_flags_defaults(seen, tmp_path):
+    assert cli.main([]) == 0  # the built-in G2P: validation-driven MLE of at most 10,000 steps
+    assert cli.main(["--train", "t.tsv", "--valid", "v.tsv"]) == 0
+    g2p, tsv = seen
+    assert (g2p.lr_decay, g2p.mle_steps, g2p.hidden_size, g2p.save_dir) == (0.5, 10000, 256, "runs/g2p")
+    assert (tsv.lr_decay, tsv.mle_steps, tsv.beam_size) == (1.0, 4000, 8)
 
 
 def test_preset_overrides_the_task_recipe(seen, monkeypatch):
