@@ -95,12 +95,14 @@ class Config:
     dropout: float = arg(0.0, "dropout during the MLE warm start (RL always runs without, so both phases score "
                               "with the same function)", minimum=0.0)
     # ---- MLE warm start
-    mle_steps: int = arg(4000, "teacher-forcing steps on the references before RL", minimum=0)
+    mle_steps: int = arg(4000, "teacher-forcing steps on the references before RL (a maximum with --lr-decay; "
+                               "--task g2p: 10,000)", minimum=0)
     mle_batch_size: int = arg(64, "(source, reference) pairs per MLE step", minimum=1)
     lr: float = arg(2e-3, "Adam learning rate during MLE (its starting value with --lr-decay)", minimum=0.0)
     lr_decay: float = arg(1.0, "multiply the MLE learning rate by this after --patience validations in a row "
                                "without a better --best-metric score; a decay below --min-lr ends the MLE phase "
-                               "early (--mle-steps is then a maximum); 1: constant rate, no early stop",
+                               "early (--mle-steps is then a maximum); 1: constant rate, no early stop "
+                               "(--task g2p: 0.5)",
                           minimum=0.0)
     patience: int = arg(1, "with --lr-decay: validations without improvement before the rate decays", minimum=1)
     min_lr: float = arg(2.5e-4, "with --lr-decay: the MLE phase ends instead of decaying below this rate",
