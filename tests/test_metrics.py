@@ -41,3 +41,23 @@ def test_evaluate_accepts_tuples_and_rejects_mismatches():
         evaluate([], [])
     with pytest.raises(ValueError):
         evaluate([["A"]], [[]])
+
+
+def test_stress_free_word_error_rate():
+    from twophase.tasks.metrics import stress_free_correct, without_stress
+
+    assert without_stress("HH AH0 L OW1".split()) == "HH AH L OW".split()
+    hyps = ["HH AH1 L OW1".split(), "HH EH0 L OW1".split(), "K AE1 T".split()]
+    refs = [["HH AH0 L OW1".split()], ["HH AH0 L OW1".split()], ["K AE1 T S".split(), "K AE2 T".split()]]
+    assert stress_free_correct(hyps, refs) == 2  # stress alone differs in the first and third; a phoneme in the second
+
+
+def test_g2p_reports_the_stress_free_wer_beside_the_wer():
+    from twophase.tasks import Example
+    from twophase.tasks.text import G2P
+
+    task = G2P.__new__(G2P)  # its metrics only: no data
+    batch = [Example("hello", ["HH AH0 L OW1"]), Example("cat", ["K AE1 T"])]
+    sums = task.metric_sums(["HH AH1 L OW1", "K AE1 T"], batch)
+    scores = task.scores({k: 2 * v for k, v in sums.items()})  # shards add up
+    assert scores["wer"] == 0.5 and scores["wer_nostress"] == 0.0 and scores["n"] == 4

@@ -45,3 +45,13 @@ def scores_from_sums(sums: dict) -> dict:
     word_acc = sums["correct"] / n
     per = errors / length if length else (0.0 if errors == 0 else math.inf)
     return {"word_acc": word_acc, "wer": 1.0 - word_acc, "per": per, "n": n}
+
+
+def without_stress(phonemes: Sequence[str]) -> list[str]:
+    """ARPAbet without its stress digits (`AH0` -> `AH`): the convention of the stress-free CMUdict results."""
+    return [p.rstrip("012") for p in phonemes]
+
+
+def stress_free_correct(hypotheses: list[Sequence[str]], references: list[Sequence[Sequence[str]]]) -> int:
+    """How many hypotheses equal one of their references once stress is removed from both."""
+    return sum(any(without_stress(h) == without_stress(r) for r in refs) for h, refs in zip(hypotheses, references))
