@@ -285,3 +285,11 @@ def test_damaged_cache_names_file_and_line(tmp_path, small_dataset):
     path.write_text("\n".join(lines[:-2]))
     with pytest.raises(ValueError, match="truncated"):
         load_dataset(path)
+
+
+def test_cached_syntax_errors_keep_no_frames():
+    """Invalid programs are memoised as their errors; a traceback would keep the parser's frames (8x the memory)."""
+    from twophase.tasks.karel import dsl
+
+    err = dsl._parse_text("DEF run m( move r) m)")
+    assert isinstance(err, dsl.KarelSyntaxError) and err.__traceback__ is None

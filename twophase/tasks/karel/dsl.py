@@ -219,7 +219,7 @@ def _parse_text(text: str) -> Program | KarelSyntaxError:
     try:
         return _Parser(text.split()).program()
     except KarelSyntaxError as err:
-        return err
+        return err.with_traceback(None)  # a cached traceback would keep the parser's frames alive
 
 
 def parse(program: str | Sequence[str]) -> Program:
