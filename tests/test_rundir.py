@@ -104,7 +104,7 @@ def test_lower_is_better_metrics_and_auto():
     g2p, tsv = tasks.build(Config(task="g2p")), tasks.build(Config(task="tsv", train="a", valid="b"))
     assert resolve_best_metric(Config(), g2p) == "word_acc" and resolve_best_metric(Config(), tsv) == "reward"
     assert resolve_best_metric(Config(best_metric="per"), g2p) == "per"
-    assert [m.key for m in g2p.metrics if not m.higher_is_better] == ["wer", "per"]
+    assert [m.key for m in g2p.metrics if not m.higher_is_better] == ["wer", "per", "wer_nostress"]
     with pytest.raises(UsageError, match="--best-metric bleu"):
         resolve_best_metric(Config(best_metric="bleu"), g2p)
 
