@@ -13,11 +13,12 @@ from dataclasses import MISSING, dataclass, field, fields
 
 # --preset NAME: other defaults for a named recipe; flags given on the command line still win.
 PRESETS = {
-    # The long G2P recipe (docs/g2p.md): a bidirectional encoder with dropout, validation-driven MLE up to 12,000
-    # steps, then RL and its equal-time MLE control. Estimated at 45-60 minutes on 2 free cores from a smoke run's
-    # speed; not run to completion.
-    "g2p-long": dict(bidirectional=True, dropout=0.3, mle_steps=12000, lr_decay=0.5, patience=2, min_lr=1e-4,
-                     eval_every=1000, save_every=1000, rl_steps=500, rl_lr=1e-4),
+    # The long G2P recipe (docs/g2p.md): a bidirectional encoder with dropout, validation-driven MLE (the rate
+    # halving at each validation without a better word accuracy, every 500 steps) of at most 16,000 steps, then RL
+    # and its equal-time MLE control. Measured (seed 1): MLE stopped at 11,500 steps; 42 minutes on 2 shared cores;
+    # test WER 34.0% with stress, 28.7% without.
+    "g2p-long": dict(bidirectional=True, dropout=0.3, mle_steps=16000, lr_decay=0.5, patience=1, min_lr=2.5e-4,
+                     eval_every=500, save_every=500, rl_steps=500, rl_lr=1e-4),
 }
 
 MRT_ALPHA = 0.5  # --mrt-alpha's default; another value with another objective is refused
