@@ -31,7 +31,7 @@ from . import cache, heads
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
 
-class HFCausalLM(torch.nn.Module):
+class HFCausalLM(heads.FastPath, torch.nn.Module):
     """`model`: an `AutoModelForCausalLM` instance; `tokenizer` (optional) supplies pad and eos where it sets
     them. Without a pad token (GPT-2), pad_id = eos_id: a row ends at its first eos_id. bos_id is the config's
     bos_token_id (eos_id when it has none): the first step's prev, which is ignored, and a token search never
@@ -103,12 +103,6 @@ class HFCausalLM(torch.nn.Module):
             return total + heads.log_probs(self.head, self.model, hidden, tokens[:, 1:], mask[:, 1:])
         rest = self._continue(enc, owner, tokens[:, :-1], 0, self.model).logits  # (N, T - 1, V)
         return total + masked_sum(token_log_probs(rest, tokens[:, 1:]), mask[:, 1:])
-
-    @property
-    def weighted_score_backward(self):
-        """Phase two's chunk with the output layer differentiated by hand (see `twophase.protocol`); None
-        without a known head: the library then differentiates `score`."""
-        return None if self.head is None else self._weighted_score_backward
 
     def _weighted_score_backward(self, enc: dict, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list,
                                  collect: bool):

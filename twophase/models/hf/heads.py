@@ -80,6 +80,16 @@ class Head:
             return bool(gap.max() <= max(8 * eps, 1e-3) * (1.0 + size))
 
 
+class FastPath:
+    """The `weighted_score_backward` both wrappers expose (see `twophase.protocol`): their own
+    `_weighted_score_backward`, the output layer differentiated by hand, where `self.head` is known; None
+    otherwise, and the library then differentiates `score`."""
+
+    @property
+    def weighted_score_backward(self):
+        return None if self.head is None else self._weighted_score_backward
+
+
 def find(model) -> Head | None:
     """The Head of a model of a class in KNOWN, built as transformers builds it; None for anything else."""
     cls = type(model)

@@ -22,7 +22,7 @@ from . import cache, heads
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
 
-class HFSeq2Seq(torch.nn.Module):
+class HFSeq2Seq(heads.FastPath, torch.nn.Module):
     """`model`: an `AutoModelForSeq2SeqLM` instance. Ids come from its config (the generation config where the
     config lacks them): the protocol's bos_id is the decoder start token (pad for T5 and Marian, eos for BART),
     which search never proposes unless it is eos_id. `recompute_source`: phase two keeps no activations of the
@@ -66,12 +66,6 @@ class HFSeq2Seq(torch.nn.Module):
             return heads.log_probs(self.head, self.model, self._decoder(enc, owner, inputs), tokens, mask)
         logits = self._forward(enc, owner, inputs, {"use_cache": False}).logits  # (N, T, V)
         return masked_sum(token_log_probs(logits, tokens), mask)
-
-    @property
-    def weighted_score_backward(self):
-        """Phase two's chunk with the output layer differentiated by hand (see `twophase.protocol`); None
-        without a known head: the library then differentiates `score`."""
-        return None if self.head is None else self._weighted_score_backward
 
     def _weighted_score_backward(self, enc: dict, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list,
                                  collect: bool):
