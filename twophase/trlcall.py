@@ -1,7 +1,7 @@
 """Reward functions written for TRL's `GRPOTrainer`: `reward(prompts, completions, completion_ids, **columns)`.
 
-A plug-in is called TRL's way when its signature begins `(prompts, completions, ...)` or it declares
-`completion_ids`. It then receives, by keyword, one entry per candidate:
+A plug-in is called TRL's way when its signature begins `(prompts, completions, ...)` or `(completions, ...)`
+(TRL passes everything by keyword), or it declares `completion_ids`. It then receives, by keyword, one entry per candidate:
 
     prompts         the example's prompt as the dataset holds it (a string, or a list of chat messages)
     completions     the candidate's text; for chat prompts `[{"role": "assistant", "content": text}]`, as TRL
@@ -20,9 +20,11 @@ from typing import Any, Callable
 
 
 def is_trl_style(params: list[inspect.Parameter]) -> bool:
-    """Whether a signature's parameters are TRL's: (prompts, completions, ...), or completion_ids among them."""
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return names[:2] == ["prompts", "completions"] or any(p.name == "completion_ids" for p in params)
+    """Whether a signature's parameters are TRL's: (prompts, completions, ...), (completions, ...), or
+    completion_ids among them."""
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return (names[:2] == ["prompts", "completions"] or names[:1] == ["completions"]
+            or any(p.name == "completion_ids" for p in params))
 
 
 class Call:
