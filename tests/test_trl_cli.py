@@ -122,6 +122,10 @@ def test_chat_prompts_render_with_the_template_and_rewards_get_messages(folder, 
                 if len(json.loads(line)["completions"]) == 9)
     assert all(p[0]["role"] == "user" for p in step["prompts"])
     assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in step["completions"])
+    (folder / "chat_in.txt").write_text("a b\n")  # decoded as one user message, through the template
+    assert decode.main(["--checkpoint", str(folder / "chatrun" / "checkpoint_last.pt"), "--input", "chat_in.txt",
+                        "--output", "chat_out.txt"]) == 0
+    assert len((folder / "chat_out.txt").read_text().splitlines()) == 1
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -148,5 +152,32 @@ def test_bad_new_flags_are_one_line(folder, monkeypatch, capsys, extra, match):
     _fails_with_one_line(argv, capsys, match)
 
 
+def test_truncated_sampling_with_reinforce_is_warned_once():
+    from twophase.train.config import Config
+    warned = Config(sampler="sample", objective="reinforce", top_p=0.9).warnings()
+    assert len(warned) == 1 and "biased" in warned[0] and "--top-p" in warned[0]
+    assert Config(sampler="sample", objective="beam", top_p=0.9).warnings() == []
+
+
 def test_lora_needs_hf_model(capsys):
     _fails_with_one_line(["--lora-r", "4"], capsys, "--lora-r adapts a Hugging Face model: it needs --hf-model")
+
+
+def test_lora_with_references_runs_mle_the_comparison_and_resumes_it(folder, monkeypatch, one_thread):
+    """With a completion column: MLE on the adapters, RL, --compare-mle and --test; resumed to more RL steps, the
+    comparison restarts from checkpoint_mle_end.pt, which holds the adapters alone."""
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    rows = [{"prompt": p, "completion": w, "wanted": w} for p, w in PROMPTS]
+    _jsonl(folder / "ref_train.jsonl", rows)
+    _jsonl(folder / "ref_valid.jsonl", rows[:3])
+    argv = ["--train", "ref_train.jsonl", "--valid", "ref_valid.jsonl", "--test", "ref_valid.jsonl", "--hf-model",
+            "gpt2", "--save-dir", "refrun", *FLAGS, "--mle-steps", "2", "--mle-batch-size", "3"]
+    assert cli.main(argv + ["--rl-steps", "2"]) == 0
+    assert cli.main(argv + ["--rl-steps", "3", "--resume"]) == 0
+    rows = _rows(folder / "refrun" / "metrics.jsonl")
+    assert [r["phase"] for r in rows if r["phase"] in ("mle", "rl")] == ["mle", "mle", "rl", "rl", "rl"]
+    assert {r["model"] for r in rows if r["phase"] == "test"} == {"mle", "mle-continued", "rl"}
+    assert all("word_acc" in r for r in rows if r["phase"] == "eval")
+    branch = torch.load(folder / "refrun" / "checkpoint_mle_end.pt", weights_only=True)
+    assert all("lora_" in k for k in branch["model"])

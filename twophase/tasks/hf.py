@@ -12,6 +12,11 @@ causal LM (GPT-2, Llama, ...) as `HFCausalLM`, whose source is the prompt. Ids:
     candidate   read back as `tokenizer.decode(ids before the first eos, skip_special_tokens=True)`, without
                 the tokenizer's clean-up of spaces and with whitespace collapsed as in the references: the
                 string rewards and metrics see.
+Prompt tables (.jsonl, .json, .csv, .parquet: `twophase.tasks.prompts`) instead of TSV files: a string prompt is
+encoded as a TSV source; chat messages are rendered with the tokenizer's chat template (with the generation
+prompt) and encoded without adding special tokens, as TRL does; decoding a model trained on them reads each
+input line as one user message. --lora-r wraps the model with peft's LoRA adapters (`models.hf.lora`): only
+they train, and hf_final holds them (--merge-lora: the merged model).
 Token limits (--max-src-len, --max-len) count the tokenizer's tokens. Parameters are float32 whatever dtype the
 folder was saved in (--amp bf16 for 16-bit matmuls). The final model is written back with save_pretrained,
 with the tokenizer, into <save-dir>/hf_final.

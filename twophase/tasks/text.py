@@ -135,6 +135,10 @@ class TSV(PromptTables, TextTask):
 
     def load_data(self) -> None:
         if not is_table(self.cfg.train):
+            for flag, path in (("--valid", self.cfg.valid), ("--test", self.cfg.test)):
+                if is_table(path):
+                    raise DataError(f"{flag} {path}: a table beside the TSV --train file; give every split in one "
+                                    "format")
             return super().load_data()
         self.load_tables()
         if self.src_vocab is None:

@@ -69,7 +69,9 @@ class Config:
                                  "tsv (--train/--valid files, the default with --train), an installed "
                                  "twophase.tasks entry point, or package.module:callable returning a "
                                  "twophase.tasks.Task")
-    train: str | None = arg(None, "training TSV (source<TAB>target; repeated sources = several references); "
+    train: str | None = arg(None, "training TSV (source<TAB>target; repeated sources = several references), or a "
+                                  "prompt table (.jsonl, .json, .csv, .parquet: a prompt column, optional "
+                                  "completion/target references, other columns for the rewards; docs/trl.md); "
                                   "default: the CMU Pronouncing Dictionary, grapheme-to-phoneme")
     valid: str | None = arg(None, "validation TSV, same format; required with --train")
     test: str | None = arg(None, "test TSV, same format, evaluated once with the final model at the end of the run "
