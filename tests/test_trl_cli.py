@@ -73,8 +73,9 @@ def test_prompt_only_lora_gpt2_trains_resumes_bit_exactly_and_decodes(folder, mo
     assert "validation reports the reward only" in out and "--compare-mle cannot run" in out
     assert "trainable" in out
     rl = [r for r in _rows(folder / "straight" / "metrics.jsonl") if r["phase"] == "rl"]
+    evals = [r for r in _rows(folder / "straight" / "metrics.jsonl") if r["phase"] == "eval"]
     assert len(rl) == 4 and all({"reward/wanted/mean", "reward/wanted/std", "reward/short/mean"} <= r.keys()
-                                for r in rl)
+                                for r in rl + evals)
     # the TRL reward got prompts, completion strings, completion ids (eos included where produced), the column
     calls = [json.loads(line) for line in (folder / "calls.jsonl").read_text().splitlines()]
     step = next(c for c in calls if len(c["completions"]) == 9)

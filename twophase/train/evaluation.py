@@ -12,6 +12,7 @@ import torch
 
 from . import distributed
 from ..protocol import target_mask
+from ..rewardsum import mean_std, statistics
 from ..samples import best_rows
 from ..search import beam_search
 from ..tasks.base import Example, Task
@@ -73,5 +74,8 @@ def validate(model, task: Task, examples: list[Example], reward, beam_size: int,
     sums = dict(task.metric_sums(hyps, share))
     values = [v for v in score(reward, hyps, share, ids) if not math.isnan(v)] if share else []
     sums["reward"], sums["rewarded"] = math.fsum(values), len(values)  # NaN: not scored, left out of the mean
+    names = getattr(reward, "names", [])  # several rewards (rewardsum.WeightedSum): each one's mean and std
+    if names:
+        sums.update(statistics(reward.last if share else {n: [] for n in names}))
     sums = distributed.reduce_sums(sums)
-    return {**task.scores(sums), "reward": sums["reward"] / max(sums["rewarded"], 1)}
+    return {**task.scores(sums), "reward": sums["reward"] / max(sums["rewarded"], 1), **mean_std(sums, names)}
