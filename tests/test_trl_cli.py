@@ -139,6 +139,7 @@ def test_chat_prompts_render_with_the_template_and_rewards_get_messages(folder, 
     (["--top-p", "1.5", "--sampler", "sample"], "--top-p must be in (0, 1]"),
     (["--top-k", "2"], "apply to --sampler sample only"),
     (["--min-len", "6", "--sampler", "sample"], "--min-len 6 leaves no room"),
+    (["--top-k", "2", "--sampler", "sample", "--one-phase"], "--one-phase samples without them"),
     (["--mle-steps", "3"], "--mle-steps 3: the training data has no references"),
     (["--mle-weight", "0.5", "--mle-steps", "0"], "--mle-weight 0.5: the training data has no references"),
 ])

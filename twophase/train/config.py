@@ -234,6 +234,8 @@ class Config:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p:g}")
         if (self.top_k or self.top_p < 1 or self.min_len) and self.sampler != "sample":
             raise ValueError("--top-k, --top-p and --min-len apply to --sampler sample only")
+        if (self.top_k or self.top_p < 1 or self.min_len) and self.one_phase:
+            raise ValueError("--top-k, --top-p and --min-len are two-phase sampling's; --one-phase samples without them")
         if self.min_len >= self.max_len:
             raise ValueError(f"--min-len {self.min_len} leaves no room for eos within --max-len {self.max_len}")
         defaults = {f.name: f.default for f in fields(self)}
