@@ -113,3 +113,15 @@ def test_the_lstm_trains_on_a_prompt_table(tmp_path, monkeypatch, capsys, one_th
     _fails_with_one_line(["--train", "train.jsonl", "--valid", "valid.jsonl", "--save-dir", "run2", "--mle-steps",
                           "0", "--reward", "rec:reward", "--max-src-len", "3"], capsys,
                          "train.jsonl:2: source has 7 tokens, more than the limit of 3")
+
+
+def test_too_long_rows_are_skipped_and_counted(tmp_path):
+    from twophase import tasks
+    from twophase.train.config import Config
+    _jsonl(tmp_path / "t.jsonl", [{"prompt": "a b"}, {"prompt": "a b c d"}, {"prompt": "c", "completion": "x y z"}])
+    cfg = Config(train=str(tmp_path / "t.jsonl"), valid=str(tmp_path / "t.jsonl"), max_src_len=3, max_len=3,
+                 too_long="skip")
+    task = tasks.build(cfg)
+    task.load_data()
+    assert [e.source for e in task.train] == ["a b"] and task.metrics == ()
+    assert "--train: skipped 2 rows longer than the limits (--too-long skip)" in task.notes
