@@ -57,26 +57,29 @@ def reinforce(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = 
     of the source, unbiased; b = 0 for a source with a single sample), "greedy" (the reward of the greedy decode
     of the source, given as greedy_rewards (B,): self-critical training, Rennie et al. 2017).
 
+    A NaN reward (a TRL-style reward's None: no reward for that sample) gives the sample coefficient 0 and leaves
+    it out of its source's baseline and count K, as TRL leaves it out of the group's mean.
+
     Unlike `mrt` and `beam`, identical samples each keep their own term: the K samples are independent draws
     from p, and the Monte-Carlo estimate (1/K) sum_k r_k grad log p_k of E_p[r grad log p] is unbiased only if
     a sequence drawn twice counts twice.
     """
-    r = rewards.to(torch.float64)
-    count = group_count(owner, num_sources)  # (N,)
+    r, scored = _scored(rewards)
+    count = group_sum(scored.to(torch.float64), owner, num_sources)[owner]  # (N,) scored samples of the source
     total = group_sum(r, owner, num_sources)[owner]  # (N,)
     if baseline == "none":
         b = torch.zeros_like(r)
     elif baseline == "mean":
-        b = total / count
+        b = total / count.clamp(min=1)
     elif baseline == "loo":
         b = torch.where(count > 1, (total - r) / (count - 1).clamp(min=1), torch.zeros_like(r))
     elif baseline == "greedy":
         if greedy_rewards is None:
             raise ValueError("baseline 'greedy' needs greedy_rewards")
-        b = greedy_rewards.to(torch.float64)[owner]
+        b = _scored(greedy_rewards)[0][owner]  # an unscored greedy decode: baseline 0
     else:
         raise ValueError(f"unknown baseline {baseline!r}; choose from {', '.join(BASELINES)}")
-    return -(r - b) / (num_sources * count)
+    return torch.where(scored, -(r - b) / (num_sources * count.clamp(min=1)), torch.zeros_like(r))
 
 
 def mrt(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int, alpha: float = 1.0, *,
@@ -90,14 +93,24 @@ def mrt(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int, alpha:
     (N, T) that repeat a candidate of the same source are one candidate, else a sequence sampled n times would
     weigh n * p^alpha. Its coefficient is split equally among its copies, so the gradient summed over the rows
     is the deduplicated objective's. Copies should have equal scores and rewards; their means are used.
+
+    A NaN reward (a TRL-style reward's None) leaves the candidate out of its source's set: coefficient 0, Q
+    renormalised over the scored ones. The scores must be known (`Samples.from_completions` without the
+    generator's log-probabilities leaves them NaN): Q is made of them.
     """
+    if bool(torch.isnan(scores).any()):
+        raise ValueError("mrt and beam weigh candidates by their search scores, which are unknown (NaN: "
+                         "Samples.from_completions without token_logps); give the generator's log-probabilities, "
+                         "or use reinforce")
     inverse, copies = distinct(owner, tokens)  # (N,), (U,)
     u = len(copies)
     n = copies.to(torch.float64)
     owner_u = torch.zeros(u, dtype=owner.dtype, device=owner.device).scatter_(0, inverse, owner)  # (U,)
-    r = group_sum(rewards.to(torch.float64), inverse, u) / n  # (U,)
+    r, scored = _scored(group_sum(rewards.to(torch.float64), inverse, u) / n)  # (U,) each
     s = group_sum(scores.to(torch.float64), inverse, u) / n  # (U,)
-    q = group_softmax(alpha * s, owner_u, num_sources)  # (U,)
+    logit = torch.where(scored, alpha * s, torch.full_like(s, float("-inf")))  # an unscored candidate: Q = 0
+    q = group_softmax(logit, owner_u, num_sources)  # (U,)
+    q = torch.where(scored, q, torch.zeros_like(q))  # a source with no scored candidate: nan -> 0
     expected = group_sum(q * r, owner_u, num_sources)[owner_u]  # (U,)
     return (-alpha * q * (r - expected) / (num_sources * n))[inverse]  # (N,)
 
@@ -107,6 +120,13 @@ def beam(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int, *, to
     (Bunel et al. 2018): q = softmax(scores) per source, c_y = -q_y (r_y - sum_z q_z r_z) / B, identical
     candidates counted once (see `mrt`). It is MRT with alpha = 1."""
     return mrt(rewards, scores, owner, num_sources, alpha=1.0, tokens=tokens)
+
+
+def _scored(rewards: Tensor) -> tuple[Tensor, Tensor]:
+    """(rewards in float64 with NaN -> 0, where they are not NaN): a NaN reward means "no reward"."""
+    r = rewards.to(torch.float64)
+    scored = ~torch.isnan(r)
+    return torch.where(scored, r, torch.zeros_like(r)), scored
 
 
 def mix(rl: Tensor, mle_coefficients: Tensor, mle_weight: float) -> Tensor:

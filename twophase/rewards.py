@@ -4,7 +4,9 @@ A reward is any callable ``(hypotheses, references) -> list[float]`` over detoke
 by single spaces): ``references[i]`` holds one or more reference strings for ``hypotheses[i]``; higher is better.
 It may also declare keyword *context*, per-hypothesis lists the caller gives by name: ``sources`` (``sources[i]``
 is the raw source of ``hypotheses[i]``'s example) and whatever extra fields a task's examples carry, e.g.
-``def reward(hypotheses, references, sources, **fields)``. Each plug-in is passed only the context its signature
+``def reward(hypotheses, references, sources, **fields)``, and ``completion_ids`` where the trainer has them
+(each candidate's ids, up to and including its eos). A function in TRL's signature, ``(prompts, completions,
+...)`` or declaring ``completion_ids``, is called TRL's way instead (``twophase.trlcall``). Each plug-in is passed only the context its signature
 names (all of it with ``**kwargs``), so two-argument rewards keep working whatever the caller knows.
 
 ``get(name)`` resolves a name to a reward, in this order:
@@ -31,6 +33,7 @@ from typing import Any, Callable
 from rapidfuzz.distance import Levenshtein
 
 from .plugins import PluginError, brief, load_spec
+from .trlcall import Call, is_trl_style
 
 Reward = Callable[..., list[float]]  # (hypotheses, references, **context) -> one float per hypothesis
 GROUP = "twophase.rewards"
@@ -136,7 +139,9 @@ def _as_list(out: Any, label: str) -> list[Any]:
     return list(out)
 
 
-def _to_float(value: Any, position: int, label: str) -> float:
+def _to_float(value: Any, position: int, label: str, none_ok: bool = False) -> float:
+    if value is None and none_ok:  # a TRL-style reward's "no reward for this candidate"
+        return math.nan
     # Complex numbers would silently lose their imaginary part in float(), so they count as non-real.
     if isinstance(value, (str, bytes, numbers.Complex)) and not isinstance(value, numbers.Real):
         raise RewardError(f"reward '{label}' returned a non-real value at position {position} ({value!r})")
@@ -152,11 +157,9 @@ def _to_float(value: Any, position: int, label: str) -> float:
 class _Context:
     """What context a plug-in's signature takes beyond (hypotheses, references); read once, at get() time."""
 
-    def __init__(self, fn: Callable[..., Any], label: str):
+    def __init__(self, params: list[inspect.Parameter] | None, label: str):
         P = inspect.Parameter
-        try:
-            params = list(inspect.signature(fn).parameters.values())
-        except (TypeError, ValueError):  # e.g. some C callables: nothing to read, so pass the two lists only
+        if params is None:  # e.g. some C callables: nothing to read, so pass the two lists only
             self.takes_all, self.names, self.required = False, frozenset(), frozenset()
             return
         positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
@@ -193,15 +196,27 @@ def _check_inputs(label: str, hypotheses: list[str], references: list[list[str]]
 
 def validated(fn: Callable[..., Any], label: str) -> Reward:
     """Wrap ``fn`` so that any failure or malformed output becomes a ``RewardError`` naming ``label``; the
-    wrapper takes ``(hypotheses, references, **context)`` and passes ``fn`` the context it declares."""
-    wants = _Context(fn, label)
+    wrapper takes ``(hypotheses, references, **context)`` and passes ``fn`` the context it declares. A function
+    in TRL's signature (``twophase.trlcall``) is called TRL's way, and its None entries become NaN."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())  # read once, not per call
+    except (TypeError, ValueError):
+        params = None
+    trl = Call(fn, params) if params is not None and is_trl_style(params) else None
+    wants = None if trl else _Context(params, label)
 
     @functools.wraps(fn)
     def wrapper(hypotheses: list[str], references: list[list[str]], **context: Any) -> list[float]:
         _check_inputs(label, hypotheses, references, context)
-        kwargs = wants.select(context, label)
+        if trl is not None:
+            kwargs, missing = trl.arguments(hypotheses, context)
+            if missing:
+                raise RewardError(f"reward '{label}' needs {', '.join(repr(m) for m in missing)}, which the caller "
+                                  f"did not give (it gave: {', '.join(sorted(kwargs))})")
+        else:
+            kwargs = wants.select(context, label)
         try:
-            out = fn(hypotheses, references, **kwargs)
+            out = trl(kwargs) if trl is not None else fn(hypotheses, references, **kwargs)
         except RewardError:
             raise  # already names a plug-in (e.g. a reward built from get()); rewrapping would double the prefix
         except Exception as exc:
@@ -209,7 +224,7 @@ def validated(fn: Callable[..., Any], label: str) -> Reward:
         values = _as_list(out, label)
         if len(values) != len(hypotheses):
             raise RewardError(f"reward '{label}' returned {len(values)} values for {len(hypotheses)} hypotheses")
-        return [_to_float(v, i, label) for i, v in enumerate(values)]
+        return [_to_float(v, i, label, none_ok=trl is not None) for i, v in enumerate(values)]
 
     wrapper.name = label  # type: ignore[attr-defined]
     return wrapper

@@ -30,6 +30,30 @@ class Samples:
         lengths = target_mask(tgt, pad_id, eos_id).sum(1)
         return Samples(tgt, lengths, owner, torch.zeros(len(owner), device=tgt.device))
 
+    @staticmethod
+    def from_completions(completion_ids, owner, pad_id: int, eos_id: int, token_logps=None) -> "Samples":
+        """Phase two's rows from any generator's output (vLLM, SGLang, `generate`, a file of sampled completions).
+
+        completion_ids: N lists of ids, or an (N, T) tensor; row i completes source owner[i] (N,). The ids are
+        the completion alone (no prompt, no decoder start token); a row ends at its first eos_id (what follows,
+        padding included, is dropped) or at pad_id. token_logps (the same layout): the generator's
+        log-probability of each id; the scores are their sums over each row's kept positions. Without them the
+        scores are NaN, unknown: `objectives.reinforce` never reads them, `beam` and `mrt` refuse them."""
+        owner = torch.as_tensor(owner, dtype=torch.long)
+        tokens = _padded(completion_ids, pad_id, torch.long, owner.device)  # (N, T)
+        if len(tokens) != len(owner):
+            raise ValueError(f"{len(tokens)} completions but {len(owner)} owners")
+        mask = target_mask(tokens, pad_id, eos_id)  # (N, T) the positions each row keeps
+        tokens = tokens.masked_fill(~mask, pad_id)
+        lengths = mask.sum(1)
+        if token_logps is None:
+            scores = torch.full((len(tokens),), float("nan"), dtype=torch.float64, device=owner.device)
+        else:
+            logps = _padded(token_logps, 0.0, torch.float64, owner.device)[:, :tokens.shape[1]]  # (N, <= T)
+            scores = logps.masked_fill(~mask[:, :logps.shape[1]], 0.0).sum(1)
+        T = int(lengths.max()) if len(tokens) else 0
+        return Samples(tokens[:, :T], lengths, owner, scores)
+
     def select(self, rows: Tensor) -> "Samples":
         return Samples(*(getattr(self, f.name)[rows] for f in fields(self)))
 
@@ -39,6 +63,17 @@ class Samples:
         tokens = torch.cat([torch.nn.functional.pad(p.tokens, (0, T - p.tokens.shape[1]), value=pad_id)
                             for p in parts])  # (sum N, T)
         return Samples(tokens, *(torch.cat([getattr(p, f) for p in parts]) for f in ("lengths", "owner", "scores")))
+
+
+def _padded(rows, fill, dtype, device) -> Tensor:
+    """(N, T) rows of a tensor, or of N lists of any lengths padded with fill (at least one column)."""
+    if isinstance(rows, Tensor):
+        return rows.to(device=device, dtype=dtype).reshape(len(rows), -1)
+    rows = [list(r) for r in rows]
+    out = torch.full((len(rows), max([len(r) for r in rows] + [1])), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out.to(device)
 
 
 def best_rows(s: Samples) -> Tensor:

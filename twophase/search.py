@@ -198,15 +198,43 @@ def _best_open_extensions(logp: Tensor, scores: Tensor, at: Tensor, pad_id: int)
 
 
 def sample(model, source, num_samples: int, max_len: int, temperature: float = 1.0,
-           generator: torch.Generator | None = None) -> Samples:
-    """num_samples independent draws per source. Tokens are drawn from softmax(log p / temperature); scores
-    are always the model's own log p (temperature 1), the quantity phase two differentiates."""
+           generator: torch.Generator | None = None, *, top_k: int | None = None, top_p: float | None = None,
+           min_len: int = 0) -> Samples:
+    """num_samples independent draws per source. Tokens are drawn from softmax(log p / temperature), truncated
+    as `generate` truncates it (`truncate`: eos banned before min_len tokens, then the top_k most probable
+    tokens, then the nucleus of mass top_p); scores are always the model's own log p (temperature 1, no
+    truncation), the quantity phase two differentiates, as TRL's. So with any of these REINFORCE's gradient is
+    biased: the samples come from another distribution than the one whose grad log p it weighs."""
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 (or None), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (or None), got {top_p}")
     with scoring_mode(model), torch.inference_mode():
-        found = _sample(model, source, num_samples, max_len, temperature, generator)
+        found = _sample(model, source, num_samples, max_len, temperature, generator, top_k, top_p, min_len)
     return _finish(model, *found)
 
 
-def _sample(model, source, num_samples: int, max_len: int, temperature: float, generator):
+def truncate(logits: Tensor, eos_id: int, t: int, top_k: int | None, top_p: float | None,
+             min_len: int) -> Tensor:
+    """(N, V) the draw's logits at step t (0-based): -inf on eos while t < min_len, then outside each row's
+    top_k, then outside its nucleus (the most probable tokens whose mass, before the last of them, is below
+    top_p; at least one token). Ties at the k-th logit are all kept, as `generate`'s TopKLogitsWarper keeps them."""
+    if t < min_len:
+        logits = logits.index_fill(1, torch.tensor([eos_id], device=logits.device), float("-inf"))
+    if top_k is not None and top_k < logits.shape[1]:
+        kth = logits.topk(top_k, dim=1).values[:, -1:]  # (N, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=1, descending=True)  # (N, V)
+        probs = torch.softmax(sorted_logits, dim=1)
+        before = probs.cumsum(dim=1) - probs  # (N, V) mass of the more probable tokens
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter(1, order, before >= top_p)  # vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _sample(model, source, num_samples: int, max_len: int, temperature: float, generator,
+            top_k: int | None = None, top_p: float | None = None, min_len: int = 0):
     """The sampling loop under the caller's grad mode (see `_beam_search`)."""
     enc = model.encode(source)
     B, K, device = num_sources(enc), num_samples, tree.device_of(enc)
@@ -223,7 +251,10 @@ def _sample(model, source, num_samples: int, max_len: int, temperature: float, g
         if scores is None:
             scores = torch.zeros(B * K, dtype=_score_dtype(logp), device=device)
         with torch.no_grad():  # the draw is not differentiated: keep its (B*K, V) out of any graph
-            probs = torch.softmax(logp / temperature, dim=-1) if temperature != 1.0 else logp.exp()
+            if top_k or top_p or min_len:
+                probs = torch.softmax(truncate(logp / temperature, model.eos_id, t, top_k, top_p, min_len), dim=-1)
+            else:
+                probs = torch.softmax(logp / temperature, dim=-1) if temperature != 1.0 else logp.exp()
         drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B*K,)
         prev = drawn.masked_fill(done, model.pad_id)
         scores = scores + logp.gather(1, drawn[:, None]).squeeze(1).masked_fill(done, 0.0)

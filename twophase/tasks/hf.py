@@ -12,6 +12,11 @@ causal LM (GPT-2, Llama, ...) as `HFCausalLM`, whose source is the prompt. Ids:
     candidate   read back as `tokenizer.decode(ids before the first eos, skip_special_tokens=True)`, without
                 the tokenizer's clean-up of spaces and with whitespace collapsed as in the references: the
                 string rewards and metrics see.
+Prompt tables (.jsonl, .json, .csv, .parquet: `twophase.tasks.prompts`) instead of TSV files: a string prompt is
+encoded as a TSV source; chat messages are rendered with the tokenizer's chat template (with the generation
+prompt) and encoded without adding special tokens, as TRL does; decoding a model trained on them reads each
+input line as one user message. --lora-r wraps the model with peft's LoRA adapters (`models.hf.lora`): only
+they train, and hf_final holds them (--merge-lora: the merged model).
 Token limits (--max-src-len, --max-len) count the tokenizer's tokens. Parameters are float32 whatever dtype the
 folder was saved in (--amp bf16 for 16-bit matmuls). The final model is written back with save_pretrained,
 with the tokenizer, into <save-dir>/hf_final.
@@ -21,15 +26,17 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
-from ..models.hf import HFCausalLM, HFSeq2Seq
+from ..models.hf import HFCausalLM, HFSeq2Seq, lora
 from ..plugins import brief
 from . import TaskError
 from .base import Example
-from .data import pad_batch
+from .data import DataError, pad_batch
+from .table import is_table
 from .text import TSV, examples
 
 FINAL = "hf_final"
@@ -105,6 +112,7 @@ class HFTSV(TSV):
         self.model_width = getattr(self.config, "hidden_size", None)  # --threads auto
         self.lengths = self._lengths
         self.eos_id = None  # the model's, once built (the tokenizer's until then)
+        self._noted = False  # the LoRA head note, printed once (decoding builds the model again)
         self._targets: dict[str, list[int]] = {}  # reference -> ids, encoded once while counting lengths
         self._check_positions(cfg)
 
@@ -125,6 +133,8 @@ class HFTSV(TSV):
 
     # ---- data and state
     def load_data(self) -> None:
+        if is_table(self.cfg.train):
+            return self.load_tables()
         train, valid, test = self.splits()
         self.train, self.valid = examples(train, False), examples(valid, False)
         self.test = examples(test, False) if test is not None else []
@@ -151,10 +161,44 @@ class HFTSV(TSV):
         return [len(ids) for ids in source_ids], [len(self._targets[t]) for t in texts]
 
     def state_dict(self) -> dict:
-        return {"fold_case": self.fold_case, "causal": self.causal}
+        return {"fold_case": self.fold_case, "causal": self.causal, "chat": self.chat}
 
     def load_state_dict(self, state: dict) -> None:
         self.fold_case = state["fold_case"]
+        self.chat = state.get("chat", False)
+
+    # ---- prompt tables (twophase.tasks.prompts)
+    def prompt_text(self, prompt, where: str = "prompt") -> str:
+        """A table's prompt as the text its ids encode: a string as a TSV source, chat messages rendered by the
+        tokenizer's chat template with the generation prompt (continuing a final assistant message), as TRL's
+        `apply_chat_template` does."""
+        if not isinstance(prompt, list):
+            return self.source_text(prompt)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise DataError(f"{where}: a conversational prompt needs a chat template, and the tokenizer of "
+                            f"--hf-model {self.folder} has none")
+        last_is_assistant = prompt[-1]["role"] == "assistant"
+        try:
+            return self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=not last_is_assistant,
+                                                      continue_final_message=last_is_assistant)
+        except Exception as exc:
+            raise DataError(f"{where}: the chat template cannot render this prompt ({brief(exc)})") from None
+
+    def count_tokens(self, sources: list[str], references: list[list[str]]):
+        """Prompts and references in the tokenizer's tokens (references without eos)."""
+        texts = [r for refs in references for r in refs]
+        todo = [t for t in dict.fromkeys(texts) if t not in self._targets]
+        self._targets.update(zip(todo, self._encode_targets(todo) if todo else []))
+        return ([len(ids) for ids in self._prompt_ids(sources)],
+                [[len(self._targets[r]) for r in refs] for refs in references])
+
+    def _prompt_ids(self, prompts: list) -> list[list[int]]:
+        """The ids of prompts (strings or chat messages): a rendered chat template holds its special tokens
+        already, so it is tokenized without adding any (as TRL does); a string gets them as a TSV source."""
+        texts = [self.prompt_text(p) for p in prompts]
+        if prompts and isinstance(prompts[0], list):
+            return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return self.encode_sources(texts)
 
     # ---- model
     def build_model(self):
@@ -163,11 +207,33 @@ class HFTSV(TSV):
         try:
             with _quiet():
                 model = self.model_class.from_pretrained(self.folder, local_files_only=True, **{dtype: torch.float32})
-            wrapped = HFCausalLM(model, self.tokenizer) if self.causal else HFSeq2Seq(model)
         except Exception as exc:
             raise TaskError(f"--hf-model {self.folder}: cannot load the model ({brief(exc)})") from None
+        if self.cfg.lora_r:
+            model = self._lora(model)
+        try:
+            wrapped = HFCausalLM(model, self.tokenizer) if self.causal else HFSeq2Seq(model)
+        except Exception as exc:
+            raise TaskError(f"--hf-model {self.folder}: cannot wrap the model ({brief(exc)})") from None
+        if wrapped.head_note and not self._noted:
+            self._noted = True
+            print(f"--lora-target-modules: {wrapped.head_note}", file=sys.stderr, flush=True)
         self.eos_id = wrapped.eos_id
         return wrapped
+
+    def _lora(self, model):
+        """--lora-r: the model as a peft PeftModel with LoRA adapters (the rest frozen)."""
+        try:
+            import peft  # noqa: F401
+        except ImportError as err:
+            raise TaskError(f"--lora-r needs peft ({brief(err)}): pip install 'twophase[hf]'") from None
+        cfg = self.cfg
+        targets = [m.strip() for m in cfg.lora_target_modules.split(",")] if cfg.lora_target_modules else None
+        try:
+            return lora.attach(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, targets, not self.causal)
+        except Exception as exc:  # peft: unknown target modules, a model type without default targets, ...
+            raise TaskError(f"--lora-r {cfg.lora_r}: peft cannot adapt {self.folder} ({brief(exc)}); name the "
+                            "modules with --lora-target-modules") from None
 
     def encode_sources(self, texts: list[str]) -> list[list[int]]:
         return self.tokenizer(texts, add_special_tokens=True)["input_ids"]
@@ -185,7 +251,7 @@ class HFTSV(TSV):
 
     def collate(self, batch: list[Example], device) -> dict:
         """{"input_ids", "attention_mask"} (B, S), right-padded (the wrappers read the mask, not the pad id)."""
-        ids = self.encode_sources([self.source_text(e.source) for e in batch])
+        ids = self._prompt_ids([e.source for e in batch])
         fill = next((i for i in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id) if i is not None), 0)
         padded, lengths = pad_batch(ids, device, fill)  # (B, S), (B,)
         mask = torch.arange(padded.shape[1], device=device)[None] < lengths[:, None]  # (B, S)
@@ -209,7 +275,10 @@ class HFTSV(TSV):
         final, tmp = Path(save_dir) / FINAL, Path(save_dir) / f".{FINAL}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         with _quiet():
-            model.model.save_pretrained(tmp)
+            if model.adapter is not None:  # --lora-r: the adapters (--merge-lora: merged into a copy of the model)
+                lora.save(model.adapter, tmp, self.cfg.merge_lora)
+            else:
+                model.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -217,8 +286,9 @@ class HFTSV(TSV):
         return final
 
     # ---- decoding
-    def parse_source(self, line: str) -> str:
-        return self.source_text(line)
+    def parse_source(self, line: str):
+        """An input line; trained on chat prompts, the line is one user message."""
+        return [{"role": "user", "content": line}] if self.chat else self.source_text(line)
 
     def format_output(self, hypothesis: str) -> str:
         return hypothesis
@@ -228,6 +298,8 @@ class HFTSV(TSV):
         unk = self.tokenizer.unk_token_id
         if unk is None:
             return []
+        if isinstance(source, list):
+            source = " ".join(m["content"] for m in source)
         words = self.source_text(source).split()
         if not words:
             return []

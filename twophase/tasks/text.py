@@ -10,6 +10,8 @@ from ..vocab import Vocab
 from .base import Example, Metric, Task
 from .data import Dataset, DataError, load_cmudict, load_tsv, pad_batch, tokenize_source
 from .metrics import evaluate_sums, scores_from_sums, stress_free_correct
+from .prompts import PromptTables
+from .table import is_table
 
 
 def examples(data: Dataset, char_source: bool) -> list[Example]:
@@ -73,10 +75,12 @@ class TextTask(Task):
         return [t for t in self.source_tokens(source) if t not in self.src_vocab.stoi]
 
     def metric_sums(self, hypotheses: list[str], batch: list[Example]) -> dict:
+        if not self.metrics:  # prompt tables without references: the reward is all validation reports
+            return {"n": len(batch)}
         return evaluate_sums([h.split() for h in hypotheses], [[r.split() for r in e.references] for e in batch])
 
     def scores(self, sums: dict) -> dict:
-        return scores_from_sums(sums)
+        return scores_from_sums(sums) if self.metrics else {"n": int(sums["n"])}
 
 
 class G2P(TextTask):
@@ -107,9 +111,10 @@ class G2P(TextTask):
         return load_cmudict()
 
 
-class TSV(TextTask):
+class TSV(PromptTables, TextTask):
     """`--train FILE --valid FILE [--test FILE]`: UTF-8 `source<TAB>target` lines; repeated sources are several
-    references."""
+    references. Or prompt tables (.jsonl, .json, .csv, .parquet: `twophase.tasks.prompts`), one example per row;
+    the built-in LSTM takes string prompts, and without references its target vocabulary is the prompts'."""
 
     name = "tsv"
     # Exact match can be near zero on such data (translation, say): the best checkpoint is the best reward.
@@ -127,6 +132,31 @@ class TSV(TextTask):
         super().__init__(cfg, char_source=cfg.char_source, char_target=cfg.char_target,
                          fold_case=cfg.lowercase_source)
         self.lengths = None  # load_tsv's token counts of the lines (HFTSV: its tokenizer's); None: whitespace tokens
+
+    def load_data(self) -> None:
+        if not is_table(self.cfg.train):
+            for flag, path in (("--valid", self.cfg.valid), ("--test", self.cfg.test)):
+                if is_table(path):
+                    raise DataError(f"{flag} {path}: a table beside the TSV --train file; give every split in one "
+                                    "format")
+            return super().load_data()
+        self.load_tables()
+        if self.src_vocab is None:
+            self.src_vocab = Vocab.build(self.source_tokens(e.source) for e in self.train)
+            refs = [r.split() for e in self.train for r in e.references]
+            self.tgt_vocab = Vocab.build(refs or [self.source_tokens(e.source) for e in self.train])
+
+    def prompt_text(self, prompt, where: str) -> str:
+        if isinstance(prompt, list):
+            raise DataError(f"{where}: a conversational prompt (chat messages) needs --hf-model, whose tokenizer's "
+                            "chat template renders it")
+        return prompt
+
+    def count_tokens(self, sources: list[str], references: list[list[str]]):
+        """Sources and references in the built-in vocabularies' tokens (references re-split for --char-target)."""
+        for refs in references:
+            refs[:] = [" ".join(tokenize_source(r, self.char_target)) for r in refs]
+        return [len(self.source_tokens(s)) for s in sources], [[len(r.split()) for r in refs] for refs in references]
 
     def splits(self):
         cfg = self.cfg

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from . import amp, distributed, rundir
-from .. import rewards
+from .. import rewards, rewardsum
 from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args
 from .. import tasks
 from ..tasks.data import DataError
@@ -56,11 +56,27 @@ def check_reward(reward, task) -> None:
     if not examples:  # a task without references (execution rewards, say): an empty hypothesis only
         examples = task.train[:1]
     hyps = [ex.references[0] if ex.references else "" for ex in examples] + [""]
+    ids = [task.target_ids(ex)[0] if ex.references else [] for ex in examples] + [[]]  # without eos
     try:
-        score(reward, hyps, examples + examples[:1])
+        score(reward, hyps, examples + examples[:1], ids)
     except rewards.RewardError as err:
         raise rewards.RewardError(f"{err} (start-up check: {len(examples)} training references scored against "
                                   "themselves and an empty hypothesis)") from None
+
+
+def check_references(cfg: Config, task) -> None:
+    """Training data without references (prompts only) trains RL alone: MLE is refused, --compare-mle skipped."""
+    if any(ex.references for ex in task.train):
+        return
+    if cfg.mle_steps > 0:
+        raise UsageError(f"--mle-steps {cfg.mle_steps}: the training data has no references (completion/target) "
+                         "to train MLE on; --mle-steps 0 trains RL only")
+    if cfg.mle_weight > 0:
+        raise UsageError(f"--mle-weight {cfg.mle_weight:g}: the training data has no references to mix in")
+    if cfg.compare_mle and cfg.rl_steps > 0:
+        if distributed.rank() == 0:
+            print("--compare-mle cannot run: the training data has no references to continue MLE on; skipped")
+        cfg.compare_mle = False
 
 
 def load_task_data(task, state: dict | None) -> None:
@@ -109,7 +125,8 @@ def resume_state(cfg: Config) -> dict | None:
         raise UsageError(f"--resume: {err}") from None
     saved = state["config"]
     for key in ("task", "train", "valid", "char_source", "char_target", "lowercase_source", "embed_dim",
-                "hidden_size", "bidirectional", "best_metric", "hf_model"):
+                "hidden_size", "bidirectional", "best_metric", "hf_model", "lora_r", "lora_alpha",
+                "lora_target_modules"):
         if key in saved and saved[key] != getattr(cfg, key):
             raise UsageError(f"--resume: {path} was trained with --{key.replace('_', '-')} {saved[key]}, "
                              f"not {getattr(cfg, key)}")
@@ -135,7 +152,7 @@ def build(cfg: Config) -> Trainer:
     cfg.task = tasks.default_name(cfg)  # saved as resolved, as the reward and the best metric
     task = tasks.build(cfg)  # cheap: the data comes later
     cfg.reward = cfg.reward or task.default_reward
-    reward = rewards.get(cfg.reward)  # before loading data: a typo should fail in a second, not after it
+    reward = rewardsum.from_flags(cfg.reward, cfg.reward_weights)  # before loading data: a typo should fail in a second, not after it
     cfg.best_metric = resolve_best_metric(cfg, task)
     if cfg.tensorboard:
         try:
@@ -148,6 +165,7 @@ def build(cfg: Config) -> Trainer:
         raise UsageError(str(err)) from None
     state = resume_state(cfg)
     load_task_data(task, state)
+    check_references(cfg, task)
     if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(task.train)):
         raise UsageError(f"--batch-size {cfg.batch_size} and --mle-batch-size {cfg.mle_batch_size} count the "
                          f"sources of a whole step; {distributed.world()} processes need at least one each")
@@ -222,7 +240,8 @@ def _train(cfg: Config) -> int:
             threads = torch.get_num_threads()
             print(f"task {trainer.task.spec}: {len(trainer.train)} train / {len(trainer.valid)} valid{test} sources; "
                   f"reward {trainer.reward.name}; "
-                  f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters on {trainer.device}"
+                  f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters{trainable(trainer.model)} on "
+                  f"{trainer.device}"
                   + (f", {threads} CPU thread{'s' * (threads > 1)}" if trainer.device.type == "cpu" else "")
                   + (f" (x {distributed.world()} processes)" if distributed.world() > 1 else ""), flush=True)
         try:
@@ -247,6 +266,12 @@ def _train(cfg: Config) -> int:
     print(f"metrics: {trainer.save_dir / 'metrics.jsonl'}; checkpoint: {best.last_path}"
           + (f"; final model: {exported}" if exported else ""))
     return 0
+
+
+def trainable(model) -> str:
+    """' (N trainable)' where some parameters are frozen (--lora-r), else ''."""
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return "" if n == sum(p.numel() for p in model.parameters()) else f" ({n:,} trainable)"
 
 
 def save_final(trainer: Trainer):

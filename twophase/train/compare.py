@@ -17,6 +17,7 @@ import time
 
 from . import distributed
 from .checkpoint import CheckpointError, load, rng_state, set_rng_state
+from .params import load_saved
 from .evaluation import validate
 from .interrupt import Interrupted
 from .report import fmt_scores
@@ -44,7 +45,7 @@ class Comparison:
         return copy.deepcopy(state)
 
     def restore(self, snap: dict) -> None:
-        self.model.load_state_dict(snap["model"])
+        load_saved(self.model, snap["model"])  # a checkpoint of LoRA adapters holds them alone
         self.optimizer.load_state_dict(snap["optimizer"])
         if self.scaler is not None and "scaler" in snap:
             self.scaler.load_state_dict(snap["scaler"])
@@ -136,7 +137,7 @@ class Comparison:
     def test_model(self, name: str, state_dict) -> dict:
         """Test scores of a compared model (its parameters loaded for the evaluation, then the final ones back)."""
         final = copy.deepcopy(self.model.state_dict())
-        self.model.load_state_dict(state_dict)
+        load_saved(self.model, state_dict)
         try:
             return validate(self.model, self.task, self.test, self.reward, self.cfg.eval_beam, self.cfg.max_len,
                             self.device)

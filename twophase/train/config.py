@@ -69,7 +69,9 @@ class Config:
                                  "tsv (--train/--valid files, the default with --train), an installed "
                                  "twophase.tasks entry point, or package.module:callable returning a "
                                  "twophase.tasks.Task")
-    train: str | None = arg(None, "training TSV (source<TAB>target; repeated sources = several references); "
+    train: str | None = arg(None, "training TSV (source<TAB>target; repeated sources = several references), or a "
+                                  "prompt table (.jsonl, .json, .csv, .parquet: a prompt column, optional "
+                                  "completion/target references, other columns for the rewards; docs/trl.md); "
                                   "default: the CMU Pronouncing Dictionary, grapheme-to-phoneme")
     valid: str | None = arg(None, "validation TSV, same format; required with --train")
     test: str | None = arg(None, "test TSV, same format, evaluated once with the final model at the end of the run "
@@ -129,7 +131,9 @@ class Config:
                                   "to the run; the final model stays RL's (--no-compare-mle: skip it)")
     mle_weight: float = arg(0.0, "lambda of the mixed objective lambda*MLE + (1-lambda)*RL", minimum=0.0)
     reward: str | None = arg(None, "registered reward plug-in (bleu, chrf, exact, edit, ...) or "
-                                   "package.module:callable; default: the task's (edit for g2p and tsv)")
+                                   "package.module:callable (TRL's reward signature works too), or a comma-separated "
+                                   "list of them, summed (--reward-weights); default: the task's (edit for g2p "
+                                   "and tsv)")
     max_len: int = arg(32, "longest candidate phase one may produce, EOS included (with --hf-model: in the "
                            "tokenizer's tokens)", minimum=1)
     rescore_chunk: int | str = arg(128, "phase two re-decodes at most this many candidates at a time; 'auto': "
@@ -143,6 +147,24 @@ class Config:
     no_prefix_sharing: bool = arg(False, "phase two re-decodes every candidate from its first token instead of "
                                          "each distinct (source, prefix) once: the same gradient, slower "
                                          "(for comparison)")
+    # ---- coming from TRL (docs/trl.md): weighted rewards, sampler truncation, LoRA
+    reward_weights: str | None = arg(None, "with --reward a,b,c (several rewards, summed): their weights, e.g. "
+                                           "1,0.5,0.5 (default: 1 each); each is logged as reward/<name>/mean, /std")
+    top_k: int = arg(0, "--sampler sample draws from the k most probable tokens only (0: all); scores stay the "
+                        "model's own log-probabilities", minimum=0)
+    top_p: float = arg(1.0, "--sampler sample draws from the smallest set of tokens whose probability reaches p "
+                            "(nucleus; 1: all); scores stay the model's own", minimum=0.0)
+    min_len: int = arg(0, "--sampler sample: no eos before this many tokens (scores stay the model's own)",
+                       minimum=0)
+    lora_r: int = arg(0, "with --hf-model: train LoRA adapters of rank R (peft) instead of every parameter; only "
+                         "they are trained, checkpointed and saved to hf_final (0: no LoRA)", minimum=0)
+    lora_alpha: float = arg(0.0, "with --lora-r: LoRA's alpha, the adapters' scale alpha / r (0: 2 r)", minimum=0.0)
+    lora_dropout: float = arg(0.0, "with --lora-r: dropout on the adapters' input (MLE steps only: RL scores "
+                                   "without dropout)", minimum=0.0)
+    lora_target_modules: str | None = arg(None, "with --lora-r: comma-separated module names to adapt (default: "
+                                                "peft's for the model type, e.g. q,v for T5, c_attn for GPT-2)")
+    merge_lora: bool = arg(False, "with --lora-r: hf_final holds the model with the adapters merged into its "
+                                  "weights (default: the adapters alone, for peft's PeftModel.from_pretrained)")
     # ---- both phases
     clip_norm: float = arg(1.0, "clip the gradient norm to this (0: no clipping)", minimum=0.0)
     eval_every: int = arg(500, "validate every N steps (and at the end of each phase)", minimum=1)
@@ -200,10 +222,34 @@ class Config:
         if self.memory_budget is not None and self.rescore_chunk != "auto":
             raise ValueError(f"--memory-budget applies to --rescore-chunk auto only, not --rescore-chunk "
                              f"{self.rescore_chunk}")
+        self._validate_trl()
         if self.hf_model is not None:
             self._validate_hf()
         if self.rl_steps > 0:  # a run without RL steps never reads the RL flags: nothing to refuse there
             self._validate_rl()
+
+    def _validate_trl(self) -> None:
+        """The flags of the block "coming from TRL"; each refuses what it cannot do."""
+        if self.top_p > 1 or (self.top_p == 0):
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p:g}")
+        if (self.top_k or self.top_p < 1 or self.min_len) and self.sampler != "sample":
+            raise ValueError("--top-k, --top-p and --min-len apply to --sampler sample only")
+        if (self.top_k or self.top_p < 1 or self.min_len) and self.one_phase:
+            raise ValueError("--top-k, --top-p and --min-len are two-phase sampling's; --one-phase samples without them")
+        if self.min_len >= self.max_len:
+            raise ValueError(f"--min-len {self.min_len} leaves no room for eos within --max-len {self.max_len}")
+        defaults = {f.name: f.default for f in fields(self)}
+        lora = ("lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora")
+        if not self.lora_r:
+            given = [n for n in lora if getattr(self, n) != defaults[n]]
+            if given:
+                raise ValueError(f"{_flag(given[0])} needs --lora-r")
+        elif self.hf_model is None:
+            raise ValueError("--lora-r adapts a Hugging Face model: it needs --hf-model")
+        if self.lora_dropout >= 1:
+            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout:g}")
+        if self.lora_target_modules is not None and not all(m.strip() for m in self.lora_target_modules.split(",")):
+            raise ValueError(f"--lora-target-modules {self.lora_target_modules!r}: an empty module name")
 
     def _validate_hf(self) -> None:
         if self.task not in (None, "tsv"):
@@ -249,6 +295,10 @@ class Config:
         if self.rl_steps > 0 and self.objective == "reinforce" and self.sampler == "beam":
             return ["--objective reinforce with --sampler beam is biased (beam candidates are not samples of the "
                     "model); unbiased: --sampler sample, or --objective beam"]
+        if self.rl_steps > 0 and self.objective == "reinforce" and (self.top_k or self.top_p < 1 or self.min_len):
+            return ["--objective reinforce with --top-k, --top-p or --min-len is biased (it samples from the "
+                    "truncated distribution but weighs grad log p of the full one, as TRL does); unbiased: no "
+                    "truncation, or --objective beam or mrt"]
         return []
 
 

@@ -19,6 +19,7 @@ from .. import tasks
 from ..tasks.base import Example
 from ..tasks.data import DataError, read_lines, split_utf8_lines
 from .evaluation import best_hypotheses
+from .params import load_saved
 
 
 def build_parser() -> OneLineParser:
@@ -63,7 +64,7 @@ def load_model(path: str, device: torch.device, hf_model: str | None = None):
                               "fold_case": saved.get("lowercase_source", saved.get("train") is None)})
     model = task.build_model().to(device)
     try:
-        model.load_state_dict(state["model"])
+        load_saved(model, state["model"])
     except RuntimeError as err:  # --hf-model naming another architecture than the one trained, say
         raise CheckpointError(f"{path}: its parameters do not fit the model its task builds "
                               f"({str(err).strip().splitlines()[-1].strip()})") from None

@@ -6,9 +6,13 @@ Letters: B sources per decoding batch, N rows.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import distributed
+from ..protocol import target_mask
+from ..rewardsum import mean_std, statistics
 from ..samples import best_rows
 from ..search import beam_search
 from ..tasks.base import Example, Task
@@ -23,21 +27,41 @@ def reward_context(examples: list[Example]) -> dict:
     return context
 
 
-def score(reward, hypotheses: list[str], examples: list[Example]) -> list[float]:
-    """reward(hypotheses, references, **context) with hypothesis i from examples[i]."""
-    return reward(hypotheses, [ex.references for ex in examples], **reward_context(examples))
+def score(reward, hypotheses: list[str], examples: list[Example], ids: list[list[int]] | None = None) -> list[float]:
+    """reward(hypotheses, references, **context) with hypothesis i from examples[i]; `ids`, where known, each
+    hypothesis' ids up to and including its eos (the context's `completion_ids`). NaN: no reward (a TRL-style
+    reward's None)."""
+    context = reward_context(examples)
+    if ids is not None:
+        context["completion_ids"] = ids
+    return reward(hypotheses, [ex.references for ex in examples], **context)
+
+
+def completion_ids(tokens: torch.Tensor, pad_id: int, eos_id: int) -> list[list[int]]:
+    """Rows (N, T) as lists of their ids up to and including the first eos (TRL's completion_ids)."""
+    lengths = target_mask(tokens, pad_id, eos_id).sum(dim=1).tolist()  # (N,)
+    return [row[:n] for row, n in zip(tokens.tolist(), lengths)]
 
 
 @torch.inference_mode()
 def best_hypotheses(model, task: Task, examples: list[Example], beam_size: int, max_len: int, device,
                     batch_size: int) -> list[str]:
     """The best beam candidate of each example, detokenised; validation and decoding both read these."""
-    hyps = []
+    return best_candidates(model, task, examples, beam_size, max_len, device, batch_size)[0]
+
+
+@torch.inference_mode()
+def best_candidates(model, task: Task, examples: list[Example], beam_size: int, max_len: int, device,
+                    batch_size: int) -> tuple[list[str], list[list[int]]]:
+    """`best_hypotheses` and their ids (up to and including eos)."""
+    hyps, ids = [], []
     for start in range(0, len(examples), batch_size):
         batch = examples[start:start + batch_size]
         s = beam_search(model, task.collate(batch, device), beam_size, max_len)
-        hyps += [task.detokenize(row) for row in best_rows(s).tolist()]  # best_rows: (B, T)
-    return hyps
+        best = best_rows(s)  # (B, T)
+        hyps += [task.detokenize(row) for row in best.tolist()]
+        ids += completion_ids(best, model.pad_id, model.eos_id)
+    return hyps, ids
 
 
 @torch.inference_mode()
@@ -46,8 +70,12 @@ def validate(model, task: Task, examples: list[Example], reward, beam_size: int,
     """The task's scores, n and the mean reward of the best hypotheses of examples (the first `limit`)."""
     n = min(limit, len(examples)) if limit else len(examples)
     share = [examples[i] for i in distributed.shard(list(range(n)))]
-    hyps = best_hypotheses(model, task, share, beam_size, max_len, device, batch_size)
+    hyps, ids = best_candidates(model, task, share, beam_size, max_len, device, batch_size)
     sums = dict(task.metric_sums(hyps, share))
-    sums["reward"] = sum(score(reward, hyps, share)) if share else 0.0
+    values = [v for v in score(reward, hyps, share, ids) if not math.isnan(v)] if share else []
+    sums["reward"], sums["rewarded"] = math.fsum(values), len(values)  # NaN: not scored, left out of the mean
+    names = getattr(reward, "names", [])  # several rewards (rewardsum.WeightedSum): each one's mean and std
+    if names:
+        sums.update(statistics(reward.last if share else {n: [] for n in names}))
     sums = distributed.reduce_sums(sums)
-    return {**task.scores(sums), "reward": sums["reward"] / max(sums["n"], 1)}
+    return {**task.scores(sums), "reward": sums["reward"] / max(sums["rewarded"], 1), **mean_std(sums, names)}

@@ -62,7 +62,7 @@ class RunLoop:
         stats["cpu_seconds"] = stats.get("cpu_seconds", 0.0) + time.process_time() - cpu_start
         stats["steps"] += 1
         stats["skipped"] += row["skipped"]
-        if "reward_mean" in row:
+        if row.get("reward_mean") is not None:  # None: no candidate of the step was scored
             stats["reward_sum"] += row["reward_mean"]
             stats["reward_steps"] += 1
         return row

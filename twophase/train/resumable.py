@@ -11,17 +11,18 @@ from dataclasses import asdict
 
 from . import distributed
 from .checkpoint import rng_state, save_atomic, set_rng_state
+from .params import load_saved, saved_state
 
 
 class Resumable:
     """The checkpointing half of `Trainer` (it provides model, optimizer, scaler, step, samplers, stats, paths)."""
 
     def state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+        return {"model": saved_state(self.model), "optimizer": self.optimizer.state_dict(), "step": self.step,
                 "phase": self.phase_at(self.step - 1) if self.step else "mle", "config": asdict(self.cfg),
                 "task": {"spec": self.task.spec, "state": self.task.state_dict()},
                 "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
-                "mle_batches": self.mle_batches.state_dict(), "rl_batches": self.rl_batches.state_dict(),
+                "mle_batches": self.mle_batches.state_dict() if self.mle_batches else None, "rl_batches": self.rl_batches.state_dict(),
                 "stats": self.stats, "summary": self.summary, "bad_in_a_row": self.bad_in_a_row,
                 "best_step": self.best_step, "elapsed_s": self.metrics.elapsed,
                 "schedule": self.plateau.state_dict(), "mle_end": self.mle_end, "compared": self.compared,
@@ -60,12 +61,13 @@ class Resumable:
 
     def load_state(self, state: dict) -> None:
         """Continue exactly where `state` was saved: parameters, optimizer, data order and every RNG."""
-        self.model.load_state_dict(state["model"])
+        load_saved(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and "scaler" in state:  # a run saved without --amp fp16 starts a fresh scale
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
-        self.mle_batches.load_state_dict(state["mle_batches"])
+        if self.mle_batches is not None and state["mle_batches"] is not None:
+            self.mle_batches.load_state_dict(state["mle_batches"])
         self.rl_batches.load_state_dict(state["rl_batches"])
         self.stats.update({p: dict(v) for p, v in state["stats"].items()})
         self.summary = dict(state["summary"])

@@ -26,7 +26,8 @@ from .config import Config, parse_size
 from ..tasks.base import Example, Task
 from ..tasks.data import BatchSampler
 from .interrupt import Interrupted
-from .evaluation import score, validate
+from .evaluation import completion_ids, score, validate
+from .rewardlog import reward_row
 from .compare import Comparison
 from .loop import RunLoop
 from ..onephase import one_phase_backward, one_phase_search
@@ -46,11 +47,12 @@ class Trainer(Resumable, RunLoop, Comparison):
         self.train, self.valid, self.test = task.train, task.valid, task.test or None
         self.ref_ids = [task.target_ids(ex) for ex in self.train]  # (source, reference) -> target ids, no EOS
         self.pairs = [(i, j) for i, refs in enumerate(self.ref_ids) for j in range(len(refs))]
-        self.mle_batches = BatchSampler(len(self.pairs), cfg.mle_batch_size, cfg.seed)
+        # None without references (prompt-only data trains RL alone: cli.check_references)
+        self.mle_batches = BatchSampler(len(self.pairs), cfg.mle_batch_size, cfg.seed) if self.pairs else None
         self.rl_batches = BatchSampler(len(self.train), cfg.batch_size, cfg.seed + 1)
         # Each process samples candidates for its own sources, from its own stream (rank 0's is a single process's).
         self.sampling = torch.Generator(device=device).manual_seed(cfg.seed + 1000 * distributed.rank())
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        self.optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)  # LoRA: adapters
         # --amp: autocast around every model run of a training step (validation runs in full precision), and
         # fp16's loss scale (None otherwise)
         self.autocast = functools.partial(amp.autocast, cfg.amp, device)
@@ -94,7 +96,8 @@ class Trainer(Resumable, RunLoop, Comparison):
     def rewards_of(self, tokens: torch.Tensor, owner: list[int], examples: list[Example]) -> torch.Tensor:
         """(N,) float64 rewards of candidate rows tokens (N, T), row i from examples[owner[i]]."""
         hyps = self.detokenize(tokens)
-        return torch.tensor(score(self.reward, hyps, [examples[o] for o in owner]), dtype=torch.float64,
+        ids = completion_ids(tokens, self.model.pad_id, self.model.eos_id)
+        return torch.tensor(score(self.reward, hyps, [examples[o] for o in owner], ids), dtype=torch.float64,
                             device=self.device)
 
     # ------------------------------------------------------------------ steps
@@ -125,10 +128,13 @@ class Trainer(Resumable, RunLoop, Comparison):
             elif cfg.sampler == "beam":
                 cand = beam_search(self.model, source, cfg.beam_size, cfg.max_len)
             else:
-                cand = sample(self.model, source, cfg.beam_size, cfg.max_len, cfg.temperature, self.sampling)
+                cand = sample(self.model, source, cfg.beam_size, cfg.max_len, cfg.temperature, self.sampling,
+                              top_k=cfg.top_k or None, top_p=cfg.top_p if cfg.top_p < 1 else None,
+                              min_len=cfg.min_len)
         # 2. Rewards of every candidate against all references of its source (and what else the reward asks).
         with self.section("rewards"):
             rewards = self.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,)
+            parts = getattr(self.reward, "last", None)  # several rewards: each one's values, for the log
         # 3. Coefficients: the objective's weight on each log p(candidate).
         coef = self.coefficients(cand, rewards, source, examples, B)
         rows = cand
@@ -143,10 +149,8 @@ class Trainer(Resumable, RunLoop, Comparison):
         else:
             loss = self.one_phase_backward(log_p, source, rows, coef)
         # 5. Update (several processes: statistics summed here, gradients in _update).
-        total = distributed.reduce_sums({"loss": loss, "reward": float(rewards.sum()), "candidates": len(cand)})
-        return {"loss": total["loss"], "reward_mean": total["reward"] / total["candidates"],
-                "reward_max": distributed.reduce_max(float(rewards.max())), "candidates": int(total["candidates"]),
-                **self._update(total["loss"])}
+        total = distributed.reduce_sums({"loss": loss})
+        return {"loss": total["loss"], **reward_row(rewards, parts), **self._update(total["loss"])}
 
     def phase_two(self, source, rows: Samples, coef, keep_mode: bool = False) -> float:
         """rescore_backward with the configured chunk size, or the largest within --memory-budget, under the

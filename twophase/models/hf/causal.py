@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ... import tree
 from ...protocol import scoring_mode, target_mask
-from . import cache, heads
+from . import cache, heads, lora
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
 
@@ -43,7 +43,9 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
 
     def __init__(self, model, tokenizer=None, recompute_source: bool = True):
         super().__init__()
+        model, adapter = lora.unwrap(model)  # a LoRA PeftModel: the transformers model it adapts, called directly
         self.model = model
+        object.__setattr__(self, "adapter", adapter)  # not a submodule: its parameters are self.model's
         self.recompute_source = recompute_source
         ids = {name: getattr(tokenizer, name, None) for name in ("pad_token_id", "eos_token_id")}
         self.eos_id = ids["eos_token_id"] if ids["eos_token_id"] is not None else special_id(model, "eos_token_id")
@@ -56,6 +58,7 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         self._caches = cache.Caches(model)
         self._keep_kw = "logits_to_keep" in params
         self.head = self._checked_head()
+        self.head_note = lora.head_note(model, adapter)  # why a PeftModel's head falls back, or None
 
     def encode(self, source: dict) -> dict:
         """The prompts' cache (one (B, heads, P, head_dim) pair per layer), mask (B, P), first completion

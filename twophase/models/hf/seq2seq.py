@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ...protocol import scoring_mode, target_mask, teacher_forced_inputs
-from . import cache, heads
+from . import cache, heads, lora
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
 
@@ -33,13 +33,16 @@ class HFSeq2Seq(heads.FastPath, torch.nn.Module):
 
     def __init__(self, model, recompute_source: bool = True):
         super().__init__()
+        model, adapter = lora.unwrap(model)  # a LoRA PeftModel: the transformers model it adapts, called directly
         self.model = model
+        object.__setattr__(self, "adapter", adapter)  # not a submodule: its parameters are self.model's
         self.recompute_source = recompute_source
         self.pad_id = special_id(model, "pad_token_id")
         self.eos_id = special_id(model, "eos_token_id")
         self.bos_id = special_id(model, "decoder_start_token_id")
         self._caches = cache.Caches(model)
         self.head = self._checked_head()
+        self.head_note = lora.head_note(model, adapter)  # why a PeftModel's head falls back, or None
 
     def encode(self, source: dict) -> dict:
         mask = source["attention_mask"]

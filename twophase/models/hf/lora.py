@@ -1,0 +1,61 @@
+"""LoRA adapters (peft) on the wrapped models: `attach` (what `--lora-r` does) and `unwrap`, through which both
+wrappers accept a `peft.PeftModel`.
+
+A LoRA `PeftModel` runs the very forward of the transformers model it wraps (`base_model.model`, whose layers
+peft replaced by adapted ones), so the wrappers call that model directly: its class is the transformers class,
+and the output layer from the hidden states (`heads`) stays available unless the adapters are on lm_head
+itself (then lm_head is no plain `nn.Linear`: the full logits, said in `head_note`). The PeftModel stays
+reachable as the wrapper's `adapter` (not a submodule: the parameters would be listed twice) to save the
+adapters. Prompt-learning PeftModels (prefix or prompt tuning) change the forward's inputs: they are kept whole.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def unwrap(model):
+    """(the module to call, the PeftModel or None) for a transformers model or a LoRA-style PeftModel."""
+    peft = sys.modules.get("peft")  # a PeftModel exists only where peft was imported
+    if peft is None or not isinstance(model, peft.PeftModel):
+        return model, None
+    if model.active_peft_config.is_prompt_learning:
+        return model, None
+    return model.base_model.model, model
+
+
+def head_note(model, adapter) -> str | None:
+    """One line where adapters sit on the output layer itself, which keeps phase two on the full logits."""
+    if adapter is None:
+        return None
+    lm = model.get_output_embeddings()
+    if lm is None or type(lm) is torch.nn.Linear:
+        return None
+    return (f"LoRA on the output layer ({type(lm).__name__}): phase two computes each chunk's full (C, T, V) logits "
+            "(the output layer from the hidden states needs a plain lm_head; adapt other modules to keep it)")
+
+
+def attach(model, r: int, alpha: float, dropout: float, targets: list[str] | None, seq2seq: bool):
+    """model wrapped by peft.get_peft_model with a LoraConfig: rank r, alpha (0: 2 r), dropout, target modules
+    (None: peft's default for the model type); every other parameter frozen."""
+    import warnings
+
+    import peft
+
+    config = peft.LoraConfig(r=r, lora_alpha=alpha or 2 * r, lora_dropout=dropout, target_modules=targets,
+                             task_type="SEQ_2_SEQ_LM" if seq2seq else "CAUSAL_LM")
+    with warnings.catch_warnings():  # peft's notes on GPT-2's Conv1D layout and transformers' renamed properties
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        return peft.get_peft_model(model, config)
+
+
+def save(adapter, folder, merge: bool) -> None:
+    """save_pretrained of the adapters alone (peft's adapter folder), or with merge a copy of the model with the
+    adapters merged into its weights (a plain transformers folder); the trained model is left as it is."""
+    if merge:
+        import copy
+        copy.deepcopy(adapter).merge_and_unload().save_pretrained(folder)
+    else:
+        adapter.save_pretrained(folder)
