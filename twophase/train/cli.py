@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import fields
 
 import torch
 
-from . import amp, distributed, rundir
+from . import amp, distributed, resume_rules, rundir, runs
 from .. import rewards
 from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args
 from .. import tasks
 from ..tasks.data import DataError
-from .evaluation import score
-from .checkpoint import CheckpointError, load
+from .evaluation import score, validate
+from .checkpoint import SaveError
 from .report import summary_table
 from .interrupt import Interrupted
 from .trainer import Trainer
@@ -98,29 +99,45 @@ def cpu_threads(cfg: Config, width: int | None = None) -> int | None:
     return 1
 
 
-def resume_state(cfg: Config) -> dict | None:
-    """The checkpoint --resume continues from, checked against the flags of this run."""
-    if not cfg.resume:
-        return None
-    path = f"{cfg.save_dir}/checkpoint_last.pt"
+def resume_state(cfg: Config, state: dict | None = None) -> dict | None:
+    """The checkpoint --resume / --resume-from continues from (`state`: already read), checked against the flags
+    of this run by the declared rules (resume_rules: fixed, may grow, free)."""
     try:
-        state = load(path)
-    except CheckpointError as err:
-        raise UsageError(f"--resume: {err}") from None
-    saved = state["config"]
-    for key in ("task", "train", "valid", "char_source", "char_target", "lowercase_source", "embed_dim",
-                "hidden_size", "bidirectional", "best_metric", "hf_model"):
-        if key in saved and saved[key] != getattr(cfg, key):
-            raise UsageError(f"--resume: {path} was trained with --{key.replace('_', '-')} {saved[key]}, "
-                             f"not {getattr(cfg, key)}")
+        path = runs.resume_path(cfg)
+        if path is None:
+            return None
+        flag = "--resume-from" if cfg.resume_from else "--resume"
+        if cfg.resume_from and os.path.abspath(cfg.save_dir) != os.path.abspath(path.parent):
+            raise ValueError(f"--resume-from {path} continues the run in {path.parent}, not in --save-dir "
+                             f"{cfg.save_dir} (--init-from starts a new run from its model)")
+        state = state if state is not None else runs.load_checkpoint(path, flag)
+        resume_rules.check(cfg, state["config"], state, f"{flag}: {path}")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     return state
 
 
-def build(cfg: Config) -> Trainer:
+def init_state(cfg: Config, state: dict | None = None) -> dict | None:
+    """--init-from: the checkpoint whose model weights this new run starts from, its model flags checked."""
+    if not cfg.init_from or cfg.resume or cfg.resume_from:
+        return None
     try:
-        cfg.validate()
+        state = state if state is not None else runs.load_checkpoint(cfg.init_from, "--init-from")
+        runs.check_init(cfg, state, cfg.init_from)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    return state
+
+
+def build(cfg: Config, start: dict | None = None) -> Trainer:
+    """The trainer of this command; `start`: the checkpoint main() read already (--resume, --init-from)."""
+    try:
+        cfg.validate()
+        runs.check_flags(cfg)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if cfg.eval_only and cfg.init_from:  # evaluates where the checkpoint is: no new directory
+        cfg.save_dir = os.path.dirname(os.path.abspath(cfg.init_from))
     device = distributed.local_device(pick_device(cfg.device))  # under torchrun: cuda:LOCAL_RANK
     try:
         amp.check_device(cfg.amp, device)
@@ -142,12 +159,16 @@ def build(cfg: Config) -> Trainer:
             tensorboard.writer_class()
         except ImportError as err:
             raise UsageError(str(err)) from None
-    try:  # refuse a directory holding another run now; its files are removed only once this run can start
-        stale = rundir.claim(cfg.save_dir, cfg.resume, cfg.overwrite)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    state = resume_state(cfg)
-    load_task_data(task, state)
+    stale = []
+    if not cfg.eval_only:  # refuse a directory holding another run now; its files go once this run can start
+        try:
+            rundir.check_writable(cfg.save_dir)
+            stale = rundir.claim(cfg.save_dir, bool(cfg.resume or cfg.resume_from), cfg.overwrite)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+    state = resume_state(cfg, start)
+    init = init_state(cfg, start)
+    load_task_data(task, state if state is not None else init)
     if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(task.train)):
         raise UsageError(f"--batch-size {cfg.batch_size} and --mle-batch-size {cfg.mle_batch_size} count the "
                          f"sources of a whole step; {distributed.world()} processes need at least one each")
@@ -157,6 +178,8 @@ def build(cfg: Config) -> Trainer:
     if threads:
         torch.set_num_threads(threads)
     model = task.build_model().to(device)
+    if init is not None:  # --init-from: its weights; step 0 and a fresh optimizer (the Trainer's)
+        model.load_state_dict(init["model"])
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
     if distributed.rank() > 0:  # its own dropout masks; rank 0 goes on as a single process would
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
@@ -165,12 +188,25 @@ def build(cfg: Config) -> Trainer:
     trainer = Trainer(cfg, task, model, reward, device)
     if state is not None:
         trainer.load_state(state)
-        if trainer.is_main:  # one run, one log: rows of steps after the checkpoint were lost with it
-            for log in rundir.LOGS:
-                rundir.cut_back(trainer.save_dir / log, trainer.log_step)
+    if trainer.is_main and not cfg.eval_only:
+        start_run_dir(trainer, state, recipe_defaults(cfg))
     if cfg.tensorboard and trainer.is_main:
         open_tensorboard(trainer, resumed=state is not None)
     return trainer
+
+
+def start_run_dir(trainer: Trainer, state: dict | None, recipe: dict) -> None:
+    """A resumed run sets aside the checkpoints of later steps (never deleted) and cuts its logs back to the
+    checkpoint (one run, one log: rows of steps after it were lost with it); every run writes config.json."""
+    cfg = trainer.cfg
+    if state is not None:
+        aside = runs.set_aside(trainer.save_dir, trainer.step)
+        if aside is not None:
+            print(f"note: continuing from step {trainer.step}: the checkpoints of later steps were moved to {aside} "
+                  "(with a copy of metrics.jsonl); nothing was deleted", flush=True)
+        for log in rundir.LOGS:
+            rundir.cut_back(trainer.save_dir / log, trainer.log_step)
+    runs.write_config(trainer.save_dir, cfg, recipe, runs.resume_path(cfg) or cfg.init_from)
 
 
 def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
@@ -187,8 +223,12 @@ def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    defaults = recipe_defaults(args)
-    if defaults:  # the recipe's values become the defaults, so the flags given on the command line still win
+    try:
+        defaults, start = start_defaults(args)
+    except (ValueError, tasks.TaskError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    if defaults:  # these become the defaults, so the flags given on the command line still win
         unknown = sorted(set(defaults) - set(vars(args)))
         if unknown:
             parser.error(f"--task {args.task}: its flag_defaults name no flag: {', '.join(unknown)}")
@@ -196,9 +236,28 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     cfg = config_from_args(args)
     try:
-        return _train(cfg)
+        return _train(cfg, start)
     finally:
         distributed.finish()
+
+
+def start_defaults(args) -> tuple[dict, dict | None]:
+    """The defaults of this command and the checkpoint it starts from: --resume / --resume-from take the
+    checkpoint's resolved configuration (resume_rules), --init-from its model-shape flags over the recipe's,
+    a new run the recipe's (recipe_defaults)."""
+    runs.check_flags(args)
+    known = {f.name for f in fields(Config)}
+    path = runs.resume_path(args)
+    if path is not None:
+        state = runs.load_checkpoint(path, "--resume-from" if args.resume_from else "--resume")
+        defaults = resume_rules.inherited(state["config"], known)
+        if args.resume_from:
+            defaults["save_dir"] = str(path.parent)  # its own run directory
+        return defaults, state
+    if args.init_from:
+        state = runs.load_checkpoint(args.init_from, "--init-from")
+        return {**recipe_defaults(args), **runs.init_defaults(state, known)}, state
+    return recipe_defaults(args), None
 
 
 def recipe_defaults(args) -> dict:
@@ -214,9 +273,12 @@ def recipe_defaults(args) -> dict:
     return defaults
 
 
-def _train(cfg: Config) -> int:
+def _train(cfg: Config, start: dict | None = None) -> int:
     try:
-        trainer = build(cfg)
+        trainer = build(cfg, start)
+        if cfg.eval_only:
+            print(runs.evaluation_table(trainer.task, evaluate(trainer)))
+            return 0
         if trainer.is_main:
             test = f" / {len(trainer.test)} test" if trainer.test is not None else ""
             threads = torch.get_num_threads()
@@ -231,7 +293,7 @@ def _train(cfg: Config) -> int:
         finally:
             if trainer.metrics.mirror is not None:
                 trainer.metrics.mirror.close()
-    except (UsageError, DataError, rewards.RewardError, tasks.TaskError) as err:
+    except (UsageError, DataError, rewards.RewardError, tasks.TaskError, SaveError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     except Interrupted as stop:
@@ -255,7 +317,17 @@ def save_final(trainer: Trainer):
     if not trainer.is_main:
         return None
     try:
-        return trainer.task.save_final(trainer.model, trainer.save_dir)
+        return trainer.task.save_final(runs.export_model(trainer), trainer.save_dir)
     except OSError as err:
         raise UsageError(f"cannot write the final model into {trainer.save_dir}: {err.strerror or err} "
                          f"({trainer.checkpoints.last_path} holds it)") from None
+
+
+def evaluate(trainer: Trainer) -> dict:
+    """--eval-only: the checkpoint's model on the validation data (--valid-size's share) and the test data."""
+    cfg = trainer.cfg
+    scores = {"valid": trainer.validate()}
+    if trainer.test is not None:
+        scores["test"] = validate(trainer.model, trainer.task, trainer.test, trainer.reward, cfg.eval_beam,
+                                  cfg.max_len, trainer.device)
+    return scores

@@ -172,6 +172,19 @@ class Config:
                           "hidden size), whose small matrices gain "
                           "little from more and stall when another process is busy on the machine, else torch's "
                           "default (one per core); OMP_NUM_THREADS, where set, is left to decide", minimum=0)
+    # ---- runs: resume from any checkpoint, start from one, evaluate one, export, accumulate (docs/runs.md)
+    resume_from: str | None = arg(None, "continue the run from this checkpoint (checkpoint_crash.pt, a step "
+                                        "checkpoint, checkpoint_best.pt) in its own directory; checkpoints of "
+                                        "later steps are moved to <save-dir>/after_step<N>/, never deleted")
+    init_from: str | None = arg(None, "start a new run (step 0, a fresh optimizer) from this checkpoint's model "
+                                      "weights, e.g. RL from an MLE run's checkpoint_best.pt; its model-shape "
+                                      "flags are the defaults, other values are refused")
+    eval_only: bool = arg(False, "with --resume, --resume-from or --init-from: evaluate that checkpoint's model "
+                                 "on the validation and test data, print the table, write nothing")
+    export: str = arg("last", "the model a task's own export holds (--hf-model's <save-dir>/hf_final): the run's "
+                              "last, or its checkpoint_best.pt", choices=("last", "best"))
+    grad_accum: int = arg(1, "batches whose gradients are accumulated before one optimizer step: N batches of B "
+                             "give the gradient of one batch of N*B exactly", minimum=1)
     amp: str = arg("off", "automatic mixed precision of both phases and the MLE steps: matmuls in bf16 or fp16 "
                           "under torch.autocast, parameters, gradients and log-softmax in float32; fp16 (with "
                           "loss scaling) needs CUDA, bf16 runs on CPU and CUDA", choices=("off", "bf16", "fp16"))
