@@ -111,7 +111,10 @@ def resume_state(cfg: Config, state: dict | None = None) -> dict | None:
             raise ValueError(f"--resume-from {path} continues the run in {path.parent}, not in --save-dir "
                              f"{cfg.save_dir} (--init-from starts a new run from its model)")
         state = state if state is not None else runs.load_checkpoint(path, flag)
-        resume_rules.check(cfg, state["config"], state, f"{flag}: {path}")
+        if cfg.eval_only:  # changes nothing: only the model must be the checkpoint's
+            runs.check_init(cfg, state, path, flag)
+        else:
+            resume_rules.check(cfg, state["config"], state, f"{flag}: {path}")
     except ValueError as err:
         raise UsageError(str(err)) from None
     return state
@@ -190,7 +193,7 @@ def build(cfg: Config, start: dict | None = None) -> Trainer:
         trainer.load_state(state)
     if trainer.is_main and not cfg.eval_only:
         start_run_dir(trainer, state, recipe_defaults(cfg))
-    if cfg.tensorboard and trainer.is_main:
+    if cfg.tensorboard and trainer.is_main and not cfg.eval_only:
         open_tensorboard(trainer, resumed=state is not None)
     return trainer
 
@@ -221,24 +224,29 @@ def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        defaults, start = start_defaults(args)
+        cfg, start = parse(argv)
     except (ValueError, tasks.TaskError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    try:
+        return _train(cfg, start)
+    finally:
+        distributed.finish()
+
+
+def parse(argv: list[str] | None = None) -> tuple[Config, dict | None]:
+    """The command line's Config, over the defaults of start_defaults, and the checkpoint it starts from."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    defaults, start = start_defaults(args)
     if defaults:  # these become the defaults, so the flags given on the command line still win
         unknown = sorted(set(defaults) - set(vars(args)))
         if unknown:
             parser.error(f"--task {args.task}: its flag_defaults name no flag: {', '.join(unknown)}")
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
-    cfg = config_from_args(args)
-    try:
-        return _train(cfg, start)
-    finally:
-        distributed.finish()
+    return config_from_args(args), start
 
 
 def start_defaults(args) -> tuple[dict, dict | None]:

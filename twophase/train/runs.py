@@ -24,6 +24,7 @@ from .resume_rules import same, show
 # Flags that give the model its shape and ids: --init-from takes them from the checkpoint and refuses others.
 MODEL_SHAPE = ("task", "hf_model", "embed_dim", "hidden_size", "bidirectional", "char_source", "char_target",
                "lowercase_source")
+INIT_DATA = ("train", "valid", "test", "train_size", "valid_size", "max_src_len", "too_long")
 LATER = ("checkpoint_last.pt", "checkpoint_best.pt", "checkpoint_crash.pt", "checkpoint_mle_end.pt",
          "checkpoint_mle_continued.pt")
 _STEP = re.compile(r"^checkpoint_step(\d+)\.pt$")
@@ -72,17 +73,18 @@ def load_checkpoint(path, flag: str) -> dict:
 
 
 def init_defaults(state: dict, known) -> dict:
-    """--init-from: the checkpoint's model-shape flags as this run's defaults."""
-    return {k: state["config"][k] for k in MODEL_SHAPE if k in state["config"] and k in known}
+    """--init-from: the checkpoint's model-shape flags (fixed) and data flags (others may be given) as this run's
+    defaults."""
+    return {k: state["config"][k] for k in MODEL_SHAPE + INIT_DATA if k in state["config"] and k in known}
 
 
-def check_init(cfg, state: dict, path) -> None:
-    """--init-from: a model flag other than the checkpoint's would build another model; refused."""
+def check_init(cfg, state: dict, path, flag: str = "--init-from") -> None:
+    """--init-from (and --eval-only): a model flag other than the checkpoint's would build another model."""
     saved = state["config"]
     for name in MODEL_SHAPE:
         if name in saved and not same(name, saved[name], getattr(cfg, name)):
             flag = "--" + name.replace("_", "-")
-            raise ValueError(f"--init-from {path}: its model was built with {flag} {show(saved[name])}, not "
+            raise ValueError(f"{flag} {path}: its model was built with {flag} {show(saved[name])}, not "
                              f"{show(getattr(cfg, name))}")
 
 
@@ -106,6 +108,8 @@ def set_aside(save_dir, step: int) -> Path | None:
             later.append(p)
     if not later:
         return None
+    if (folder / "hf_final").is_dir():  # a task's export of the final model: the later branch's end
+        later.append(folder / "hf_final")
     aside = folder / f"after_step{step}"
     n = 1
     while aside.exists():
