@@ -268,6 +268,10 @@ def test_init_from_starts_a_new_run_from_the_model(finished, tmp_path, capsys):
     assert state["step"] == 1 and state["config"]["hidden_size"] == 8 and state["config"]["init_from"] == str(source)
     assert all(torch.equal(state["model"][k], old["model"][k]) for k in old["model"])
     assert [s["step"] for s in state["optimizer"]["state"].values()][0] == 1  # a fresh optimizer
+    assert state["config"]["lr_decay"] == 1.0  # the recipe of the checkpoint's task (tsv), not the default g2p's
+    assert cli.main(["--init-from", str(source), "--save-dir", str(finished), "--overwrite"]) == 2
+    _one_line(capsys, "whose run --overwrite would delete")
+    assert source.exists()
     capsys.readouterr()
     assert cli.main(["--init-from", str(source), "--save-dir", str(tmp_path / "other"), "--hidden-size", "16"]) == 2
     _one_line(capsys, "its model was built with --hidden-size 8, not 16")

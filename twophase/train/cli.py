@@ -4,6 +4,7 @@ Bad input (flags, files, plug-ins) ends with one line on stderr and exit status 
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import fields
@@ -125,6 +126,10 @@ def init_state(cfg: Config, state: dict | None = None) -> dict | None:
     if not cfg.init_from or cfg.resume or cfg.resume_from:
         return None
     try:
+        if cfg.overwrite and os.path.abspath(os.path.dirname(os.path.abspath(cfg.init_from))) == \
+                os.path.abspath(cfg.save_dir):
+            raise ValueError(f"--init-from {cfg.init_from} is in --save-dir {cfg.save_dir}, whose run --overwrite "
+                             "would delete: choose another --save-dir")
         state = state if state is not None else runs.load_checkpoint(cfg.init_from, "--init-from")
         runs.check_init(cfg, state, cfg.init_from)
     except ValueError as err:
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     try:
-        return _train(cfg, start)
+        return _train(cfg, start) if start is not None else _train(cfg)
     finally:
         distributed.finish()
 
@@ -264,7 +269,10 @@ def start_defaults(args) -> tuple[dict, dict | None]:
         return defaults, state
     if args.init_from:
         state = runs.load_checkpoint(args.init_from, "--init-from")
-        return {**recipe_defaults(args), **runs.init_defaults(state, known)}, state
+        shape = runs.init_defaults(state, known)
+        # the recipe of the checkpoint's task (a different --task is refused in build)
+        recipe = recipe_defaults(argparse.Namespace(**{**vars(args), "task": shape.get("task", args.task)}))
+        return {**recipe, **shape}, state
     return recipe_defaults(args), None
 
 
@@ -285,7 +293,9 @@ def _train(cfg: Config, start: dict | None = None) -> int:
     try:
         trainer = build(cfg, start)
         if cfg.eval_only:
-            print(runs.evaluation_table(trainer.task, evaluate(trainer)))
+            scores = evaluate(trainer)
+            if trainer.is_main:
+                print(runs.evaluation_table(trainer.task, scores))
             return 0
         if trainer.is_main:
             test = f" / {len(trainer.test)} test" if trainer.test is not None else ""
