@@ -4,19 +4,18 @@ Bad input (flags, files, plug-ins) ends with one line on stderr and exit status 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from dataclasses import fields
 
 import torch
 
-from . import amp, distributed, resume_rules, rundir, runs
+from . import amp, distributed, rundir, runs
+from .start import evaluate, init_state, recipe_defaults, resume_state, start_defaults, start_run_dir
 from .. import rewards
-from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args
+from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args  # noqa: F401 (PRESETS)
 from .. import tasks
 from ..tasks.data import DataError
-from .evaluation import score, validate
+from .evaluation import score
 from .checkpoint import SaveError
 from .report import summary_table
 from .interrupt import Interrupted
@@ -100,43 +99,6 @@ def cpu_threads(cfg: Config, width: int | None = None) -> int | None:
     return 1
 
 
-def resume_state(cfg: Config, state: dict | None = None) -> dict | None:
-    """The checkpoint --resume / --resume-from continues from (`state`: already read), checked against the flags
-    of this run by the declared rules (resume_rules: fixed, may grow, free)."""
-    try:
-        path = runs.resume_path(cfg)
-        if path is None:
-            return None
-        flag = "--resume-from" if cfg.resume_from else "--resume"
-        if cfg.resume_from and os.path.abspath(cfg.save_dir) != os.path.abspath(path.parent):
-            raise ValueError(f"--resume-from {path} continues the run in {path.parent}, not in --save-dir "
-                             f"{cfg.save_dir} (--init-from starts a new run from its model)")
-        state = state if state is not None else runs.load_checkpoint(path, flag)
-        if cfg.eval_only:  # changes nothing: only the model must be the checkpoint's
-            runs.check_init(cfg, state, path, flag)
-        else:
-            resume_rules.check(cfg, state["config"], state, f"{flag}: {path}")
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    return state
-
-
-def init_state(cfg: Config, state: dict | None = None) -> dict | None:
-    """--init-from: the checkpoint whose model weights this new run starts from, its model flags checked."""
-    if not cfg.init_from or cfg.resume or cfg.resume_from:
-        return None
-    try:
-        if cfg.overwrite and os.path.abspath(os.path.dirname(os.path.abspath(cfg.init_from))) == \
-                os.path.abspath(cfg.save_dir):
-            raise ValueError(f"--init-from {cfg.init_from} is in --save-dir {cfg.save_dir}, whose run --overwrite "
-                             "would delete: choose another --save-dir")
-        state = state if state is not None else runs.load_checkpoint(cfg.init_from, "--init-from")
-        runs.check_init(cfg, state, cfg.init_from)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    return state
-
-
 def build(cfg: Config, start: dict | None = None) -> Trainer:
     """The trainer of this command; `start`: the checkpoint main() read already (--resume, --init-from)."""
     try:
@@ -174,8 +136,11 @@ def build(cfg: Config, start: dict | None = None) -> Trainer:
             stale = rundir.claim(cfg.save_dir, bool(cfg.resume or cfg.resume_from), cfg.overwrite)
         except ValueError as err:
             raise UsageError(str(err)) from None
-    state = resume_state(cfg, start)
-    init = init_state(cfg, start)
+    try:
+        state = resume_state(cfg, start)
+        init = init_state(cfg, start)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     load_task_data(task, state if state is not None else init)
     if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(task.train)):
         raise UsageError(f"--batch-size {cfg.batch_size} and --mle-batch-size {cfg.mle_batch_size} count the "
@@ -201,20 +166,6 @@ def build(cfg: Config, start: dict | None = None) -> Trainer:
     if cfg.tensorboard and trainer.is_main and not cfg.eval_only:
         open_tensorboard(trainer, resumed=state is not None)
     return trainer
-
-
-def start_run_dir(trainer: Trainer, state: dict | None, recipe: dict) -> None:
-    """A resumed run sets aside the checkpoints of later steps (never deleted) and cuts its logs back to the
-    checkpoint (one run, one log: rows of steps after it were lost with it); every run writes config.json."""
-    cfg = trainer.cfg
-    if state is not None:
-        aside = runs.set_aside(trainer.save_dir, trainer.step)
-        if aside is not None:
-            print(f"note: continuing from step {trainer.step}: the checkpoints of later steps were moved to {aside} "
-                  "(with a copy of metrics.jsonl); nothing was deleted", flush=True)
-        for log in rundir.LOGS:
-            rundir.cut_back(trainer.save_dir / log, trainer.log_step)
-    runs.write_config(trainer.save_dir, cfg, recipe, runs.resume_path(cfg) or cfg.init_from)
 
 
 def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
@@ -252,41 +203,6 @@ def parse(argv: list[str] | None = None) -> tuple[Config, dict | None]:
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
     return config_from_args(args), start
-
-
-def start_defaults(args) -> tuple[dict, dict | None]:
-    """The defaults of this command and the checkpoint it starts from: --resume / --resume-from take the
-    checkpoint's resolved configuration (resume_rules), --init-from its model-shape flags over the recipe's,
-    a new run the recipe's (recipe_defaults)."""
-    runs.check_flags(args)
-    known = {f.name for f in fields(Config)}
-    path = runs.resume_path(args)
-    if path is not None:
-        state = runs.load_checkpoint(path, "--resume-from" if args.resume_from else "--resume")
-        defaults = resume_rules.inherited(state["config"], known)
-        if args.resume_from:
-            defaults["save_dir"] = str(path.parent)  # its own run directory
-        return defaults, state
-    if args.init_from:
-        state = runs.load_checkpoint(args.init_from, "--init-from")
-        shape = runs.init_defaults(state, known)
-        # the recipe of the checkpoint's task (a different --task is refused in build)
-        recipe = recipe_defaults(argparse.Namespace(**{**vars(args), "task": shape.get("task", args.task)}))
-        return {**recipe, **shape}, state
-    return recipe_defaults(args), None
-
-
-def recipe_defaults(args) -> dict:
-    """The defaults a run starts from, beyond the flags' own: its task's (`Task.flag_defaults`: Karel's model
-    size and RL recipe, say), then --preset's. Flags given on the command line win over both."""
-    try:
-        factory = tasks.get(tasks.default_name(args))
-    except tasks.TaskError:
-        factory = None  # reported in one line when the run builds its task
-    defaults = dict(getattr(factory, "flag_defaults", None) or {})
-    if args.preset:
-        defaults.update(PRESETS[args.preset])
-    return defaults
 
 
 def _train(cfg: Config, start: dict | None = None) -> int:
@@ -339,13 +255,3 @@ def save_final(trainer: Trainer):
     except OSError as err:
         raise UsageError(f"cannot write the final model into {trainer.save_dir}: {err.strerror or err} "
                          f"({trainer.checkpoints.last_path} holds it)") from None
-
-
-def evaluate(trainer: Trainer) -> dict:
-    """--eval-only: the checkpoint's model on the validation data (--valid-size's share) and the test data."""
-    cfg = trainer.cfg
-    scores = {"valid": trainer.validate()}
-    if trainer.test is not None:
-        scores["test"] = validate(trainer.model, trainer.task, trainer.test, trainer.reward, cfg.eval_beam,
-                                  cfg.max_len, trainer.device)
-    return scores
