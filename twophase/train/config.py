@@ -163,7 +163,9 @@ class Config:
     save_every: int = arg(500, "write checkpoint_last.pt (and a step checkpoint) every N steps, and at the end "
                                "of each phase", minimum=1)
     keep_last: int = arg(2, "step checkpoints kept besides checkpoint_last.pt and checkpoint_best.pt", minimum=0)
-    resume: bool = arg(False, "continue from <save-dir>/checkpoint_last.pt to the configured step totals")
+    resume: bool = arg(False, "continue from <save-dir>/checkpoint_last.pt; its flags are the defaults, and a flag "
+                              "that would change the run (data, model, objective, K, reward, seed, a finished "
+                              "phase) is refused; --rl-steps may grow (docs/runs.md)")
     overwrite: bool = arg(False, "start afresh in a --save-dir that holds a run, deleting that run's checkpoints, "
                                  "metrics.jsonl and memory_profile.jsonl")
     max_bad_steps: int = arg(5, "non-finite losses/gradients skipped in a row before the run stops with a "
