@@ -268,6 +268,8 @@ def test_init_from_starts_a_new_run_from_the_model(finished, tmp_path, capsys):
     assert state["step"] == 1 and state["config"]["hidden_size"] == 8 and state["config"]["init_from"] == str(source)
     assert all(torch.equal(state["model"][k], old["model"][k]) for k in old["model"])
     assert [s["step"] for s in state["optimizer"]["state"].values()][0] == 1  # a fresh optimizer
+    assert cli.main(["--save-dir", str(new), "--resume", "--rl-steps", "2"]) == 0  # the new run resumes as any
+    assert load(new / "checkpoint_last.pt")["step"] == 2
     assert state["config"]["lr_decay"] == 1.0  # the recipe of the checkpoint's task (tsv), not the default g2p's
     assert cli.main(["--init-from", str(source), "--save-dir", str(finished), "--overwrite"]) == 2
     _one_line(capsys, "whose run --overwrite would delete")
@@ -284,7 +286,8 @@ def test_eval_only_writes_nothing(finished, task, capsys):
     assert cli.main(["--save-dir", str(finished), "--resume", "--eval-only", "--test", str(task / "valid.tsv"),
                      "--eval-beam", "2"]) == 0  # evaluation flags are its own: only the model must match
     out = capsys.readouterr().out
-    header, *rows = out.strip().splitlines()
+    source, header, *rows = out.strip().splitlines()
+    assert source == f"{finished / 'checkpoint_last.pt'} (step 4):"
     assert header.split() == ["valid", "test"] and any(r.startswith("reward") for r in rows)
     assert _files(finished) == before
     assert cli.main(["--init-from", str(finished / "checkpoint_step00000001.pt"), "--eval-only"]) == 0

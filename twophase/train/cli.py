@@ -211,7 +211,9 @@ def _train(cfg: Config, start: dict | None = None) -> int:
         if cfg.eval_only:
             scores = evaluate(trainer)
             if trainer.is_main:
-                print(runs.evaluation_table(trainer.task, scores))
+                step = (start or {}).get("step", trainer.step)
+                print(f"{runs.resume_path(cfg) or cfg.init_from} (step {step}):\n"
+                      + runs.evaluation_table(trainer.task, scores))
             return 0
         if trainer.is_main:
             test = f" / {len(trainer.test)} test" if trainer.test is not None else ""

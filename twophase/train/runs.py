@@ -31,13 +31,11 @@ _STEP = re.compile(r"^checkpoint_step(\d+)\.pt$")
 
 
 def check_flags(cfg) -> None:
-    """Combinations of the run flags that cannot mean anything; ValueError, one line."""
+    """Combinations of the run flags that cannot mean anything; ValueError, one line. (A resumed run's --init-from
+    is its checkpoint's record of where it started: resume_rules keeps it fixed.)"""
     if cfg.resume and cfg.resume_from:
         raise ValueError("--resume continues from <save-dir>/checkpoint_last.pt and --resume-from from the file "
                          "given: give one of them")
-    if cfg.init_from and (cfg.resume or cfg.resume_from):
-        raise ValueError("--init-from starts a new run from a checkpoint's model; --resume and --resume-from "
-                         "continue a run: give one of them")
     if cfg.eval_only and not (cfg.resume or cfg.resume_from or cfg.init_from):
         raise ValueError("--eval-only evaluates a checkpoint: add --resume (the run in --save-dir), "
                          "--resume-from FILE or --init-from FILE")
@@ -134,6 +132,7 @@ def write_config(save_dir, cfg, recipe: dict, source=None) -> Path:
     except OSError as err:
         raise SaveError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
     try:
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a plain record from the group
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1, sort_keys=True)
             f.write("\n")

@@ -33,6 +33,9 @@ def start_defaults(args) -> tuple[dict, dict | None]:
     checkpoint's resolved configuration (resume_rules), --init-from its model-shape flags over the recipe's,
     a new run the recipe's (recipe_defaults)."""
     runs.check_flags(args)
+    if args.init_from and (args.resume or args.resume_from):
+        raise ValueError("--init-from starts a new run from a checkpoint's model; --resume and --resume-from "
+                         "continue a run: give one of them")
     known = {f.name for f in fields(Config)}
     path = runs.resume_path(args)
     if path is not None:
