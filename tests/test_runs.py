@@ -200,6 +200,8 @@ def test_a_file_that_is_not_a_checkpoint_is_named_so(tmp_path, capsys, content):
     assert "pickled" not in str(info.value)
     assert cli.main(["--resume-from", str(path)]) == 2
     _one_line(capsys, f"{path}: not a twophase checkpoint")
+    assert cli.main(["--init-from", str(tmp_path)]) == 2
+    _one_line(capsys, "a directory; give a checkpoint file")
 
 
 # ---- 5. --save-dir that cannot take the run

@@ -49,6 +49,13 @@ def _cause(err: BaseException, folder: Path) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
 
 
+def _from_zip_writer(err: RuntimeError) -> bool:
+    """torch's zip writer reports a failed write (a full disk, say) as a RuntimeError of its own; other
+    RuntimeErrors are bugs, not the disk's, and stay as they are."""
+    text = str(err)
+    return "inline_container" in text or "PytorchStreamWriter" in text or "file write failed" in text
+
+
 def _fsync_dir(folder: Path) -> None:
     # The rename itself lives in the directory entry; without this a power loss can forget it. Windows cannot
     # open a directory for fsync, so failure there is tolerated.
@@ -86,7 +93,7 @@ def save_atomic(state: dict, path) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-        if isinstance(err, (OSError, RuntimeError)):
+        if isinstance(err, OSError) or (isinstance(err, RuntimeError) and _from_zip_writer(err)):
             raise SaveError(getattr(err, "errno", None) or errno.EIO,
                             f"cannot write {path}: {_cause(err, folder)}") from None
         raise

@@ -61,6 +61,9 @@ def resume_path(cfg) -> Path | None:
 
 
 def load_checkpoint(path, flag: str) -> dict:
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path}: a directory; give a checkpoint file, e.g. "
+                         f"{Path(path) / 'checkpoint_last.pt'}")
     try:
         state = load(path)
     except CheckpointError as err:
