@@ -129,18 +129,7 @@ def build(cfg: Config, start: dict | None = None) -> Trainer:
             tensorboard.writer_class()
         except ImportError as err:
             raise UsageError(str(err)) from None
-    stale = []
-    if not cfg.eval_only:  # refuse a directory holding another run now; its files go once this run can start
-        try:
-            rundir.check_writable(cfg.save_dir)
-            stale = rundir.claim(cfg.save_dir, bool(cfg.resume or cfg.resume_from), cfg.overwrite)
-        except ValueError as err:
-            raise UsageError(str(err)) from None
-    try:
-        state = resume_state(cfg, start)
-        init = init_state(cfg, start)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+    stale, state, init = claim_and_read(cfg, start)
     load_task_data(task, state if state is not None else init)
     if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(task.train)):
         raise UsageError(f"--batch-size {cfg.batch_size} and --mle-batch-size {cfg.mle_batch_size} count the "
@@ -166,6 +155,19 @@ def build(cfg: Config, start: dict | None = None) -> Trainer:
     if cfg.tensorboard and trainer.is_main and not cfg.eval_only:
         open_tensorboard(trainer, resumed=state is not None)
     return trainer
+
+
+def claim_and_read(cfg: Config, start: dict | None):
+    """The save dir checked (writable, holding no other run; the files --overwrite is to delete, once the run can
+    start), and the checkpoint --resume continues (`state`) or --init-from starts from (`init`), checked."""
+    stale = []
+    try:
+        if not cfg.eval_only:  # --eval-only writes nothing, anywhere
+            rundir.check_writable(cfg.save_dir)
+            stale = rundir.claim(cfg.save_dir, bool(cfg.resume or cfg.resume_from), cfg.overwrite)
+        return stale, resume_state(cfg, start), init_state(cfg, start)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
