@@ -272,6 +272,9 @@ def test_init_from_starts_a_new_run_from_the_model(finished, tmp_path, capsys):
     assert [s["step"] for s in state["optimizer"]["state"].values()][0] == 1  # a fresh optimizer
     assert cli.main(["--save-dir", str(new), "--resume", "--rl-steps", "2"]) == 0  # the new run resumes as any
     assert load(new / "checkpoint_last.pt")["step"] == 2
+    capsys.readouterr()
+    assert cli.main(["--save-dir", str(new), "--resume", "--eval-only"]) == 0  # its own model, not the source's
+    assert capsys.readouterr().out.splitlines()[0] == f"{new / 'checkpoint_last.pt'} (step 2):"
     assert state["config"]["lr_decay"] == 1.0  # the recipe of the checkpoint's task (tsv), not the default g2p's
     assert cli.main(["--init-from", str(source), "--save-dir", str(finished), "--overwrite"]) == 2
     _one_line(capsys, "whose run --overwrite would delete")

@@ -106,7 +106,7 @@ def build(cfg: Config, start: dict | None = None) -> Trainer:
         runs.check_flags(cfg)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if cfg.eval_only and cfg.init_from:  # evaluates where the checkpoint is: no new directory
+    if cfg.eval_only and cfg.init_from and not (cfg.resume or cfg.resume_from):  # no new directory: its own
         cfg.save_dir = os.path.dirname(os.path.abspath(cfg.init_from))
     device = distributed.local_device(pick_device(cfg.device))  # under torchrun: cuda:LOCAL_RANK
     try:
