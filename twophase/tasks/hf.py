@@ -274,12 +274,16 @@ class HFTSV(TSV):
         folder: the previous hf_final stays whole until the new one is."""
         final, tmp = Path(save_dir) / FINAL, Path(save_dir) / f".{FINAL}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        with _quiet():
-            if model.adapter is not None:  # --lora-r: the adapters (--merge-lora: merged into a copy of the model)
-                lora.save(model.adapter, tmp, self.cfg.merge_lora)
-            else:
-                model.model.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
+        try:
+            with _quiet():
+                if model.adapter is not None:  # --lora-r: the adapters (--merge-lora: merged into a copy of the model)
+                    lora.save(model.adapter, tmp, self.cfg.merge_lora)
+                else:
+                    model.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+        except BaseException:  # a full disk, say: no half-written folder stays behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -6,24 +6,54 @@ disk, so a crash or a full disk mid-write never destroys the previous checkpoint
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import pickle
 import random
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["CheckpointError", "save_atomic", "load", "rng_state", "set_rng_state", "CheckpointManager"]
+__all__ = ["CheckpointError", "SaveError", "save_atomic", "load", "rng_state", "set_rng_state", "CheckpointManager"]
 
 _STEP_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
 
 
 class CheckpointError(ValueError):
     """One-line message naming the file."""
+
+
+class SaveError(OSError):
+    """A file of the run could not be written (unwritable, a file in the way, disk full): one line naming the path
+    and the cause; what was saved before is untouched."""
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()
+
+
+def _cause(err: BaseException, folder: Path) -> str:
+    """Why a write failed, in words: the OS's reason, or for torch's zip writer (whose full-disk failure is a
+    RuntimeError 'unexpected pos') the disk's state."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    try:
+        if shutil.disk_usage(folder).free < 2**24:
+            return os.strerror(errno.ENOSPC)
+    except OSError:
+        pass
+    return str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+
+
+def _from_zip_writer(err: RuntimeError) -> bool:
+    """torch's zip writer reports a failed write (a full disk, say) as a RuntimeError of its own; other
+    RuntimeErrors are bugs, not the disk's, and stay as they are."""
+    text = str(err)
+    return "inline_container" in text or "PytorchStreamWriter" in text or "file write failed" in text
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -42,23 +72,30 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def save_atomic(state: dict, path) -> None:
-    """torch.save `state` to `path` atomically: either the new file is complete or the old one is untouched."""
+    """torch.save `state` to `path` atomically: either the new file is complete or the old one is untouched. A
+    failed write (SaveError, naming the path and the cause) leaves no temporary file behind."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     # Same folder as the destination so os.replace is a rename within one filesystem (atomic), not a copy.
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + path.name, suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + path.name, suffix=".tmp")
+    except OSError as err:
+        raise SaveError(err.errno, f"cannot write {path}: {_cause(err, folder)}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         # BaseException too: a Ctrl-C mid-write must not leave a stray temp file behind.
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(err, OSError) or (isinstance(err, RuntimeError) and _from_zip_writer(err)):
+            raise SaveError(getattr(err, "errno", None) or errno.EIO,
+                            f"cannot write {path}: {_cause(err, folder)}") from None
         raise
     _fsync_dir(folder)
 
@@ -68,8 +105,21 @@ def _is_weights_only_refusal(exc: Exception) -> bool:
     return "weights only" in msg or "weights_only" in msg
 
 
+def _written_by_torch_save(path) -> bool:
+    """torch.save writes a zip archive; anything else (text, a pickle, numpy, safetensors) is not a checkpoint,
+    whatever the unpickler would say about it. Missing and empty files are left to torch.load's own messages."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return True
+    return head in (b"", b"PK\x03\x04")
+
+
 def load(path, map_location="cpu") -> dict:
     """Load a twophase checkpoint with torch.load(weights_only=True); any failure is a CheckpointError."""
+    if not _written_by_torch_save(path):
+        raise CheckpointError(f"{path}: not a twophase checkpoint (not a file torch.save wrote)")
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
@@ -167,7 +217,7 @@ class CheckpointManager:
         for target in targets:
             save_atomic(state, target)
             written.append(target)
-        self._rotate()
+        self._rotate(step)
         return written
 
     def write_best(self, state: dict) -> Path:
@@ -176,9 +226,11 @@ class CheckpointManager:
         save_atomic({**state, "best_metric": self.best}, self.best_path)
         return self.best_path
 
-    def _rotate(self) -> None:
+    def _rotate(self, step: int) -> None:
         # Runs only after the new files are on disk, so a crash here never leaves fewer checkpoints than wanted.
-        steps = sorted((int(m.group(1)), p) for p in self.save_dir.iterdir() if (m := _STEP_RE.match(p.name)))
+        # Files of later steps (a branch this run was resumed before) are never this rotation's to delete.
+        steps = sorted((int(m.group(1)), p) for p in self.save_dir.iterdir()
+                       if (m := _STEP_RE.match(p.name)) and int(m.group(1)) <= step)
         stale = steps[:-self.keep_last] if self.keep_last > 0 else steps
         for _, p in stale:
             p.unlink(missing_ok=True)

@@ -9,13 +9,14 @@ import sys
 
 import torch
 
-from . import amp, distributed, rundir
+from . import amp, distributed, rundir, runs
+from .start import evaluate, init_state, recipe_defaults, resume_state, start_defaults, start_run_dir
 from .. import rewards, rewardsum
-from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args
+from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args  # noqa: F401 (PRESETS)
 from .. import tasks
 from ..tasks.data import DataError
 from .evaluation import score
-from .checkpoint import CheckpointError, load
+from .checkpoint import SaveError
 from .report import summary_table
 from .interrupt import Interrupted
 from .trainer import Trainer
@@ -114,30 +115,15 @@ def cpu_threads(cfg: Config, width: int | None = None) -> int | None:
     return 1
 
 
-def resume_state(cfg: Config) -> dict | None:
-    """The checkpoint --resume continues from, checked against the flags of this run."""
-    if not cfg.resume:
-        return None
-    path = f"{cfg.save_dir}/checkpoint_last.pt"
-    try:
-        state = load(path)
-    except CheckpointError as err:
-        raise UsageError(f"--resume: {err}") from None
-    saved = state["config"]
-    for key in ("task", "train", "valid", "char_source", "char_target", "lowercase_source", "embed_dim",
-                "hidden_size", "bidirectional", "best_metric", "hf_model", "lora_r", "lora_alpha",
-                "lora_target_modules"):
-        if key in saved and saved[key] != getattr(cfg, key):
-            raise UsageError(f"--resume: {path} was trained with --{key.replace('_', '-')} {saved[key]}, "
-                             f"not {getattr(cfg, key)}")
-    return state
-
-
-def build(cfg: Config) -> Trainer:
+def build(cfg: Config, start: dict | None = None) -> Trainer:
+    """The trainer of this command; `start`: the checkpoint main() read already (--resume, --init-from)."""
     try:
         cfg.validate()
+        runs.check_flags(cfg)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if cfg.eval_only and cfg.init_from and not (cfg.resume or cfg.resume_from):  # no new directory: its own
+        cfg.save_dir = os.path.dirname(os.path.abspath(cfg.init_from))
     device = distributed.local_device(pick_device(cfg.device))  # under torchrun: cuda:LOCAL_RANK
     try:
         amp.check_device(cfg.amp, device)
@@ -159,12 +145,8 @@ def build(cfg: Config) -> Trainer:
             tensorboard.writer_class()
         except ImportError as err:
             raise UsageError(str(err)) from None
-    try:  # refuse a directory holding another run now; its files are removed only once this run can start
-        stale = rundir.claim(cfg.save_dir, cfg.resume, cfg.overwrite)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    state = resume_state(cfg)
-    load_task_data(task, state)
+    stale, state, init = claim_and_read(cfg, start)
+    load_task_data(task, state if state is not None else init)
     check_references(cfg, task)
     if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(task.train)):
         raise UsageError(f"--batch-size {cfg.batch_size} and --mle-batch-size {cfg.mle_batch_size} count the "
@@ -175,6 +157,8 @@ def build(cfg: Config) -> Trainer:
     if threads:
         torch.set_num_threads(threads)
     model = task.build_model().to(device)
+    if init is not None:  # --init-from: its weights; step 0 and a fresh optimizer (the Trainer's)
+        model.load_state_dict(init["model"])
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
     if distributed.rank() > 0:  # its own dropout masks; rank 0 goes on as a single process would
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
@@ -183,12 +167,24 @@ def build(cfg: Config) -> Trainer:
     trainer = Trainer(cfg, task, model, reward, device)
     if state is not None:
         trainer.load_state(state)
-        if trainer.is_main:  # one run, one log: rows of steps after the checkpoint were lost with it
-            for log in rundir.LOGS:
-                rundir.cut_back(trainer.save_dir / log, trainer.log_step)
-    if cfg.tensorboard and trainer.is_main:
+    if trainer.is_main and not cfg.eval_only:
+        start_run_dir(trainer, state, recipe_defaults(cfg))
+    if cfg.tensorboard and trainer.is_main and not cfg.eval_only:
         open_tensorboard(trainer, resumed=state is not None)
     return trainer
+
+
+def claim_and_read(cfg: Config, start: dict | None):
+    """The save dir checked (writable, holding no other run; the files --overwrite is to delete, once the run can
+    start), and the checkpoint --resume continues (`state`) or --init-from starts from (`init`), checked."""
+    stale = []
+    try:
+        if not cfg.eval_only:  # --eval-only writes nothing, anywhere
+            rundir.check_writable(cfg.save_dir)
+            stale = rundir.claim(cfg.save_dir, bool(cfg.resume or cfg.resume_from), cfg.overwrite)
+        return stale, resume_state(cfg, start), init_state(cfg, start)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
@@ -203,38 +199,41 @@ def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, start = parse(argv)
+    except (ValueError, tasks.TaskError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        return _train(cfg, start) if start is not None else _train(cfg)
+    finally:
+        distributed.finish()
+
+
+def parse(argv: list[str] | None = None) -> tuple[Config, dict | None]:
+    """The command line's Config, over the defaults of start_defaults, and the checkpoint it starts from."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    defaults = recipe_defaults(args)
-    if defaults:  # the recipe's values become the defaults, so the flags given on the command line still win
+    defaults, start = start_defaults(args)
+    if defaults:  # these become the defaults, so the flags given on the command line still win
         unknown = sorted(set(defaults) - set(vars(args)))
         if unknown:
             parser.error(f"--task {args.task}: its flag_defaults name no flag: {', '.join(unknown)}")
         parser.set_defaults(**defaults)
         args = parser.parse_args(argv)
-    cfg = config_from_args(args)
+    return config_from_args(args), start
+
+
+def _train(cfg: Config, start: dict | None = None) -> int:
     try:
-        return _train(cfg)
-    finally:
-        distributed.finish()
-
-
-def recipe_defaults(args) -> dict:
-    """The defaults a run starts from, beyond the flags' own: its task's (`Task.flag_defaults`: Karel's model
-    size and RL recipe, say), then --preset's. Flags given on the command line win over both."""
-    try:
-        factory = tasks.get(tasks.default_name(args))
-    except tasks.TaskError:
-        factory = None  # reported in one line when the run builds its task
-    defaults = dict(getattr(factory, "flag_defaults", None) or {})
-    if args.preset:
-        defaults.update(PRESETS[args.preset])
-    return defaults
-
-
-def _train(cfg: Config) -> int:
-    try:
-        trainer = build(cfg)
+        trainer = build(cfg, start)
+        if cfg.eval_only:
+            scores = evaluate(trainer)
+            if trainer.is_main:
+                step = (start or {}).get("step", trainer.step)
+                print(f"{runs.resume_path(cfg) or cfg.init_from} (step {step}):\n"
+                      + runs.evaluation_table(trainer.task, scores))
+            return 0
         if trainer.is_main:
             test = f" / {len(trainer.test)} test" if trainer.test is not None else ""
             threads = torch.get_num_threads()
@@ -250,7 +249,7 @@ def _train(cfg: Config) -> int:
         finally:
             if trainer.metrics.mirror is not None:
                 trainer.metrics.mirror.close()
-    except (UsageError, DataError, rewards.RewardError, tasks.TaskError) as err:
+    except (UsageError, DataError, rewards.RewardError, tasks.TaskError, SaveError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     except Interrupted as stop:
@@ -280,7 +279,7 @@ def save_final(trainer: Trainer):
     if not trainer.is_main:
         return None
     try:
-        return trainer.task.save_final(trainer.model, trainer.save_dir)
+        return trainer.task.save_final(runs.export_model(trainer), trainer.save_dir)
     except OSError as err:
         raise UsageError(f"cannot write the final model into {trainer.save_dir}: {err.strerror or err} "
                          f"({trainer.checkpoints.last_path} holds it)") from None

@@ -185,7 +185,9 @@ class Config:
     save_every: int = arg(500, "write checkpoint_last.pt (and a step checkpoint) every N steps, and at the end "
                                "of each phase", minimum=1)
     keep_last: int = arg(2, "step checkpoints kept besides checkpoint_last.pt and checkpoint_best.pt", minimum=0)
-    resume: bool = arg(False, "continue from <save-dir>/checkpoint_last.pt to the configured step totals")
+    resume: bool = arg(False, "continue from <save-dir>/checkpoint_last.pt; its flags are the defaults, and a flag "
+                              "that would change the run (data, model, objective, K, reward, seed, a finished "
+                              "phase) is refused; --rl-steps may grow (docs/runs.md)")
     overwrite: bool = arg(False, "start afresh in a --save-dir that holds a run, deleting that run's checkpoints, "
                                  "metrics.jsonl and memory_profile.jsonl")
     max_bad_steps: int = arg(5, "non-finite losses/gradients skipped in a row before the run stops with a "
@@ -194,6 +196,19 @@ class Config:
                           "hidden size), whose small matrices gain "
                           "little from more and stall when another process is busy on the machine, else torch's "
                           "default (one per core); OMP_NUM_THREADS, where set, is left to decide", minimum=0)
+    # ---- runs: resume from any checkpoint, start from one, evaluate one, export, accumulate (docs/runs.md)
+    resume_from: str | None = arg(None, "continue the run from this checkpoint (checkpoint_crash.pt, a step "
+                                        "checkpoint, checkpoint_best.pt) in its own directory; checkpoints of "
+                                        "later steps are moved to <save-dir>/after_step<N>/, never deleted")
+    init_from: str | None = arg(None, "start a new run (step 0, a fresh optimizer) from this checkpoint's model "
+                                      "weights, e.g. RL from an MLE run's checkpoint_best.pt; its model-shape "
+                                      "flags are the defaults, other values are refused")
+    eval_only: bool = arg(False, "with --resume, --resume-from or --init-from: evaluate that checkpoint's model "
+                                 "on the validation and test data, print the table, write nothing")
+    export: str = arg("last", "the model a task's own export holds (--hf-model's <save-dir>/hf_final): the run's "
+                              "last, or its checkpoint_best.pt", choices=("last", "best"))
+    grad_accum: int = arg(1, "batches whose gradients are accumulated before one optimizer step: N batches of B "
+                             "give the gradient of one batch of N*B exactly", minimum=1)
     amp: str = arg("off", "automatic mixed precision of both phases and the MLE steps: matmuls in bf16 or fp16 "
                           "under torch.autocast, parameters, gradients and log-softmax in float32; fp16 (with "
                           "loss scaling) needs CUDA, bf16 runs on CPU and CUDA", choices=("off", "bf16", "fp16"))

@@ -7,6 +7,7 @@ otherwise appear twice, and one metrics.jsonl only ever tells one consistent run
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -14,6 +15,8 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from .checkpoint import SaveError
 
 LOGS = ("metrics.jsonl", "memory_profile.jsonl")
 FOLDERS = ("hf_final",)  # a task's own copy of the final model (Task.save_final: --hf-model's save_pretrained)
@@ -43,6 +46,24 @@ def claim(save_dir, resume: bool, overwrite: bool) -> list[Path]:
         raise ValueError(f"--save-dir {save_dir} already holds a run ({names}); pass --resume to continue it or "
                          "--overwrite to replace it (or choose another --save-dir)")
     return found
+
+
+def check_writable(save_dir) -> None:
+    """Check now, before anything slow, that save_dir can take a run (nothing is created): SaveError naming the
+    path and the cause (not writable, read-only, a file in the way, disk full). The probe is a nameless temporary
+    file in save_dir or its nearest existing parent, gone once closed; nothing already there is touched."""
+    folder = Path(save_dir)
+    existing = next(p for p in [folder, *folder.parents, Path(".")] if p.exists())
+    if not existing.is_dir():
+        raise SaveError(errno.ENOTDIR, f"--save-dir {save_dir}: {existing} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing) as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise SaveError(err.errno, f"--save-dir {save_dir}: cannot write in {existing}: {err.strerror or err}") \
+            from None
 
 
 def remove(files: list[Path]) -> None:
@@ -84,8 +105,10 @@ def cut_back(path, step: int) -> int:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as err:
             Path(tmp).unlink(missing_ok=True)
+            if isinstance(err, OSError):
+                raise SaveError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
             raise
     return dropped
 
@@ -111,7 +134,10 @@ class MetricsLog:
         if not self.enabled:
             return
         stamp = datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({**row, "time": stamp, "elapsed_s": round(self.elapsed, 3)}) + "\n")
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({**row, "time": stamp, "elapsed_s": round(self.elapsed, 3)}) + "\n")
+        except OSError as err:
+            raise SaveError(err.errno, f"cannot write {self.path}: {err.strerror or err}") from None
         if self.mirror is not None:
             self.mirror.write(row)

@@ -102,19 +102,40 @@ class Trainer(Resumable, RunLoop, Comparison):
 
     # ------------------------------------------------------------------ steps
     def mle_step(self) -> dict:
-        batch = next(self.mle_batches)  # the global batch: every process draws it, then takes its share
-        pairs = [self.pairs[k] for k in distributed.shard(batch)]
-        source = self._sources([i for i, _ in pairs])
-        refs = self._target_rows([self.ref_ids[i][j] for i, j in pairs], list(range(len(pairs))))  # (B, T)
+        """One update from --grad-accum batches, each weighted 1/(N*B): the gradient of one batch of N*B."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.phase_two(source, refs, objectives.mle(refs.owner, len(batch)), keep_mode=True)
+        loss = 0.0
+        for _ in range(self.cfg.grad_accum):
+            batch = next(self.mle_batches)  # the global batch: every process draws it, then takes its share
+            pairs = [self.pairs[k] for k in distributed.shard(batch)]
+            source = self._sources([i for i, _ in pairs])
+            refs = self._target_rows([self.ref_ids[i][j] for i, j in pairs], list(range(len(pairs))))  # (B, T)
+            coef = objectives.mle(refs.owner, len(batch) * self.cfg.grad_accum)
+            loss += self.phase_two(source, refs, coef, keep_mode=True)
         loss = distributed.reduce_sums({"loss": loss})["loss"]
         return {"loss": loss, **self._update(loss)}
 
     def rl_step(self) -> dict:
-        cfg, batch = self.cfg, next(self.rl_batches)
-        B, idx = len(batch), distributed.shard(batch)  # B counts the global batch; idx is this process's share
+        """One update from --grad-accum batches of B sources, every loss averaged over all N*B of them."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, rewards, parts = 0.0, [], {}
+        for _ in range(self.cfg.grad_accum):
+            part, batch_rewards, batch_parts = self.rl_batch(next(self.rl_batches))
+            loss += part
+            rewards.append(batch_rewards)
+            for name, values in (batch_parts or {}).items():  # several rewards: each one's values, for the log
+                parts.setdefault(name, []).extend(values)
+        # 5. Update (several processes: statistics summed here, gradients in _update).
+        total = distributed.reduce_sums({"loss": loss})
+        return {"loss": total["loss"], **reward_row(torch.cat(rewards), parts), **self._update(total["loss"])}
+
+    def rl_batch(self, batch: list[int]):
+        """Steps 1-4 of the algorithm on one batch: .grad += its share of the step's loss gradient; returns the
+        loss, the (N,) rewards of its candidates and, with several rewards, each one's values."""
+        cfg = self.cfg
+        B = len(batch) * cfg.grad_accum  # B counts every source of the update, across processes and batches
+        idx = distributed.shard(batch)  # this process's share
         source = self._sources(idx)
         examples = [self.train[i] for i in idx]
         self.model.eval()  # phase one and phase two must score with the same function: no dropout in either
@@ -143,14 +164,11 @@ class Trainer(Resumable, RunLoop, Comparison):
             rows = Samples.cat([cand, refs], self.model.pad_id)
             coef = objectives.mix(coef, objectives.mle(refs.owner, B), cfg.mle_weight)
         # 4. Phase two: chunked teacher-forced re-decoding; .grad = d/dtheta sum_i c_i log p_i, exactly.
-        self.optimizer.zero_grad(set_to_none=True)
         if log_p is None:
             loss = self.phase_two(source, rows, coef)
         else:
             loss = self.one_phase_backward(log_p, source, rows, coef)
-        # 5. Update (several processes: statistics summed here, gradients in _update).
-        total = distributed.reduce_sums({"loss": loss})
-        return {"loss": total["loss"], **reward_row(rewards, parts), **self._update(total["loss"])}
+        return loss, rewards, parts
 
     def phase_two(self, source, rows: Samples, coef, keep_mode: bool = False) -> float:
         """rescore_backward with the configured chunk size, or the largest within --memory-budget, under the
