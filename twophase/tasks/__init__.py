@@ -10,7 +10,7 @@ from importlib import metadata
 from typing import Any, Callable
 
 from ..plugins import PluginError, brief, load_spec
-from .base import Example, Metric, Task
+from .base import Example, Metric, Task, TaskError
 
 GROUP = "twophase.tasks"
 BUILTINS = {"g2p": "twophase.tasks.text:G2P", "tsv": "twophase.tasks.text:TSV",
@@ -19,10 +19,6 @@ REQUIRED = ("load_data", "state_dict", "load_state_dict", "build_model", "collat
             "metric_sums", "scores", "parse_source", "format_output")
 
 __all__ = ["Example", "Metric", "Task", "TaskError", "get", "build", "available", "default_name"]
-
-
-class TaskError(ValueError):
-    """A task could not be found, loaded or built; the message is one line naming it."""
 
 
 def available() -> list[str]:
@@ -56,6 +52,11 @@ def build(cfg, name: str | None = None) -> Task:
     """The task of this configuration, constructed (cheap) but with no data loaded yet."""
     name = name or default_name(cfg)
     factory = get(name)
+    if getattr(cfg, "hf_model", None) is not None:  # --hf-model: the Hugging Face model's TSV task, imported
+        from .text import TSV                     # only then (the rest runs without transformers)
+        if factory is TSV:
+            from .hf import HFTSV
+            factory = HFTSV
     if not callable(factory):
         raise TaskError(f"task '{name}': {type(factory).__name__} object is not callable")
     try:

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class TaskError(ValueError):
+    """A task could not be found, loaded or built; the message is one line naming it."""
+
+
 @dataclass
 class Example:
     """One source with its references and any extra data a reward may ask for."""

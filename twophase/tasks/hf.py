@@ -27,8 +27,7 @@ import torch
 
 from ..models.hf import HFCausalLM, HFSeq2Seq
 from ..plugins import brief
-from . import TaskError
-from .base import Example
+from .base import Example, TaskError
 from .data import pad_batch
 from .text import TSV, examples
 

@@ -109,19 +109,12 @@ class G2P(TextTask):
 
 class TSV(TextTask):
     """`--train FILE --valid FILE [--test FILE]`: UTF-8 `source<TAB>target` lines; repeated sources are several
-    references."""
+    references. With --hf-model, `twophase.tasks.build` makes it a Hugging Face model's TSV task instead
+    (`twophase.tasks.hf.HFTSV`), whichever way `tsv` was found (built-in or entry point)."""
 
     name = "tsv"
     # Exact match can be near zero on such data (translation, say): the best checkpoint is the best reward.
     main_metric = None
-
-    def __new__(cls, cfg=None):
-        """With --hf-model, a Hugging Face model's TSV task (twophase.tasks.hf.HFTSV), whichever way `tsv` was
-        found (built-in or entry point); that module is imported only then: the rest runs without transformers."""
-        if cls is TSV and getattr(cfg, "hf_model", None) is not None:
-            from .hf import HFTSV
-            cls = HFTSV
-        return super().__new__(cls)
 
     def __init__(self, cfg):
         super().__init__(cfg, char_source=cfg.char_source, char_target=cfg.char_target,

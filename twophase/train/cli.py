@@ -167,7 +167,7 @@ def build(cfg: Config) -> Trainer:
         trainer.load_state(state)
         if trainer.is_main:  # one run, one log: rows of steps after the checkpoint were lost with it
             for log in rundir.LOGS:
-                rundir.cut_back(trainer.save_dir / log, trainer.log_step)
+                rundir.cut_back(trainer.save_dir / log, trainer.step, trainer.compared)
     if cfg.tensorboard and trainer.is_main:
         open_tensorboard(trainer, resumed=state is not None)
     return trainer

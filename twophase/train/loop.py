@@ -155,8 +155,10 @@ class RunLoop:
         tests[final] = validate(self.model, self.task, self.test, self.reward, cfg.eval_beam, cfg.max_len,
                                 self.device)
         self.summary["test"], self.summary["tests"] = tests[final], tests
+        steps = {"mle": self.mle_end, final: self.step,  # each row carries its model's step
+                 "mle-continued": self.mle_end + self.summary.get("mle-continued", {}).get("steps", 0)}
         for name, scores in tests.items():
-            self.log({"step": self.log_step, "phase": "test", "model": name, **scores})
+            self.log({"step": steps[name], "phase": "test", "model": name, **scores})
             if self.is_main:
                 tqdm.write(f"step {self.step} test ({name}) " + fmt_scores(scores))
 
