@@ -41,8 +41,21 @@ class Metric:
     higher_is_better: bool = True
 
 
+# train.py flags (Config field names) that shape a task's data or its model. Each task declares in `Task.flags`
+# those it reads; the others, given on the command line, are refused naming the flag and the task (a flag that
+# does nothing is worse than an error). Every other flag is the trainer's (steps, objective, search, logging, and
+# any flag added later, a policy-gradient variant's, say) and is never refused here: only flags named in this set
+# are task-declared, so a new trainer flag needs no task's consent.
+SHAPING_FLAGS = frozenset({"train", "valid", "test", "char_source", "char_target", "lowercase_source", "max_src_len",
+                           "too_long", "train_size", "hf_model", "embed_dim", "hidden_size", "bidirectional",
+                           "dropout"})
+
+
 class Task:
-    """The base of every task; subclasses fill in the data and the methods below."""
+    """The base of every task; subclasses fill in the data and the methods below.
+
+    `flags`: the train.py flags of SHAPING_FLAGS this task reads (a model's size, its data files); those it sets
+    in `flag_defaults` count as read too. Given but not read, a shaping flag is refused in one line."""
 
     name = "task"
     default_reward = "edit"  # --reward when not given
@@ -51,6 +64,7 @@ class Task:
     # The task's recipe: train.py flags (Config field names) whose defaults differ for this task, e.g.
     # {"hidden_size": 128}. Flags given on the command line still win; --preset overrides these.
     flag_defaults: dict = {}
+    flags: frozenset = frozenset()  # of SHAPING_FLAGS: those this task reads (see the class docstring)
 
     def __init__(self):
         self.train: list[Example] = []

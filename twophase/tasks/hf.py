@@ -96,6 +96,8 @@ class HFTSV(TSV):
     """TSV lines as text for a Hugging Face model: see the module docstring. The task's state is the case folding
     alone; the ids are the folder's tokenizer's."""
 
+    flags = frozenset({"train", "valid", "test", "lowercase_source", "max_src_len", "too_long", "hf_model"})
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.folder = cfg.hf_model

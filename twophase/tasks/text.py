@@ -17,8 +17,13 @@ def examples(data: Dataset, char_source: bool) -> list[Example]:
     return [Example(joiner.join(src), [" ".join(r) for r in refs]) for src, refs in zip(data.sources, data.references)]
 
 
+LSTM_FLAGS = frozenset({"embed_dim", "hidden_size", "bidirectional", "dropout"})  # the built-in Seq2Seq's
+
+
 class TextTask(Task):
     """Token sequences in, token sequences out, scored by sequence accuracy and token error rate."""
+
+    flags = LSTM_FLAGS
 
     metrics = (Metric("word_acc", "sequence accuracy"), Metric("per", "token error rate", higher_is_better=False))
 
@@ -113,6 +118,8 @@ class TSV(TextTask):
     (`twophase.tasks.hf.HFTSV`), whichever way `tsv` was found (built-in or entry point)."""
 
     name = "tsv"
+    flags = LSTM_FLAGS | {"train", "valid", "test", "char_source", "char_target", "lowercase_source", "max_src_len",
+                          "too_long", "hf_model"}
     # Exact match can be near zero on such data (translation, say): the best checkpoint is the best reward.
     main_metric = None
 

@@ -4,12 +4,15 @@ Bad input (flags, files, plug-ins) ends with one line on stderr and exit status 
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from dataclasses import fields
 
 import torch
 
-from . import amp, distributed, rundir
+from . import amp, distributed, rundir, startup
+from ..protocol import ModelError
 from .. import rewards
 from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args
 from .. import tasks
@@ -116,7 +119,9 @@ def resume_state(cfg: Config) -> dict | None:
     return state
 
 
-def build(cfg: Config) -> Trainer:
+def build(cfg: Config, given: frozenset | None = None) -> Trainer:
+    """The run's trainer; `given`: the flags set on the command line (default: those differing from Config's)."""
+    given = startup.changed_fields(cfg) if given is None else given
     try:
         cfg.validate()
     except ValueError as err:
@@ -134,6 +139,8 @@ def build(cfg: Config) -> Trainer:
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     cfg.task = tasks.default_name(cfg)  # saved as resolved, as the reward and the best metric
     task = tasks.build(cfg)  # cheap: the data comes later
+    startup.check_task_flags(task, given)
+    cfg.save_dir = cfg.save_dir or default_save_dir(task)
     cfg.reward = cfg.reward or task.default_reward
     reward = rewards.get(cfg.reward)  # before loading data: a typo should fail in a second, not after it
     cfg.best_metric = resolve_best_metric(cfg, task)
@@ -148,6 +155,7 @@ def build(cfg: Config) -> Trainer:
         raise UsageError(str(err)) from None
     state = resume_state(cfg)
     load_task_data(task, state)
+    startup.check_references(cfg, task, given)
     if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(task.train)):
         raise UsageError(f"--batch-size {cfg.batch_size} and --mle-batch-size {cfg.mle_batch_size} count the "
                          f"sources of a whole step; {distributed.world()} processes need at least one each")
@@ -157,6 +165,7 @@ def build(cfg: Config) -> Trainer:
     if threads:
         torch.set_num_threads(threads)
     model = task.build_model().to(device)
+    startup.check_model_on_a_batch(task, model, device)  # a broken model named now, not trained silently
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
     if distributed.rank() > 0:  # its own dropout masks; rank 0 goes on as a single process would
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
@@ -173,6 +182,12 @@ def build(cfg: Config) -> Trainer:
     return trainer
 
 
+def default_save_dir(task) -> str:
+    """--save-dir when not given: runs/<task name> (a custom task without a name: its callable's)."""
+    name = task.name if task.name != tasks.Task.name else task.spec.rpartition(":")[2]
+    return f"runs/{name.lower()}"
+
+
 def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
     """--tensorboard: <save-dir>/tensorboard, its steps after the checkpoint purged on --resume (as in
     metrics.jsonl); a new run starts without the event files of the run it replaces."""
@@ -186,19 +201,25 @@ def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    defaults = recipe_defaults(args)
+    defaults = recipe_defaults(pre_parse(argv))  # before --help, which then shows them
     if defaults:  # the recipe's values become the defaults, so the flags given on the command line still win
-        unknown = sorted(set(defaults) - set(vars(args)))
+        unknown = sorted(set(defaults) - {f.name for f in fields(Config)})
         if unknown:
-            parser.error(f"--task {args.task}: its flag_defaults name no flag: {', '.join(unknown)}")
+            parser.error(f"--task {pre_parse(argv).task}: its flag_defaults name no flag: {', '.join(unknown)}")
         parser.set_defaults(**defaults)
-        args = parser.parse_args(argv)
-    cfg = config_from_args(args)
+    cfg = config_from_args(parser.parse_args(argv))
     try:
-        return _train(cfg)
+        return _train(cfg, startup.flags_given(parser, argv))
     finally:
         distributed.finish()
+
+
+def pre_parse(argv: list[str] | None) -> argparse.Namespace:
+    """--task, --train and --preset alone (anything else, --help included, is left to the full parser)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    for flag in ("--task", "--train", "--preset"):
+        pre.add_argument(flag)
+    return pre.parse_known_args(argv)[0]
 
 
 def recipe_defaults(args) -> dict:
@@ -209,14 +230,14 @@ def recipe_defaults(args) -> dict:
     except tasks.TaskError:
         factory = None  # reported in one line when the run builds its task
     defaults = dict(getattr(factory, "flag_defaults", None) or {})
-    if args.preset:
+    if args.preset in PRESETS:  # an unknown one is refused by the full parser
         defaults.update(PRESETS[args.preset])
     return defaults
 
 
-def _train(cfg: Config) -> int:
+def _train(cfg: Config, given: frozenset | None = None) -> int:
     try:
-        trainer = build(cfg)
+        trainer = build(cfg, given)
         if trainer.is_main:
             test = f" / {len(trainer.test)} test" if trainer.test is not None else ""
             threads = torch.get_num_threads()
@@ -231,7 +252,7 @@ def _train(cfg: Config) -> int:
         finally:
             if trainer.metrics.mirror is not None:
                 trainer.metrics.mirror.close()
-    except (UsageError, DataError, rewards.RewardError, tasks.TaskError) as err:
+    except (UsageError, DataError, rewards.RewardError, tasks.TaskError, startup.StartupError, ModelError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     except Interrupted as stop:

@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from . import distributed
+from ..protocol import ModelError
 from ..rewards import RewardError
 from .evaluation import validate
 from .interrupt import GracefulStop, Interrupted
@@ -45,6 +46,8 @@ class RunLoop:
         self.step_counts = {}  # phase two's decoded prefix-tree nodes and candidate token positions
         try:
             row = self.rl_step() if phase == "rl" else self.mle_step()
+        except ModelError as err:  # NaN log-probabilities, say: the model and the step, never a dropped source
+            raise ModelError(f"step {self.step + 1} [{phase}]: {err}") from None
         except torch.cuda.OutOfMemoryError:
             if distributed.world() > 1:
                 raise  # one process cannot skip alone: the others would wait for it in the all-reduce

@@ -61,6 +61,7 @@ class Karel(Task):
                Metric("syntax_error_rate", "syntax errors", higher_is_better=False),
                Metric("runtime_error_rate", "crashes and time-outs", higher_is_better=False))
     main_metric = "generalization"
+    flags = frozenset({"train_size", "embed_dim", "hidden_size", "dropout"})  # its data is generated
     # The recipe `train.py --task karel` runs (docs/karel.md): MLE, beam-RL, the equal-time MLE control and
     # three test passes in about 15 minutes of one core's time (measured: 7 minutes with 600 RL steps), well
     # within 25 minutes on 2 CPU cores. Hidden 128, not 256: an MLE step at 256 cost 3.5x more. The beam
