@@ -6,7 +6,9 @@ and returns a `Task` (see `twophase.tasks.base`); adding a task changes nothing 
 """
 from __future__ import annotations
 
+import sys
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Callable
 
 from ..plugins import PluginError, brief, load_spec
@@ -70,4 +72,18 @@ def build(cfg, name: str | None = None) -> Task:
         raise TaskError(f"task '{name}' returned a {type(task).__name__} without {', '.join(missing)} "
                         "(subclass twophase.tasks.Task)")
     task.spec = name  # how to find it again: checkpoints store it, decoding and --resume rebuild it
+    task.origin = origin(name)
     return task
+
+
+def origin(name: str) -> str | None:
+    """The folder a `module:callable` task's module was imported from (what sys.path needs to import it again,
+    from any directory); None for built-ins and entry points."""
+    module = sys.modules.get(name.partition(":")[0]) if ":" in name else None
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return None
+    root = Path(path).resolve().parent
+    for _ in name.partition(":")[0].split(".")[1:]:  # a package's module: its top package's parent
+        root = root.parent
+    return str(root)

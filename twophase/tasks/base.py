@@ -116,6 +116,11 @@ class Task:
         """A decoded hypothesis as `twophase-decode` writes it."""
         return hypothesis
 
+    def source_problem(self, source: Any, max_len: int) -> str | None:
+        """Why `twophase-decode` cannot decode this source with outputs of up to max_len tokens (longer than
+        training allowed, more than the model's positions), or None; reported with its input line."""
+        return None
+
     def unknown_source_tokens(self, source: Any) -> list[str]:
         """Tokens of a source the task cannot represent (decode reports them); none by default."""
         return []

@@ -77,6 +77,13 @@ class TextTask(Task):
     def unknown_source_tokens(self, source: str) -> list[str]:
         return [t for t in self.source_tokens(source) if t not in self.src_vocab.stoi]
 
+    def source_problem(self, source: str, max_len: int) -> str | None:
+        """TSV sources longer than --max-src-len were refused in training: so they are in decoding."""
+        limit, count = getattr(self.cfg, "max_src_len", None), len(self.source_tokens(source))
+        if self.name == "tsv" and limit is not None and count > limit:
+            return f"source has {count} tokens, more than the training limit of --max-src-len {limit}"
+        return None
+
     def metric_sums(self, hypotheses: list[str], batch: list[Example]) -> dict:
         return evaluate_sums([h.split() for h in hypotheses], [[r.split() for r in e.references] for e in batch])
 

@@ -19,7 +19,8 @@ class Resumable:
     def state(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
                 "phase": self.phase_at(self.step - 1) if self.step else "mle", "config": asdict(self.cfg),
-                "task": {"spec": self.task.spec, "state": self.task.state_dict()},
+                "task": {"spec": self.task.spec, "state": self.task.state_dict(),
+                         "origin": getattr(self.task, "origin", None)},  # where a plug-in was imported from
                 "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
                 "mle_batches": self.mle_batches.state_dict(), "rl_batches": self.rl_batches.state_dict(),
                 "stats": self.stats, "summary": self.summary, "bad_in_a_row": self.bad_in_a_row,
