@@ -189,6 +189,7 @@ def test_plot_writes_a_png(tmp_path, capsys):
     out = tmp_path / "curves.png"
     assert plot.main([str(run), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.strip().endswith("(word_acc, per, reward)")  # the rows' own metrics
     (run / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n{oops\n")
     assert plot.main([str(run), "--out", str(out)]) == 2
     assert capsys.readouterr().err.strip().endswith("metrics.jsonl:2: not a JSON line")
@@ -261,3 +262,16 @@ def test_rows_carry_their_models_steps(task, tmp_path):
     assert [r["step"] for r in continued] == [4 + r["continued"] for r in continued]
     tests = {r["model"]: r["step"] for r in rows if r["phase"] == "test"}
     assert tests == {"mle": 4, "rl": 6, "mle-continued": 4 + summary["mle-continued"]["steps"]}
+
+
+def test_plot_draws_each_tasks_own_metrics(tmp_path, capsys):
+    """Karel's validation rows: its five metrics and the reward, no G2P panel left empty."""
+    keys = ["generalization", "exact_match", "spec_accuracy", "syntax_error_rate", "runtime_error_rate", "reward"]
+    rows = [{"step": s, "phase": "eval", "after": "mle", **{k: s / 10 for k in keys}, "n": 6, "elapsed_s": s}
+            for s in (2, 4)] + [{"step": 4, "phase": "mle", "loss": 1.0, "lr": 0.1}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot.metric_keys([rows]) == keys
+    assert plot.main([str(tmp_path), "--out", str(tmp_path / "k.png")]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"({', '.join(keys)})")
+    assert plot.main([str(tmp_path), "--out", str(tmp_path / "k.png"), "--metrics", "word_acc"]) == 2
+    assert "--metrics: no validation row holds word_acc" in capsys.readouterr().err

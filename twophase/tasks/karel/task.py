@@ -110,7 +110,11 @@ class Karel(Task):
         return KarelModel(len(self.vocab), p.rows, p.cols, cfg.embed_dim, cfg.hidden_size, CHANNELS, cfg.dropout)
 
     def collate(self, batch: list[Example], device) -> torch.Tensor:
-        grids = np.stack([np.stack([pair_array(pair) for pair in ex.source]) for ex in batch])  # (B, P, 32, R, C)
+        """(B, P, 32, R, C). Specifications of fewer than P pairs (decode's input lines may differ) repeat their
+        first pair: the model takes the maximum over pairs, which a repeated pair leaves as it was."""
+        P = max(len(ex.source) for ex in batch)
+        grids = np.stack([np.stack([pair_array(pair) for pair in ex.source + (ex.source[0],) * (P - len(ex.source))])
+                          for ex in batch])  # (B, P, 32, R, C)
         return torch.from_numpy(grids).to(device=device, dtype=torch.float32)
 
     def target_ids(self, example: Example) -> list[list[int]]:
