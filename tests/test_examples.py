@@ -45,3 +45,10 @@ def test_task_plugin_trains_with_train_py_and_decodes(tmp_path):
     assert decode.returncode == 0, decode.stderr
     lines = decode.stdout.split("\n")
     assert len(lines) == 4 and lines[1] == "" and all(set(x) <= set("01234567 ") for x in lines)
+    # from another directory (the checkpoint records the task's folder); digits 8 and 9 are refused by line
+    decode = subprocess.run([sys.executable, "-m", "twophase.train.decode", "--checkpoint",
+                             str(tmp_path / "run" / "checkpoint_last.pt")], input="1 2\n3 8\n", cwd=tmp_path,
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert decode.returncode == 2 and decode.stderr == (
+        "twophase-decode: error: <stdin>:2: task 'reverse_task:ReverseDigits' cannot read this line (ValueError: "
+        "expected digits 0-7 separated by spaces, got '8')\n")
