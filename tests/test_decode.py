@@ -87,3 +87,11 @@ def test_nbest_with_scores(run, monkeypatch, capsys):
     _fails_with_one_line(["--checkpoint", ckpt, "--nbest", "4", "--beam-size", "3"], capsys,
                          "--nbest 4: the beam holds --beam-size 3", entry=decode.main)
     sys.modules.pop(PLUGIN, None)
+
+
+def test_tsv_lines_longer_than_training_allowed_are_refused():
+    from twophase import tasks
+    from twophase.train.config import Config
+    task = tasks.build(Config(train="t.tsv", valid="v.tsv", max_src_len=3))
+    assert task.source_problem("a b c", 8) is None
+    assert task.source_problem("a b c d", 8) == "source has 4 tokens, more than the training limit of --max-src-len 3"

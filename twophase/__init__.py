@@ -11,8 +11,8 @@ from .rescoring import rescore_backward
 from .samples import Samples, best_rows
 from .search import beam_search, greedy, sample
 
-__all__ = ["SequenceModel", "ModelError", "check_model", "Seq2Seq", "Samples", "beam_search", "sample", "greedy", "rescore_backward",
-           "best_rows", "tree", "vocab", "rewards", "objectives"]
+__all__ = ["SequenceModel", "ModelError", "check_model", "Seq2Seq", "Samples", "beam_search", "sample", "greedy",
+           "rescore_backward", "best_rows", "tree", "vocab", "rewards", "objectives"]
 
 
 def __getattr__(name: str):

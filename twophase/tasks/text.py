@@ -77,13 +77,6 @@ class TextTask(Task):
     def unknown_source_tokens(self, source: str) -> list[str]:
         return [t for t in self.source_tokens(source) if t not in self.src_vocab.stoi]
 
-    def source_problem(self, source: str, max_len: int) -> str | None:
-        """TSV sources longer than --max-src-len were refused in training: so they are in decoding."""
-        limit, count = getattr(self.cfg, "max_src_len", None), len(self.source_tokens(source))
-        if self.name == "tsv" and limit is not None and count > limit:
-            return f"source has {count} tokens, more than the training limit of --max-src-len {limit}"
-        return None
-
     def metric_sums(self, hypotheses: list[str], batch: list[Example]) -> dict:
         return evaluate_sums([h.split() for h in hypotheses], [[r.split() for r in e.references] for e in batch])
 
@@ -134,6 +127,13 @@ class TSV(TextTask):
         super().__init__(cfg, char_source=cfg.char_source, char_target=cfg.char_target,
                          fold_case=cfg.lowercase_source)
         self.lengths = None  # load_tsv's token counts of the lines (HFTSV: its tokenizer's); None: whitespace tokens
+
+    def source_problem(self, source: str, max_len: int) -> str | None:
+        """Sources longer than --max-src-len were refused in training: so they are in decoding."""
+        count = len(self.source_tokens(source))
+        if count > self.cfg.max_src_len:
+            return f"source has {count} tokens, more than the training limit of --max-src-len {self.cfg.max_src_len}"
+        return None
 
     def splits(self):
         cfg = self.cfg

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.set_defaults(**defaults)
     cfg = config_from_args(parser.parse_args(argv))
     try:
-        return _train(cfg, startup.flags_given(parser, argv))
+        return _train(cfg, startup.flags_given(build_parser(), argv))
     finally:
         distributed.finish()
 

@@ -1,6 +1,6 @@
 """Start-up checks of `train.py` that need the task (and its model) built: the flags the user gave that the task
 does not read, the phases a task without references cannot run, and the model against the protocol on one
-batch (`twophase.check_model`). Each failure is one line (UsageError or ModelError), before any step is taken.
+batch (`twophase.check_model`). Each failure is one line (StartupError or ModelError), before any step is taken.
 """
 from __future__ import annotations
 
@@ -21,19 +21,11 @@ class StartupError(ValueError):
 
 
 def flags_given(parser: argparse.ArgumentParser, argv: list[str] | None) -> frozenset[str]:
-    """The Config fields set on the command line (not by a default, the task's recipe or a preset)."""
-    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=parser.allow_abbrev)
-    for action in parser._actions:  # the same flags, with nothing as every default
-        if action.option_strings and action.dest != "help":
-            probe._add_action(_suppressed(action))
-    known, _ = probe.parse_known_args(argv)
-    return frozenset(vars(known))
-
-
-def _suppressed(action: argparse.Action) -> argparse.Action:
-    copy = argparse.Action.__new__(type(action))
-    copy.__dict__.update(action.__dict__, default=argparse.SUPPRESS, required=False, type=None, choices=None)
-    return copy
+    """The Config fields set on the command line (not by a default, the task's recipe or a preset). `parser`: a
+    fresh one of the same flags, whose defaults this replaces with a marker no flag can produce."""
+    unset = object()
+    parser.set_defaults(**{f.name: unset for f in fields(Config)})
+    return frozenset(k for k, v in vars(parser.parse_args(argv)).items() if v is not unset)
 
 
 def changed_fields(cfg: Config) -> frozenset[str]:
@@ -47,9 +39,9 @@ def check_task_flags(task, given: frozenset[str]) -> None:
     ignored = sorted((given & SHAPING_FLAGS) - reads)
     if ignored:
         names = ", ".join(_flag(n) for n in ignored)
-        raise StartupError(f"{names}: task '{task.spec}' does not read {'this flag' if len(ignored) == 1 else 'these flags'} "
-                           f"(it reads {', '.join(_flag(n) for n in sorted(reads & SHAPING_FLAGS)) or 'none of them'}; "
-                           "a task declares the data and model flags it reads in Task.flags)")
+        read = ", ".join(_flag(n) for n in sorted(reads & SHAPING_FLAGS)) or "none of them"
+        raise StartupError(f"{names}: task '{task.spec}' does not read {'this flag' if len(ignored) == 1 else 'these'} "
+                           f"(it reads {read}; a task declares the data and model flags it reads in Task.flags)")
 
 
 def check_references(cfg: Config, task, given: frozenset[str]) -> None:
