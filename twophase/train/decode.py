@@ -165,6 +165,9 @@ def ranked(model, task, todo: list[tuple[int, Example]], beam_size: int, nbest: 
             s = beam_search(model, task.collate([ex for _, ex in batch], device), beam_size, max_len)
         except ModelError:
             raise
+        except torch.cuda.OutOfMemoryError:
+            raise UsageError(f"{name}:{batch[0][0]}-{batch[-1][0]}: out of memory decoding {len(batch)} lines "
+                             "together; lower --batch-size (or --beam-size)") from None
         except Exception as exc:  # a task's collate (or the ids it made) failing on some line
             raise culprit(model, task, batch, beam_size, max_len, device, name, exc) from None
         per = [[] for _ in batch]
