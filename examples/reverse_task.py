@@ -7,17 +7,29 @@ execution reward or a verifier would.
 
     cd examples && python ../train.py --task reverse_task:ReverseDigits --save-dir /tmp/reverse
     echo "3 1 4 1 5" | python -m twophase.train.decode --checkpoint /tmp/reverse/checkpoint_best.pt
+
+The checkpoint records this folder, so decoding works from any directory. Digits are 0-7 (the model's
+vocabulary): a line with others is refused with its line number.
 """
 import random
 
 import torch
 
-from custom_model import EOS, PAD, Reverser
+from custom_model import DIGITS, EOS, PAD, Reverser
 from twophase.tasks import Example, Metric, Task
 
 
 def digits(text: str) -> list[int]:
     return [int(d) for d in text.split()]
+
+
+def parse_digits(line: str) -> str:
+    """A decode input line as a source: digits 0-7 separated by spaces (anything else has no token)."""
+    words = line.split()
+    bad = [w for w in words if w not in {str(d) for d in range(DIGITS)}]
+    if bad:
+        raise ValueError(f"expected digits 0-{DIGITS - 1} separated by spaces, got {bad[0]!r}")
+    return " ".join(words)
 
 
 def reversal(hypotheses, references, sources):
@@ -37,6 +49,7 @@ class ReverseDigits(Task):
     # This task's recipe: defaults for train.py's flags (those given on the command line still win).
     flag_defaults = dict(hidden_size=32, batch_size=16, beam_size=4, max_len=7, mle_steps=150, rl_steps=100,
                          save_dir="runs/reverse")
+    flags = frozenset({"hidden_size"})  # the train.py data/model flags it reads (others, given, are refused)
 
     def __init__(self, cfg):
         super().__init__()
@@ -62,6 +75,9 @@ class ReverseDigits(Task):
 
     def target_ids(self, example):
         return [[3 + d for d in digits(r)] for r in example.references]
+
+    def parse_source(self, line):
+        return parse_digits(line)
 
     def detokenize(self, ids):
         ids = ids[:ids.index(EOS)] if EOS in ids else ids

@@ -42,8 +42,8 @@ def test_train_py_end_to_end_then_decode(task, capsys):
     assert [r["step"] for r in rows if r["phase"] in ("mle", "rl")] == list(range(1, 27))
     assert {r["phase"] for r in rows} == {"mle", "rl", "eval", "mle-continued"}  # no --test: no test row
     assert all(r["lr"] == (2e-3 if r["phase"] == "mle" else 2e-4) for r in rows if r["phase"] != "eval")
-    continued = [r for r in rows if r["phase"] == "mle-continued"]  # --compare-mle (the default): after RL
-    assert [r["step"] for r in continued] == list(range(27, 27 + len(continued))) and continued
+    continued = [r for r in rows if r["phase"] == "mle-continued"]  # --compare-mle (the default): after RL,
+    assert [r["step"] for r in continued] == list(range(21, 21 + len(continued))) and continued  # from step 20
     assert all(r["time"].endswith("Z") and r["elapsed_s"] >= 0 for r in rows)
     assert [r["elapsed_s"] for r in rows] == sorted(r["elapsed_s"] for r in rows)
     assert all("reward_mean" in r for r in rows if r["phase"] == "rl")

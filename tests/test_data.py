@@ -145,7 +145,11 @@ def test_sampler_is_its_own_iterator():
 
 def test_sampler_rejects_bad_arguments():
     with pytest.raises(ValueError):
-        BatchSampler(0, 2, seed=0)
+        BatchSampler(-1, 2, seed=0)
+    empty = BatchSampler(0, 2, seed=0)  # a task without references: a state to save, no MLE batch
+    assert empty.state_dict() == {"epoch": 0, "position": 0}
+    with pytest.raises(RuntimeError, match="no items to batch"):
+        next(empty)
     with pytest.raises(ValueError):
         BatchSampler(5, 0, seed=0)
     with pytest.raises(ValueError):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from twophase.train.decode import main as decode_main
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -23,7 +25,7 @@ def test_custom_model_example_trains_the_reward_up():
     assert warm > before + 0.05 and trained > warm + 0.05, done.stdout
 
 
-def test_task_plugin_trains_with_train_py_and_decodes(tmp_path):
+def test_task_plugin_trains_with_train_py_and_decodes(tmp_path, monkeypatch, capsys):
     """`--task module:Class` from the working directory (no PYTHONPATH for the example's own modules), a
     source-aware default reward, checkpoints, then twophase-decode rebuilding the task from the checkpoint."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -45,3 +47,16 @@ def test_task_plugin_trains_with_train_py_and_decodes(tmp_path):
     assert decode.returncode == 0, decode.stderr
     lines = decode.stdout.split("\n")
     assert len(lines) == 4 and lines[1] == "" and all(set(x) <= set("01234567 ") for x in lines)
+    # In this process, from another directory (the checkpoint records the task's folder): digits 8 and 9, which
+    # the model has no token for, are refused naming their line.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("reverse_task", "custom_model"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    (tmp_path / "in.txt").write_text("1 2\n3 8\n")
+    assert decode_main(["--checkpoint", str(tmp_path / "run" / "checkpoint_last.pt"), "--input", "in.txt"]) == 2
+    assert capsys.readouterr().err == (
+        "twophase-decode: error: in.txt:2: task 'reverse_task:ReverseDigits' cannot read this line (ValueError: "
+        "expected digits 0-7 separated by spaces, got '8')\n")
+    for name in ("reverse_task", "custom_model"):
+        sys.modules.pop(name, None)

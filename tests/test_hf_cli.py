@@ -118,6 +118,17 @@ def test_hf_model_trains_saves_resumes_and_decodes(kind, folder, monkeypatch, ca
     assert outputs[0] == outputs[1] and len(lines) == 4 and lines[1] == "" and set(outputs[0].split()) <= WORDS
     assert capsys.readouterr().err == ""
 
+    # Decoding checks its input as training did: --max-src-len, and the model's positions (GPT-2: 64).
+    (folder / "long.txt").write_text("a\n" + " ".join(["a"] * 9) + "\n")
+    _fails_with_one_line(["--checkpoint", str(save / "checkpoint_last.pt"), "--input", "long.txt"], capsys,
+                         f"long.txt:2: source has {9 + (kind == 't5')} tokens, more than the training limit of "
+                         "--max-src-len 8",  # T5's tokenizer appends </s>
+                         entry=decode.main)
+    if kind == "gpt2":
+        _fails_with_one_line(["--checkpoint", str(save / "checkpoint_last.pt"), "--input", "in.txt", "--max-len",
+                              "62"], capsys, "in.txt:1: source has 3 tokens; with --max-len 62 the model needs 65 "
+                              "positions, more than its 64", entry=decode.main)
+
 
 def test_ids_and_strings_of_the_task(folder):
     """Seq2seq targets: the tokenizer's encoding without its final eos (the row's eos is the model's); sources keep
@@ -151,6 +162,7 @@ def _unsupported_folder(tmp_path, _):
 
 @pytest.mark.parametrize("make,flags,match", [
     (lambda tmp, f: tmp / "nope", [], "nope: no such directory"),
+    (lambda tmp, f: f / "train.tsv", [], "train.tsv: not a directory (a model's save_pretrained folder is"),
     (_folder_without_tokenizer, [], "no tokenizer (tokenizer_config.json or tokenizer.json)"),
     (_unsupported_folder, [], "model type 'vit' has no causal language model"),
     (lambda tmp, f: f / "gpt2", [], "the model has 64 positions, fewer than --max-src-len 200 + --max-len 32"),

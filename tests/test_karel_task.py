@@ -1,6 +1,7 @@
 """--task karel: the model follows the protocol exactly, the execution reward never reads the held-out pair, the
 metrics on hand-made hypotheses, and a tiny end-to-end run (data generated into a temporary cache)."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ from twophase.train.evaluation import score
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, R, C = 9, 3, 4
+
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny_model(seed=0):
@@ -130,6 +134,10 @@ def test_tiny_end_to_end_run_and_decode(tmp_path, monkeypatch, capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "24 train / 6 valid / 12 test tasks generated" in out and "generalization (top-1)" in out
+    table = out[out.index("end of MLE") - 40:].splitlines()
+    table = table[next(i for i, line in enumerate(table) if "end of MLE" in line):]
+    rows = table[:next(i for i, line in enumerate(table) if line.startswith("peak memory"))]
+    assert len({len(line) for line in rows}) == 1, rows  # the long labels ("valid passes the 5 spec pairs") fit
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["phase"] in ("eval", "test")]
     assert [r["phase"] for r in evals] == ["eval", "eval", "test"] and evals[-1]["n"] == 12
@@ -138,11 +146,27 @@ def test_tiny_end_to_end_run_and_decode(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "cache" / "karel").is_dir()  # the data went to the cache it was told
     # decode: a JSON line of [input, output] pairs of the training grid size gives one program line
     grid = "\n".join(["........"] * 8)
-    (tmp_path / "in.txt").write_text(json.dumps([[f"hero 0 0 E\n{grid}", f"hero 0 1 E\n{grid}"]]) + "\n\n")
+    example = (ROOT / "examples" / "karel_input.jsonl").read_text()  # the documented example input
+    (tmp_path / "in.txt").write_text(json.dumps([[f"hero 0 0 E\n{grid}", f"hero 0 1 E\n{grid}"]]) + "\n\n" + example)
     args = ["--checkpoint", str(run / "checkpoint_last.pt"), "--input", str(tmp_path / "in.txt"), "--beam-size", "2"]
     assert decode.main(args + ["--output", str(tmp_path / "out.txt")]) == 0
     got = (tmp_path / "out.txt").read_text().split("\n")
-    assert len(got) == 3 and got[0] and got[1:] == ["", ""]
-    (tmp_path / "bad.txt").write_text(json.dumps([["hero 0 0 E\n...", "hero 0 0 E\n..."]]) + "\n")
+    assert len(got) == 4 and got[0] and got[2] and got[1] == got[3] == ""
+    (tmp_path / "bad.txt").write_text(example + json.dumps([["hero 0 0 E\n...", "hero 0 0 E\n..."]]) + "\n")
     assert decode.main(["--checkpoint", str(run / "checkpoint_last.pt"), "--input", str(tmp_path / "bad.txt")]) == 2
-    assert "expected one or more pairs of 8x8 worlds" in capsys.readouterr().err
+    assert "bad.txt:2: karel source: expected one or more pairs of 8x8 worlds" in capsys.readouterr().err
+
+
+def test_specifications_of_different_sizes_batch_exactly():
+    """A one-pair and a two-pair specification in one batch: each encodes as it does alone (the short one repeats
+    its pair, which the model's maximum over pairs ignores)."""
+    task = Karel(Config(task="karel"))
+    one = Example(((world(0, "E"), world(1, "E")),))
+    two = Example(((world(0, "E"), world(1, "E")), (world(1, "E"), world(2, "N"))))
+    rows, cols = world(0, "E").rows, world(0, "E").cols
+    torch.manual_seed(0)
+    model = KarelModel(len(task.vocab), rows, cols, embed_dim=6, hidden_size=12, channels=(4, 5), dropout=0.0)
+    with torch.no_grad():
+        together = model.encode(task.collate([one, two], "cpu"))["spec"]
+        alone = [model.encode(task.collate([ex], "cpu"))["spec"][0] for ex in (one, two)]
+    torch.testing.assert_close(together, torch.stack(alone))

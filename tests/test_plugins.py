@@ -73,7 +73,20 @@ def test_a_missing_dependency_is_named(workdir: Path) -> None:
     with pytest.raises(rewards.RewardError) as info:
         rewards.get("tp_cwd_dep:fn")
     assert str(info.value) == ("reward 'tp_cwd_dep:fn': cannot import module 'tp_cwd_dep' "
-                               "(ModuleNotFoundError: No module named 'tp_cwd_not_installed')")
+                               f"({workdir / 'tp_cwd_dep.py'}:1: ModuleNotFoundError: No module named "
+                               "'tp_cwd_not_installed')")
+
+
+@pytest.mark.parametrize("text, line, error", [
+    ("X = 1\ndef broken(:\n", 2, "SyntaxError"),
+    ("import os\n\nVALUE = 1 / 0\n", 3, "ZeroDivisionError: division by zero"),
+    ("import json\nDATA = json.loads('{oops')\n", 2, "JSONDecodeError"),  # raised inside the library: the user's line
+])
+def test_an_import_error_of_a_plugin_names_its_file_and_line(workdir: Path, text, line, error) -> None:
+    (workdir / "tp_cwd_bad.py").write_text(text)
+    with pytest.raises(PluginError) as info:
+        plugins.load_spec("tp_cwd_bad:fn", "task")
+    assert f"({workdir / 'tp_cwd_bad.py'}:{line}: {error}" in str(info.value)
 
 
 @pytest.mark.parametrize("spec", ["no_colon", ":fn", "mod:"])

@@ -93,7 +93,7 @@ def test_get_module_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     ("tp_no_such_module:fn", "cannot import module 'tp_no_such_module' (ModuleNotFoundError"),
     ("tp_plugin_bad:missing", "module 'tp_plugin_bad' has no attribute 'missing'"),
     ("tp_plugin_bad:NOT_CALLABLE", "int object is not callable"),
-    ("tp_plugin_broken:fn", "cannot import module 'tp_plugin_broken' (RuntimeError: boom on import)"),
+    ("tp_plugin_broken:fn", "tp_plugin_broken.py:1: RuntimeError: boom on import)"),  # its file and line
     (":fn", "expected 'package.module:callable'"),
 ])
 def test_get_module_spec_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spec: str, fragment: str) -> None:

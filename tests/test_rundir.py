@@ -119,3 +119,30 @@ def test_the_final_model_folder_belongs_to_the_run(tmp_path):
         rundir.claim(tmp_path, resume=False, overwrite=False)
     rundir.remove(rundir.claim(tmp_path, resume=False, overwrite=True))
     assert not (tmp_path / "hf_final").exists() and (tmp_path / "mine").is_dir()
+
+
+def test_metrics_log_is_strict_json(tmp_path):
+    """NaN and infinities (nested too) are written as null: every line parses under a strict JSON reader."""
+    log = rundir.MetricsLog(tmp_path / "metrics.jsonl")
+    log.write({"step": 1, "loss": float("nan"), "scores": {"per": float("inf")}, "xs": [1.0, float("-inf")]})
+
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+    row = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
+    assert row["loss"] is None and row["scores"] == {"per": None} and row["xs"] == [1.0, None]
+
+
+def test_cut_back_keeps_a_comparison_only_when_it_is_done(tmp_path):
+    """Continued-MLE rows are numbered from their branch point (below RL's steps): a checkpoint without a finished
+    comparison drops them (the resumed run redoes it), one with it keeps them; test rows always go."""
+    log = tmp_path / "metrics.jsonl"
+    rows = [{"step": 4, "phase": "eval", "after": "mle"}, {"step": 7, "phase": "rl"},
+            {"step": 5, "phase": "mle-continued", "continued": 1},
+            {"step": 5, "phase": "eval", "after": "mle-continued", "continued": 1}, {"step": 4, "phase": "test"}]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    log.write_text(text)
+    assert rundir.cut_back(log, 7, compared=True) == 1
+    assert [json.loads(x) for x in log.read_text().splitlines()] == rows[:4]
+    log.write_text(text)
+    assert rundir.cut_back(log, 7) == 3
+    assert [json.loads(x) for x in log.read_text().splitlines()] == rows[:2]

@@ -10,7 +10,7 @@ from twophase.train import cli
 def seen(monkeypatch):
     """The Config main() would train with (the run itself is replaced)."""
     configs = []
-    monkeypatch.setattr(cli, "_train", lambda cfg: configs.append(cfg) or 0)
+    monkeypatch.setattr(cli, "_train", lambda cfg, start=None, given=None: configs.append(cfg) or 0)
     return configs
 
 
@@ -26,7 +26,7 @@ def test_g2p_converges_its_warm_start_and_tsv_keeps_the_flags_defaults(seen, tmp
     assert cli.main([]) == 0  # the built-in G2P: validation-driven MLE of at most 10,000 steps
     assert cli.main(["--train", "t.tsv", "--valid", "v.tsv"]) == 0
     g2p, tsv = seen
-    assert (g2p.lr_decay, g2p.mle_steps, g2p.hidden_size, g2p.save_dir) == (0.5, 10000, 256, "runs/g2p")
+    assert (g2p.lr_decay, g2p.mle_steps, g2p.hidden_size, g2p.save_dir) == (0.5, 10000, 256, None)  # runs/<task>
     assert (tsv.lr_decay, tsv.mle_steps, tsv.beam_size) == (1.0, 4000, 8)
 
 

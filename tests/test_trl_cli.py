@@ -140,8 +140,8 @@ def test_chat_prompts_render_with_the_template_and_rewards_get_messages(folder, 
     (["--top-k", "2"], "apply to --sampler sample only"),
     (["--min-len", "6", "--sampler", "sample"], "--min-len 6 leaves no room"),
     (["--top-k", "2", "--sampler", "sample", "--one-phase"], "--one-phase samples without them"),
-    (["--mle-steps", "3"], "--mle-steps 3: the training data has no references"),
-    (["--mle-weight", "0.5", "--mle-steps", "0"], "--mle-weight 0.5: the training data has no references"),
+    (["--mle-steps", "3"], "--mle-steps 3: task 'tsv' has no references"),
+    (["--mle-weight", "0.5", "--mle-steps", "0"], "--mle-weight 0.5: task 'tsv' has no references"),
 ])
 def test_bad_new_flags_are_one_line(folder, monkeypatch, capsys, extra, match):
     monkeypatch.chdir(folder)

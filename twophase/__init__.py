@@ -5,13 +5,14 @@ chunks, back-propagating per-sequence coefficients. Any model that follows `Sequ
 can be trained; the built-in LSTM is `twophase.Seq2Seq`. See README.md.
 """
 from . import objectives, rewards, tree, vocab
-from .protocol import SequenceModel
+from .modelcheck import check_model
+from .protocol import ModelError, SequenceModel
 from .rescoring import rescore_backward
 from .samples import Samples, best_rows
 from .search import beam_search, greedy, sample
 
-__all__ = ["SequenceModel", "Seq2Seq", "Samples", "beam_search", "sample", "greedy", "rescore_backward",
-           "best_rows", "tree", "vocab", "rewards", "objectives"]
+__all__ = ["SequenceModel", "ModelError", "check_model", "Seq2Seq", "Samples", "beam_search", "sample", "greedy",
+           "rescore_backward", "best_rows", "tree", "vocab", "rewards", "objectives"]
 
 
 def __getattr__(name: str):

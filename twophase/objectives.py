@@ -16,6 +16,16 @@ from torch import Tensor
 BASELINES = ("none", "mean", "loo", "greedy")
 
 
+def check_owner(owner: Tensor, num_sources: int) -> None:
+    """ValueError naming num_sources where it cannot index every row's source (index_add_ would fail with an
+    index error, or on CUDA with a device assert)."""
+    if isinstance(num_sources, bool) or not isinstance(num_sources, int) or num_sources < 1:
+        raise ValueError(f"num_sources must be an integer >= 1, got {num_sources!r}")
+    if owner.numel() and int(owner.max()) >= num_sources:
+        raise ValueError(f"num_sources={num_sources} is smaller than the owners (a row of source "
+                         f"{int(owner.max())}): it must be the number of sources the rows index")
+
+
 def group_sum(x: Tensor, owner: Tensor, num_sources: int) -> Tensor:
     """(B,) per-source sums of x (N,)."""
     return torch.zeros(num_sources, dtype=x.dtype, device=x.device).index_add_(0, owner, x)
@@ -36,6 +46,7 @@ def group_softmax(x: Tensor, owner: Tensor, num_sources: int) -> Tensor:
 
 def mle(owner: Tensor, num_sources: int) -> Tensor:
     """Maximum likelihood of reference rows: -(1/B) * mean over a source's references of log p."""
+    check_owner(owner, num_sources)
     return -1.0 / (num_sources * group_count(owner, num_sources))
 
 
@@ -64,6 +75,7 @@ def reinforce(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = 
     from p, and the Monte-Carlo estimate (1/K) sum_k r_k grad log p_k of E_p[r grad log p] is unbiased only if
     a sequence drawn twice counts twice.
     """
+    check_owner(owner, num_sources)
     r, scored = _scored(rewards)
     count = group_sum(scored.to(torch.float64), owner, num_sources)[owner]  # (N,) scored samples of the source
     total = group_sum(r, owner, num_sources)[owner]  # (N,)
@@ -98,6 +110,7 @@ def mrt(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int, alpha:
     renormalised over the scored ones. The scores must be known (`Samples.from_completions` without the
     generator's log-probabilities leaves them NaN): Q is made of them.
     """
+    check_owner(owner, num_sources)
     if bool(torch.isnan(scores).any()):
         raise ValueError("mrt and beam weigh candidates by their search scores, which are unknown (NaN: "
                          "Samples.from_completions without token_logps); give the generator's log-probabilities, "

@@ -1,9 +1,10 @@
 """`python -m twophase.plot RUN_DIR... [--out FILE.png]`: learning curves of training runs from their metrics.jsonl.
 
-One PNG: validation word accuracy, phoneme (token) error rate and reward, against wall time (top row) and against
-the step (bottom row); per run, the MLE warm start and RL as one line (RL dashed) and --compare-mle's continued MLE
-as a dotted line from the same branch point, both drawn at their own time and step since that point. Metrics a
-run does not log are left out. matplotlib is imported only here (the `plot` extra); without it the command ends
+One PNG: one column per validation metric the runs log (the task's own: word accuracy, WER, PER for G2P;
+generalization, exact match, ... for Karel; a custom task's keys; then the reward), or those --metrics names,
+against wall time (top row) and against the step (bottom row); per run, the MLE warm start and RL as one line (RL
+dashed) and --compare-mle's continued MLE as a dotted line from the same branch point, both drawn at their own
+time and step since that point. matplotlib is imported only here (the `plot` extra); without it the command ends
 with one line and exit status 2.
 """
 from __future__ import annotations
@@ -14,8 +15,10 @@ import sys
 from pathlib import Path
 
 PROG = "python -m twophase.plot"
-METRICS = (("word_acc", "valid word accuracy"), ("per", "valid phoneme / token error rate"),
-           ("reward", "valid reward"))
+# Keys of validation rows that are not metrics (metrics.jsonl's bookkeeping, docs/metrics.md).
+NOT_METRICS = {"step", "phase", "after", "continued", "since_branch_s", "time", "elapsed_s", "n", "model"}
+TITLES = {"word_acc": "word / sequence accuracy", "wer": "word / sequence error rate",
+          "per": "phoneme / token error rate", "wer_nostress": "WER without stress", "reward": "reward"}
 
 
 class PlotError(Exception):
@@ -58,15 +61,27 @@ def curves(rows: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
+def metric_keys(runs: list[list[dict]]) -> list[str]:
+    """Every numeric metric of the runs' validation rows, in the order they first appear (the task's, then
+    the reward)."""
+    keys: dict[str, None] = {}
+    for rows in runs:
+        for row in rows:
+            if row.get("phase") == "eval":
+                keys.update((k, None) for k, v in row.items() if k not in NOT_METRICS
+                            and isinstance(v, (int, float)) and not isinstance(v, bool))
+    return list(keys)
+
+
 def _metrics_path(arg: str) -> Path:
     path = Path(arg)
     return path / "metrics.jsonl" if path.is_dir() else path
 
 
-def _draw_run(axes, label: str, branches: dict, color) -> None:
+def _draw_run(axes, label: str, branches: dict, color, metrics: list[str]) -> None:
     main = branches["main"]
     mle_end = max((r["step"] for r in main if r.get("after") == "mle"), default=None)
-    for col, (key, _) in enumerate(METRICS):
+    for col, key in enumerate(metrics):
         for row, x in enumerate(("minutes", "step")):
             ax = axes[row][col]
             mle = [r for r in main if r.get("after") == "mle" and key in r]
@@ -81,25 +96,32 @@ def _draw_run(axes, label: str, branches: dict, color) -> None:
                         label=f"{label} MLE continued")
 
 
-def plot(paths: list[Path], out: Path, labels: list[str]) -> None:
+def plot(paths: list[Path], out: Path, labels: list[str], metrics: list[str] | None = None) -> list[str]:
+    """Draw the runs into `out`; returns the metrics drawn (`metrics`, default: all the rows hold)."""
     try:
         import matplotlib
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlotError("matplotlib is not installed (pip install 'twophase[plot]')") from None
-    runs = [(label, curves(read_rows(p))) for label, p in zip(labels, paths)]
+    rows = [read_rows(p) for p in paths]
+    runs = [(label, curves(r)) for label, r in zip(labels, rows)]
     if not any(branches["main"] for _, branches in runs):
         raise PlotError(f"{paths[0]}: no validation rows to plot" if len(paths) == 1 else
                         "no validation rows to plot in any of the runs")
-    fig, axes = plt.subplots(2, len(METRICS), figsize=(5 * len(METRICS), 8), squeeze=False)
+    found = metric_keys(rows)
+    unknown = [k for k in metrics or [] if k not in found]
+    if unknown:
+        raise PlotError(f"--metrics: no validation row holds {', '.join(unknown)} (they hold {', '.join(found)})")
+    metrics = metrics or found
+    fig, axes = plt.subplots(2, len(metrics), figsize=(4.5 * len(metrics), 8), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, branches) in enumerate(runs):
-        _draw_run(axes, label, branches, colors[i % len(colors)])
-    for col, (key, title) in enumerate(METRICS):
+        _draw_run(axes, label, branches, colors[i % len(colors)], metrics)
+    for col, key in enumerate(metrics):
         for row, xlabel in enumerate(("wall time (minutes)", "step")):
             ax = axes[row][col]
-            ax.set_title(title, fontsize=10)
+            ax.set_title("valid " + TITLES.get(key, key.replace("_", " ")), fontsize=10)
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
@@ -107,6 +129,7 @@ def plot(paths: list[Path], out: Path, labels: list[str]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
+    return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,17 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or their metrics.jsonl)")
     parser.add_argument("--out", default="curves.png", help="the PNG to write (default: curves.png)")
     parser.add_argument("--labels", help="comma-separated legend labels, one per run (default: the directories)")
+    parser.add_argument("--metrics", help="comma-separated validation metrics to draw, e.g. word_acc,reward "
+                                          "(default: every metric the runs log: the task's own, then reward)")
     args = parser.parse_args(argv)
     paths = [_metrics_path(r) for r in args.runs]
     labels = args.labels.split(",") if args.labels else [Path(r).name or r for r in args.runs]
     try:
         if len(labels) != len(paths):
             raise PlotError(f"--labels: {len(labels)} labels for {len(paths)} runs")
-        plot(paths, Path(args.out), labels)
+        drawn = plot(paths, Path(args.out), labels, args.metrics.split(",") if args.metrics else None)
     except PlotError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} ({', '.join(drawn)})")
     return 0
 
 

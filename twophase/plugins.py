@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import traceback
 from typing import Any
 
 
@@ -25,6 +26,19 @@ def brief(exc: BaseException) -> str:
     """`Type: first line of the message`, for one-line errors about exceptions raised by a plug-in."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def where(exc: BaseException) -> str | None:
+    """FILE:LINE of a plug-in's fault: a SyntaxError's own place, else the innermost frame of the traceback outside
+    the interpreter's import machinery, the standard library and installed packages (the user's module, not the
+    library it called); None where there is none (a module that is not there at all)."""
+    if isinstance(exc, SyntaxError) and exc.filename and not exc.filename.startswith("<"):
+        return f"{exc.filename}:{exc.lineno}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    frames = [f for f in frames if os.path.abspath(f.filename) != os.path.abspath(__file__)]
+    library = tuple({os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    own = [f for f in frames if not os.path.abspath(f.filename).startswith(library)]
+    return f"{own[-1].filename}:{own[-1].lineno}" if own else None
 
 
 def _on_path(directory: str) -> bool:
@@ -62,7 +76,9 @@ def load_spec(spec: str, kind: str) -> Any:
     try:
         obj: Any = import_module(module_name)
     except Exception as exc:  # a plug-in may fail on import with anything, not only ImportError
-        raise PluginError(f"{kind} '{spec}': cannot import module '{module_name}' ({brief(exc)})") from exc
+        place = where(exc)
+        raise PluginError(f"{kind} '{spec}': cannot import module '{module_name}' ("
+                          + (f"{place}: " if place else "") + f"{brief(exc)})") from exc
     for attr in attr_path.split("."):  # dotted paths reach class or instance attributes
         try:
             obj = getattr(obj, attr)

@@ -57,6 +57,15 @@ from torch import Tensor
 from . import tree
 
 
+class ModelError(ValueError):
+    """A model broke the protocol (NaN log-probabilities, wrong shapes, ...): one line per broken rule, naming
+    the model (see `twophase.check_model`)."""
+
+
+def model_name(model: Any) -> str:
+    return type(model).__name__
+
+
 @runtime_checkable
 class SequenceModel(Protocol):
     pad_id: int

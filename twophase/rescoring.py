@@ -64,6 +64,9 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     coefficients = torch.as_tensor(coefficients, device=device)
     if coefficients.shape != (len(samples),):
         raise ValueError(f"expected {len(samples)} coefficients, got shape {tuple(coefficients.shape)}")
+    if not bool(torch.isfinite(coefficients).all()):  # a NaN would reach every parameter's .grad silently
+        bad = int((~torch.isfinite(coefficients)).nonzero()[0])
+        raise ValueError(f"coefficients must be finite; row {bad} is {float(coefficients[bad])}")
     # Rows with a zero coefficient add nothing to the gradient (e.g. every candidate of a source equally good).
     live = (coefficients != 0).nonzero().squeeze(1)  # (N',)
     if len(live) == 0:
@@ -79,6 +82,9 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     with torch.enable_grad(), protocol.scoring_mode(model, keep=keep_mode):
         with section("phase 2: encoder forward"):
             enc = model.encode(source)
+        if int(samples.owner.max()) >= protocol.num_sources(enc):
+            raise ValueError(f"samples.owner names source {int(samples.owner.max())}, but the source holds "
+                             f"{protocol.num_sources(enc)}")
         boundary = tree.cut_floating(enc)
         params = [p for p in model.parameters() if p.requires_grad]
         total, start, size, sums = 0.0, 0, chunk_size, {}

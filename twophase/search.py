@@ -8,11 +8,13 @@ Letters: B sources, K candidates per source, N = B*K rows, T max length, V vocab
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from . import tree
-from .protocol import num_sources, scoring_mode, target_mask
+from .protocol import ModelError, model_name, num_sources, scoring_mode, target_mask
 from .samples import Samples, best_rows  # noqa: F401  (best_rows: re-exported, validation and decode use it)
 
 # Beam search runs the decoder on its open hypotheses only once at least this fraction of its B*K rows has
@@ -51,6 +53,7 @@ class _Decoder:
         return self.ban_specials(logp)
 
     def ban_specials(self, logp: Tensor) -> Tensor:
+        check_finite(self.model, logp)
         if self.specials is None:  # eos_id stays open when pad_id or bos_id equal it (GPT-2's pad, BART's start)
             banned = sorted({self.model.pad_id, self.model.bos_id} - {self.model.eos_id})
             self.specials = torch.tensor(banned, dtype=torch.long, device=logp.device)
@@ -60,15 +63,32 @@ class _Decoder:
         return logp.index_fill(1, self.specials, float("-inf"))
 
 
+def check_finite(model, logp: Tensor) -> None:
+    """ModelError where log-probabilities hold NaN or +inf: -inf (a banned token) is the only non-finite value a
+    model may return. Rows with such scores used to be dropped as impossible, and their sources vanished from
+    training and validation without a word. One reduction: the maximum is NaN wherever any entry is."""
+    top = float(logp.detach().amax()) if logp.numel() else 0.0
+    if math.isnan(top) or top == math.inf:
+        raise ModelError(f"{model_name(model)} returned {'NaN' if math.isnan(top) else '+inf'} "
+                         "log-probabilities (only -inf, a banned token, may be non-finite)")
+
+
+def _check_count(name: str, value, minimum: int = 1) -> None:
+    """Misuse named in one line (a beam of 0 used to fail inside topk, a temperature of 0 with NaN draws)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
 def _score_dtype(logp: Tensor) -> torch.dtype:
     """Sums of log-probabilities: at least float32 (a bf16/fp16 logp under autocast), float64 in a float64 model."""
     return torch.promote_types(logp.dtype, torch.float32)
 
 
 def _finish(model, tokens: Tensor, scores: Tensor, owner: Tensor) -> Samples:
-    """Drop impossible rows (score -inf), trim trailing padding columns. Runs outside inference mode: the
-    clones are ordinary tensors, which phase two may save for backward (it embeds these tokens)."""
-    keep = torch.isfinite(scores)
+    """Drop impossible rows (score -inf; `check_finite` refused NaN and +inf), trim trailing padding columns.
+    Runs outside inference mode: the clones are ordinary tensors, which phase two may save for backward (it
+    embeds these tokens)."""
+    keep = ~torch.isneginf(scores)
     tokens, scores, owner = tokens[keep], scores[keep], owner[keep]
     lengths = target_mask(tokens, model.pad_id, model.eos_id).sum(dim=1)
     T = int(lengths.max()) if len(lengths) else 0
@@ -88,6 +108,8 @@ def _beam_search(model, source, beam_size: int, max_len: int):
     """The search loop under the caller's grad mode: phase one runs it in inference mode, `onephase` with a
     graph, so both find the same candidates. Hence no in-place writes into tensors autograd may have saved.
     Once COMPACT_AT of the rows finished, steps skip them (`_compact_step`): the same candidates, less work."""
+    _check_count("beam_size", beam_size)
+    _check_count("max_len", max_len, minimum=0)
     enc = model.encode(source)
     B, K, device = num_sources(enc), beam_size, tree.device_of(enc)
     dec = _Decoder(model)
@@ -236,6 +258,10 @@ def truncate(logits: Tensor, eos_id: int, t: int, top_k: int | None, top_p: floa
 def _sample(model, source, num_samples: int, max_len: int, temperature: float, generator,
             top_k: int | None = None, top_p: float | None = None, min_len: int = 0):
     """The sampling loop under the caller's grad mode (see `_beam_search`)."""
+    _check_count("num_samples", num_samples)
+    _check_count("max_len", max_len, minimum=0)
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     enc = model.encode(source)
     B, K, device = num_sources(enc), num_samples, tree.device_of(enc)
     dec = _Decoder(model)

@@ -6,11 +6,13 @@ and returns a `Task` (see `twophase.tasks.base`); adding a task changes nothing 
 """
 from __future__ import annotations
 
+import sys
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Callable
 
 from ..plugins import PluginError, brief, load_spec
-from .base import Example, Metric, Task
+from .base import Example, Metric, Task, TaskError
 
 GROUP = "twophase.tasks"
 BUILTINS = {"g2p": "twophase.tasks.text:G2P", "tsv": "twophase.tasks.text:TSV",
@@ -19,10 +21,6 @@ REQUIRED = ("load_data", "state_dict", "load_state_dict", "build_model", "collat
             "metric_sums", "scores", "parse_source", "format_output")
 
 __all__ = ["Example", "Metric", "Task", "TaskError", "get", "build", "available", "default_name"]
-
-
-class TaskError(ValueError):
-    """A task could not be found, loaded or built; the message is one line naming it."""
 
 
 def available() -> list[str]:
@@ -56,6 +54,11 @@ def build(cfg, name: str | None = None) -> Task:
     """The task of this configuration, constructed (cheap) but with no data loaded yet."""
     name = name or default_name(cfg)
     factory = get(name)
+    if getattr(cfg, "hf_model", None) is not None:  # --hf-model: the Hugging Face model's TSV task, imported
+        from .text import TSV                     # only then (the rest runs without transformers)
+        if factory is TSV:
+            from .hf import HFTSV
+            factory = HFTSV
     if not callable(factory):
         raise TaskError(f"task '{name}': {type(factory).__name__} object is not callable")
     try:
@@ -69,4 +72,18 @@ def build(cfg, name: str | None = None) -> Task:
         raise TaskError(f"task '{name}' returned a {type(task).__name__} without {', '.join(missing)} "
                         "(subclass twophase.tasks.Task)")
     task.spec = name  # how to find it again: checkpoints store it, decoding and --resume rebuild it
+    task.origin = origin(name)
     return task
+
+
+def origin(name: str) -> str | None:
+    """The folder a `module:callable` task's module was imported from (what sys.path needs to import it again,
+    from any directory); None for built-ins and entry points."""
+    module = sys.modules.get(name.partition(":")[0]) if ":" in name else None
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return None
+    root = Path(path).resolve().parent
+    for _ in name.partition(":")[0].split(".")[1:]:  # a package's module: its top package's parent
+        root = root.parent
+    return str(root)

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class TaskError(ValueError):
+    """A task could not be found, loaded or built; the message is one line naming it."""
+
+
 @dataclass
 class Example:
     """One source with its references and any extra data a reward may ask for."""
@@ -37,8 +41,21 @@ class Metric:
     higher_is_better: bool = True
 
 
+# train.py flags (Config field names) that shape a task's data or its model. Each task declares in `Task.flags`
+# those it reads; the others, given on the command line, are refused naming the flag and the task (a flag that
+# does nothing is worse than an error). Every other flag is the trainer's (steps, objective, search, logging, and
+# any flag added later, a policy-gradient variant's, say) and is never refused here: only flags named in this set
+# are task-declared, so a new trainer flag needs no task's consent.
+SHAPING_FLAGS = frozenset({"train", "valid", "test", "char_source", "char_target", "lowercase_source", "max_src_len",
+                           "too_long", "train_size", "hf_model", "embed_dim", "hidden_size", "bidirectional",
+                           "dropout"})
+
+
 class Task:
-    """The base of every task; subclasses fill in the data and the methods below."""
+    """The base of every task; subclasses fill in the data and the methods below.
+
+    `flags`: the train.py flags of SHAPING_FLAGS this task reads (a model's size, its data files); those it sets
+    in `flag_defaults` count as read too. Given but not read, a shaping flag is refused in one line."""
 
     name = "task"
     default_reward = "edit"  # --reward when not given
@@ -47,6 +64,7 @@ class Task:
     # The task's recipe: train.py flags (Config field names) whose defaults differ for this task, e.g.
     # {"hidden_size": 128}. Flags given on the command line still win; --preset overrides these.
     flag_defaults: dict = {}
+    flags: frozenset = frozenset()  # of SHAPING_FLAGS: those this task reads (see the class docstring)
 
     def __init__(self):
         self.train: list[Example] = []
@@ -97,6 +115,11 @@ class Task:
     def format_output(self, hypothesis: str) -> str:
         """A decoded hypothesis as `twophase-decode` writes it."""
         return hypothesis
+
+    def source_problem(self, source: Any, max_len: int) -> str | None:
+        """Why `twophase-decode` cannot decode this source with outputs of up to max_len tokens (longer than
+        training allowed, more than the model's positions), or None; reported with its input line."""
+        return None
 
     def unknown_source_tokens(self, source: Any) -> list[str]:
         """Tokens of a source the task cannot represent (decode reports them); none by default."""

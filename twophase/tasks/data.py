@@ -191,12 +191,13 @@ class BatchSampler:
     """Endless, reproducible, resumable stream of index batches over range(n).
 
     Epoch e visits torch.randperm(n) seeded with seed + e, cut into consecutive batches of batch_size; the last
-    short batch of an epoch is dropped, unless n < batch_size, where each batch is a whole permutation.
+    short batch of an epoch is dropped, unless n < batch_size, where each batch is a whole permutation. With n = 0
+    (a task without references has no MLE pairs) it has a state but no batch.
     """
 
     def __init__(self, n: int, batch_size: int, seed: int):
-        if n < 1 or batch_size < 1:
-            raise ValueError(f"need n >= 1 and batch_size >= 1, got n={n}, batch_size={batch_size}")
+        if n < 0 or batch_size < 1:
+            raise ValueError(f"need n >= 0 and batch_size >= 1, got n={n}, batch_size={batch_size}")
         self.n = n
         self.batch_size = min(batch_size, n)
         self.seed = seed
@@ -211,6 +212,8 @@ class BatchSampler:
         return self._perm
 
     def __next__(self) -> list[int]:
+        if self.n == 0:
+            raise RuntimeError("no items to batch (n = 0)")
         if self.position + self.batch_size > self.n:
             self.epoch += 1
             self.position = 0

@@ -33,8 +33,7 @@ import torch
 
 from ..models.hf import HFCausalLM, HFSeq2Seq, lora
 from ..plugins import brief
-from . import TaskError
-from .base import Example
+from .base import Example, TaskError
 from .data import DataError, pad_batch
 from .table import is_table
 from .text import TSV, examples
@@ -68,6 +67,8 @@ def load_folder(folder: str):
     """(config, tokenizer, auto model class) of a save_pretrained folder; TaskError naming --hf-model if any is
     missing or the model is neither a seq2seq nor a causal LM."""
     T = _transformers()
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise TaskError(f"--hf-model {folder}: not a directory (a model's save_pretrained folder is expected)")
     if not os.path.isdir(folder):
         raise TaskError(f"--hf-model {folder}: no such directory")
     if not os.path.isfile(os.path.join(folder, "config.json")):
@@ -103,6 +104,8 @@ def load_folder(folder: str):
 class HFTSV(TSV):
     """TSV lines as text for a Hugging Face model: see the module docstring. The task's state is the case folding
     alone; the ids are the folder's tokenizer's."""
+
+    flags = frozenset({"train", "valid", "test", "lowercase_source", "max_src_len", "too_long", "hf_model"})
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -296,6 +299,20 @@ class HFTSV(TSV):
 
     def format_output(self, hypothesis: str) -> str:
         return hypothesis
+
+    def source_problem(self, source, max_len: int) -> str | None:
+        """A prompt (a string, or chat messages) longer than training's --max-src-len, or one that with max_len output tokens overruns the
+        model's positions (an index error deep in the first step otherwise)."""
+        count = len(self._prompt_ids([source if isinstance(source, list) else self.source_text(source)])[0])
+        if count > self.cfg.max_src_len:
+            return f"source has {count} tokens, more than the training limit of --max-src-len {self.cfg.max_src_len}"
+        positions = getattr(self.config, "max_position_embeddings", None)
+        if isinstance(positions, int):
+            need = count + max_len if self.causal else max(count, max_len)
+            if need > positions:
+                return (f"source has {count} tokens; with --max-len {max_len} the model needs {need} positions, more "
+                        f"than its {positions}")
+        return None
 
     def unknown_source_tokens(self, source: str) -> list[str]:
         """Words of a source the tokenizer maps to its unknown token (none for byte-level tokenizers)."""

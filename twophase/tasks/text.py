@@ -19,8 +19,13 @@ def examples(data: Dataset, char_source: bool) -> list[Example]:
     return [Example(joiner.join(src), [" ".join(r) for r in refs]) for src, refs in zip(data.sources, data.references)]
 
 
+LSTM_FLAGS = frozenset({"embed_dim", "hidden_size", "bidirectional", "dropout"})  # the built-in Seq2Seq's
+
+
 class TextTask(Task):
     """Token sequences in, token sequences out, scored by sequence accuracy and token error rate."""
+
+    flags = LSTM_FLAGS
 
     metrics = (Metric("word_acc", "sequence accuracy"), Metric("per", "token error rate", higher_is_better=False))
 
@@ -114,19 +119,15 @@ class G2P(TextTask):
 class TSV(PromptTables, TextTask):
     """`--train FILE --valid FILE [--test FILE]`: UTF-8 `source<TAB>target` lines; repeated sources are several
     references. Or prompt tables (.jsonl, .json, .csv, .parquet: `twophase.tasks.prompts`), one example per row;
-    the built-in LSTM takes string prompts, and without references its target vocabulary is the prompts'."""
+    the built-in LSTM takes string prompts, and without references its target vocabulary is the prompts'. With
+    --hf-model, `twophase.tasks.build` makes it a Hugging Face model's TSV task instead (`twophase.tasks.hf.HFTSV`),
+    whichever way `tsv` was found (built-in or entry point)."""
 
     name = "tsv"
+    flags = LSTM_FLAGS | {"train", "valid", "test", "char_source", "char_target", "lowercase_source", "max_src_len",
+                          "too_long", "hf_model"}
     # Exact match can be near zero on such data (translation, say): the best checkpoint is the best reward.
     main_metric = None
-
-    def __new__(cls, cfg=None):
-        """With --hf-model, a Hugging Face model's TSV task (twophase.tasks.hf.HFTSV), whichever way `tsv` was
-        found (built-in or entry point); that module is imported only then: the rest runs without transformers."""
-        if cls is TSV and getattr(cfg, "hf_model", None) is not None:
-            from .hf import HFTSV
-            cls = HFTSV
-        return super().__new__(cls)
 
     def __init__(self, cfg):
         super().__init__(cfg, char_source=cfg.char_source, char_target=cfg.char_target,
@@ -157,6 +158,12 @@ class TSV(PromptTables, TextTask):
         for refs in references:
             refs[:] = [" ".join(tokenize_source(r, self.char_target)) for r in refs]
         return [len(self.source_tokens(s)) for s in sources], [[len(r.split()) for r in refs] for refs in references]
+    def source_problem(self, source: str, max_len: int) -> str | None:
+        """Sources longer than --max-src-len were refused in training: so they are in decoding."""
+        count = len(self.source_tokens(source))
+        if count > self.cfg.max_src_len:
+            return f"source has {count} tokens, more than the training limit of --max-src-len {self.cfg.max_src_len}"
+        return None
 
     def splits(self):
         cfg = self.cfg

@@ -4,13 +4,16 @@ Bad input (flags, files, plug-ins) ends with one line on stderr and exit status 
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from dataclasses import fields
 
 import torch
 
-from . import amp, distributed, rundir, runs
+from . import amp, distributed, rundir, runs, startup
 from .start import evaluate, init_state, recipe_defaults, resume_state, start_defaults, start_run_dir
+from ..protocol import ModelError
 from .. import rewards, rewardsum
 from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args  # noqa: F401 (PRESETS)
 from .. import tasks
@@ -65,21 +68,6 @@ def check_reward(reward, task) -> None:
                                   "themselves and an empty hypothesis)") from None
 
 
-def check_references(cfg: Config, task) -> None:
-    """Training data without references (prompts only) trains RL alone: MLE is refused, --compare-mle skipped."""
-    if any(ex.references for ex in task.train):
-        return
-    if cfg.mle_steps > 0:
-        raise UsageError(f"--mle-steps {cfg.mle_steps}: the training data has no references (completion/target) "
-                         "to train MLE on; --mle-steps 0 trains RL only")
-    if cfg.mle_weight > 0:
-        raise UsageError(f"--mle-weight {cfg.mle_weight:g}: the training data has no references to mix in")
-    if cfg.compare_mle and cfg.rl_steps > 0:
-        if distributed.rank() == 0:
-            print("--compare-mle cannot run: the training data has no references to continue MLE on; skipped")
-        cfg.compare_mle = False
-
-
 def load_task_data(task, state: dict | None) -> None:
     """The task's data, its ids restored from the checkpoint on --resume (whatever the data would build today)."""
     if state is not None and "task" in state:
@@ -115,8 +103,10 @@ def cpu_threads(cfg: Config, width: int | None = None) -> int | None:
     return 1
 
 
-def build(cfg: Config, start: dict | None = None) -> Trainer:
-    """The trainer of this command; `start`: the checkpoint main() read already (--resume, --init-from)."""
+def build(cfg: Config, start: dict | None = None, given: frozenset | None = None) -> Trainer:
+    """The trainer of this command; `start`: the checkpoint main() read already (--resume, --init-from);
+    `given`: the flags set on the command line (default: those differing from Config's)."""
+    given = startup.changed_fields(cfg) if given is None else given
     try:
         cfg.validate()
         runs.check_flags(cfg)
@@ -137,6 +127,8 @@ def build(cfg: Config, start: dict | None = None) -> Trainer:
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     cfg.task = tasks.default_name(cfg)  # saved as resolved, as the reward and the best metric
     task = tasks.build(cfg)  # cheap: the data comes later
+    startup.check_task_flags(task, given)
+    cfg.save_dir = cfg.save_dir or default_save_dir(task)
     cfg.reward = cfg.reward or task.default_reward
     reward = rewardsum.from_flags(cfg.reward, cfg.reward_weights)  # before loading data: a typo should fail in a second, not after it
     cfg.best_metric = resolve_best_metric(cfg, task)
@@ -147,7 +139,7 @@ def build(cfg: Config, start: dict | None = None) -> Trainer:
             raise UsageError(str(err)) from None
     stale, state, init = claim_and_read(cfg, start)
     load_task_data(task, state if state is not None else init)
-    check_references(cfg, task)
+    startup.check_references(cfg, task, given)
     if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(task.train)):
         raise UsageError(f"--batch-size {cfg.batch_size} and --mle-batch-size {cfg.mle_batch_size} count the "
                          f"sources of a whole step; {distributed.world()} processes need at least one each")
@@ -159,6 +151,7 @@ def build(cfg: Config, start: dict | None = None) -> Trainer:
     model = task.build_model().to(device)
     if init is not None:  # --init-from: its weights; step 0 and a fresh optimizer (the Trainer's)
         model.load_state_dict(init["model"])
+    startup.check_model_on_a_batch(task, model, device)  # a broken model named now, not trained silently
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
     if distributed.rank() > 0:  # its own dropout masks; rank 0 goes on as a single process would
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
@@ -187,6 +180,12 @@ def claim_and_read(cfg: Config, start: dict | None):
         raise UsageError(str(err)) from None
 
 
+def default_save_dir(task) -> str:
+    """--save-dir when not given: runs/<task name> (a custom task without a name: its callable's)."""
+    name = task.name if task.name != tasks.Task.name else task.spec.rpartition(":")[2]
+    return f"runs/{name.lower()}"
+
+
 def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
     """--tensorboard: <save-dir>/tensorboard, its steps after the checkpoint purged on --resume (as in
     metrics.jsonl); a new run starts without the event files of the run it replaces."""
@@ -205,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     try:
-        return _train(cfg, start) if start is not None else _train(cfg)
+        return _train(cfg, start, startup.flags_given(build_parser(), argv))
     finally:
         distributed.finish()
 
@@ -213,20 +212,35 @@ def main(argv: list[str] | None = None) -> int:
 def parse(argv: list[str] | None = None) -> tuple[Config, dict | None]:
     """The command line's Config, over the defaults of start_defaults, and the checkpoint it starts from."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    defaults, start = start_defaults(args)
-    if defaults:  # these become the defaults, so the flags given on the command line still win
-        unknown = sorted(set(defaults) - set(vars(args)))
+    defaults = recipe_defaults(pre_parse(argv))  # before --help, which then shows them
+    if defaults:  # the recipe's values become the defaults, so the flags given on the command line still win
+        unknown = sorted(set(defaults) - {f.name for f in fields(Config)})
         if unknown:
-            parser.error(f"--task {args.task}: its flag_defaults name no flag: {', '.join(unknown)}")
+            parser.error(f"--task {pre_parse(argv).task}: its flag_defaults name no flag: {', '.join(unknown)}")
         parser.set_defaults(**defaults)
+    args = parser.parse_args(argv)
+    more, start = start_defaults(args)  # --resume: the checkpoint's configuration; --init-from: its model's
+    if start is not None and more:  # these become the defaults too, so the flags given still win
+        unknown = sorted(set(more) - {f.name for f in fields(Config)})
+        if unknown:
+            parser.error(f"the checkpoint's configuration names no flag: {', '.join(unknown)}")
+        parser = build_parser()  # without the recipe of the task the command line named (--init-from: its own)
+        parser.set_defaults(**more)
         args = parser.parse_args(argv)
     return config_from_args(args), start
 
 
-def _train(cfg: Config, start: dict | None = None) -> int:
+def pre_parse(argv: list[str] | None) -> argparse.Namespace:
+    """--task, --train and --preset alone (anything else, --help included, is left to the full parser)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    for flag in ("--task", "--train", "--preset"):
+        pre.add_argument(flag)
+    return pre.parse_known_args(argv)[0]
+
+
+def _train(cfg: Config, start: dict | None = None, given: frozenset | None = None) -> int:
     try:
-        trainer = build(cfg, start)
+        trainer = build(cfg, start, given)
         if cfg.eval_only:
             scores = evaluate(trainer)
             if trainer.is_main:
@@ -249,7 +263,8 @@ def _train(cfg: Config, start: dict | None = None) -> int:
         finally:
             if trainer.metrics.mirror is not None:
                 trainer.metrics.mirror.close()
-    except (UsageError, DataError, rewards.RewardError, tasks.TaskError, SaveError) as err:
+    except (UsageError, DataError, rewards.RewardError, tasks.TaskError, SaveError, startup.StartupError,
+            ModelError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     except Interrupted as stop:

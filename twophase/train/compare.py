@@ -119,7 +119,7 @@ class Comparison:
                 break
             row = self.train_step(CONTINUED)
             k += 1
-            self.log({"step": self.step + k, "phase": CONTINUED, "continued": k,
+            self.log({"step": self.mle_end + k, "phase": CONTINUED, "continued": k,  # numbered from the branch
                       "since_branch_s": round(time.monotonic() - start, 3), **row})
             scores = None
             if k % cfg.eval_every == 0:
@@ -128,7 +128,7 @@ class Comparison:
 
     def _validate_continued(self, k: int, start: float) -> dict:
         scores = self.validate()
-        self.log({"step": self.step + k, "phase": "eval", "after": CONTINUED, "continued": k,
+        self.log({"step": self.mle_end + k, "phase": "eval", "after": CONTINUED, "continued": k,
                   "since_branch_s": round(time.monotonic() - start, 3), **scores})
         if self.is_main:
             print(f"MLE continued +{k} steps valid " + fmt_scores(scores), flush=True)

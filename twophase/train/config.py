@@ -85,7 +85,9 @@ class Config:
     too_long: str = arg("error", "a TSV line longer than --max-src-len, or whose target does not fit in --max-len "
                                  "with its EOS: 'error' (stop, naming FILE:LINE) or 'skip' (leave out, counted)",
                         choices=("error", "skip"))
-    valid_size: int = arg(0, "validate on the first N validation sources only (0: all)", minimum=0)
+    valid_size: int = arg(0, "validate on the first N validation sources only (0: all); --task karel generates "
+                             "N validation tasks and a test split of 2N instead (0: 500 and 1,000; docs/karel.md)",
+                          minimum=0)
     train_size: int = arg(0, "generated tasks (karel): training programs (0: the task's default)", minimum=0)
     # ---- model
     hf_model: str | None = arg(None, "with --task tsv: train a local Hugging Face folder (save_pretrained of the "
@@ -180,8 +182,9 @@ class Config:
                               "steps (0: never)", minimum=0)
     seed: int = arg(1, "seed of every random number generator")
     device: str = arg("auto", "cpu, cuda, cuda:N, or auto (cuda where available)")
-    save_dir: str = arg("runs/g2p", "where checkpoints and metrics.jsonl are written; a directory that holds "
-                                    "another run is refused unless --resume or --overwrite")
+    save_dir: str | None = arg(None, "where checkpoints and metrics.jsonl are written (default: runs/<task>: "
+                                     "runs/g2p, runs/tsv, runs/karel, or the custom task's name); a directory that "
+                                     "holds another run is refused unless --resume or --overwrite")
     save_every: int = arg(500, "write checkpoint_last.pt (and a step checkpoint) every N steps, and at the end "
                                "of each phase", minimum=1)
     keep_last: int = arg(2, "step checkpoints kept besides checkpoint_last.pt and checkpoint_best.pt", minimum=0)
@@ -351,14 +354,15 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type).split(" ")[0]]
         default = f.default if f.default is not MISSING else None
         # None means "not given"; the help text says what that does where it matters.
-        text = f.metadata["help"] + ("" if default is None else f" (default: {default})")
+        # %(default)s: the help shows the defaults the parser ends with (a task's recipe with --task, a preset's)
+        text = f.metadata["help"].replace("%", "%%") + ("" if default is None else " (default: %(default)s)")
         if f.metadata["parse"] is not None:
             parser.add_argument(_flag(f.name), type=f.metadata["parse"], default=default, help=text)
         elif kind is bool and default:  # on unless --no-FLAG
             parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=True,
-                                help=f.metadata["help"])
+                                help=f.metadata["help"].replace("%", "%%"))
         elif kind is bool:
-            parser.add_argument(_flag(f.name), action="store_true", help=f.metadata["help"])
+            parser.add_argument(_flag(f.name), action="store_true", help=f.metadata["help"].replace("%", "%%"))
         else:
             parser.add_argument(_flag(f.name), type=_typed(f, kind), default=default, choices=f.metadata["choices"],
                                 help=text)

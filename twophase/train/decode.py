@@ -3,7 +3,13 @@
 Loads a checkpoint written by training (weights only: nothing in it is executed), reads one source per line,
 and writes the highest-scoring beam hypothesis per line, in order. Empty lines give empty lines. The
 checkpoint's task reads the sources (split and case-folded as in training) and writes the hypotheses; tokens the
-model never saw are counted on stderr.
+model never saw are counted on stderr. A line the task cannot read or decode (longer than training allowed, out
+of the model's positions, a `collate` that raises) stops the decode with one line naming FILE:LINE.
+
+`--nbest K` writes the K best beam hypotheses of every input line, best first, as K output lines (empty lines
+where the beam found fewer); `--scores` puts each hypothesis' log-probability and a tab before it.
+A task plug-in (`--task module:callable`) is imported from where training found it (the checkpoint records the
+folder), whatever the directory decode runs in.
 """
 from __future__ import annotations
 
@@ -18,8 +24,10 @@ from .config import DEFAULT_BEAM, OneLineParser, config_from_dict
 from .. import tasks
 from ..tasks.base import Example
 from ..tasks.data import DataError, read_lines, split_utf8_lines
-from .evaluation import best_hypotheses
 from .params import load_saved
+from ..plugins import brief
+from ..protocol import ModelError
+from ..search import beam_search
 
 
 def build_parser() -> OneLineParser:
@@ -31,6 +39,11 @@ def build_parser() -> OneLineParser:
                    help=f"beam width (default: {DEFAULT_BEAM}, as training's validation)")
     p.add_argument("--max-len", type=int, default=None, help="longest output (default: the training --max-len)")
     p.add_argument("--batch-size", type=int, default=128, help="sources decoded together (default: 128)")
+    p.add_argument("--nbest", type=int, default=1,
+                   help="write the K best hypotheses of each line, best first, as K lines (default: 1; at most "
+                        "--beam-size)")
+    p.add_argument("--scores", action="store_true",
+                   help="prefix each hypothesis with its log-probability under the model and a tab")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--hf-model", default=None,
                    help="a checkpoint of a --hf-model run: the folder to read the model's config and tokenizer "
@@ -54,7 +67,7 @@ def load_model(path: str, device: torch.device, hf_model: str | None = None):
             raise UsageError(f"--hf-model: {path} was not trained with --hf-model")
         cfg.hf_model = hf_model
     if "task" in state:
-        task = tasks.build(cfg, state["task"]["spec"])
+        task = build_task(cfg, state["task"]["spec"], state["task"].get("origin"))
         task.load_state_dict(state["task"]["state"])
     else:  # written before tasks existed: CMUdict or TSV text, with the vocabularies at the top level
         task = tasks.build(cfg, "tsv" if saved.get("train") else "g2p")
@@ -71,6 +84,22 @@ def load_model(path: str, device: torch.device, hf_model: str | None = None):
     return model.eval(), task, saved
 
 
+def build_task(cfg, spec: str, origin: str | None):
+    """The checkpoint's task; a plug-in module that does not import from here is looked for in the folder
+    training imported it from (`origin`), or the error says where to run."""
+    try:
+        return tasks.build(cfg, spec)
+    except tasks.TaskError as err:
+        if ":" not in spec:
+            raise
+        if origin and Path(origin).is_dir() and origin not in sys.path:
+            sys.path.append(origin)  # as training's working directory (or PYTHONPATH) had it
+            return tasks.build(cfg, spec)
+        where = f"it was trained from {origin}" if origin else "it was trained from another folder"
+        raise tasks.TaskError(f"{err} ({where}: run twophase-decode there, or put the module's folder on "
+                              "PYTHONPATH)") from None
+
+
 def unknown_tokens(task, sources: list) -> str | None:
     """One line for stderr counting the source tokens the model never saw (decoded as <unk>), or None."""
     count, in_lines, examples = 0, 0, []
@@ -85,32 +114,101 @@ def unknown_tokens(task, sources: list) -> str | None:
 
 
 def decode_lines(model, task, lines: list[str], beam_size: int, max_len: int, batch_size: int,
-                 device) -> tuple[list[str], list]:
-    """The best hypothesis of each non-blank line (blank lines give empty lines), as the task formats it, and
-    the parsed sources."""
-    out = [""] * len(lines)
-    todo = [(i, Example(task.parse_source(line))) for i, line in enumerate(lines) if line.strip()]
-    hyps = best_hypotheses(model, task, [ex for _, ex in todo], beam_size, max_len, device, batch_size)
-    for (i, _), hyp in zip(todo, hyps):
-        out[i] = task.format_output(hyp)
+                 device, nbest: int = 1, scores: bool = False, name: str = "<input>") -> tuple[list[str], list]:
+    """The output lines (the best hypothesis of each non-blank line as the task formats it, blank lines for blank
+    lines; with nbest/scores see the module docstring) and the parsed sources. DataError naming name:LINE
+    for a line the task cannot read or decode."""
+    todo = parse_lines(task, lines, max_len, name)
+    found = ranked(model, task, todo, beam_size, nbest, max_len, device, batch_size, name)
+    best = {number: hyps for (number, _), hyps in zip(todo, found)}
+    out = []
+    for number in range(1, len(lines) + 1):
+        hyps = best.get(number, [])
+        if nbest == 1 and not scores:
+            out.append(task.format_output(hyps[0][1]) if hyps else "")
+            continue
+        for k in range(nbest):
+            if k < len(hyps):
+                text = task.format_output(hyps[k][1])
+                out.append(f"{hyps[k][0]:.4f}\t{text}" if scores else text)
+            else:
+                out.append("-inf\t" if scores else "")
     return out, [ex.source for _, ex in todo]
+
+
+def parse_lines(task, lines: list[str], max_len: int, name: str) -> list[tuple[int, Example]]:
+    """(line number, Example) of every non-blank line, read by the task and checked as training checks it."""
+    todo = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            source = task.parse_source(line)
+            problem = task.source_problem(source, max_len)
+        except DataError as err:
+            raise DataError(f"{name}:{number}: {err}") from None
+        except Exception as exc:  # a plug-in's parse_source may raise anything
+            raise DataError(f"{name}:{number}: task '{task.spec}' cannot read this line ({brief(exc)})") from None
+        if problem:
+            raise DataError(f"{name}:{number}: {problem}")
+        todo.append((number, Example(source)))
+    return todo
+
+
+@torch.inference_mode()
+def ranked(model, task, todo: list[tuple[int, Example]], beam_size: int, nbest: int, max_len: int, device,
+           batch_size: int, name: str) -> list[list[tuple[float, str]]]:
+    """The `nbest` best (log-probability, hypothesis) of each example, best first (beam search's order)."""
+    out = []
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start:start + batch_size]
+        try:
+            s = beam_search(model, task.collate([ex for _, ex in batch], device), beam_size, max_len)
+        except ModelError:
+            raise
+        except torch.cuda.OutOfMemoryError:
+            raise UsageError(f"{name}:{batch[0][0]}-{batch[-1][0]}: out of memory decoding {len(batch)} lines "
+                             "together; lower --batch-size (or --beam-size)") from None
+        except Exception as exc:  # a task's collate (or the ids it made) failing on some line
+            raise culprit(model, task, batch, beam_size, max_len, device, name, exc) from None
+        per = [[] for _ in batch]
+        for row, owner, score in zip(s.tokens.tolist(), s.owner.tolist(), s.scores.tolist()):
+            if len(per[owner]) < nbest:
+                per[owner].append((score, task.detokenize(row)))
+        out += per
+    return out
+
+
+def culprit(model, task, batch, beam_size: int, max_len: int, device, name: str, exc: Exception) -> DataError:
+    """The first line of a failed batch that fails alone, as name:LINE with the task's exception."""
+    for number, ex in batch:
+        try:
+            beam_search(model, task.collate([ex], device), beam_size, max_len)
+        except Exception as alone:
+            return DataError(f"{name}:{number}: task '{task.spec}' cannot decode this source ({brief(alone)})")
+    return DataError(f"{name}:{batch[0][0]}-{batch[-1][0]}: task '{task.spec}' cannot decode these lines "
+                     f"together ({brief(exc)})")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        for flag in ("beam_size", "batch_size", "max_len"):
+        for flag in ("beam_size", "batch_size", "max_len", "nbest"):
             value = getattr(args, flag)
             if value is not None and value < 1:
                 raise UsageError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+        if args.nbest > args.beam_size:
+            raise UsageError(f"--nbest {args.nbest}: the beam holds --beam-size {args.beam_size} hypotheses; "
+                             f"raise --beam-size to at least {args.nbest}")
         check_output(args.output)  # before decoding: a typo should not cost the whole decode
         device = pick_device(args.device)
         model, task, cfg = load_model(args.checkpoint, device, args.hf_model)
         lines = read_input(args.input)
         hyps, sources = decode_lines(model, task, lines, args.beam_size, args.max_len or cfg["max_len"],
-                                     args.batch_size, device)
+                                     args.batch_size, device, args.nbest, args.scores,
+                                     "<stdin>" if args.input == "-" else args.input)
         write_output(args.output, "".join(h + "\n" for h in hyps))
-    except (UsageError, DataError, CheckpointError, tasks.TaskError) as err:
+    except (UsageError, DataError, CheckpointError, tasks.TaskError, ModelError) as err:
         print(f"twophase-decode: error: {err}", file=sys.stderr)
         return 2
     report = unknown_tokens(task, sources)

@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from . import distributed
+from ..protocol import ModelError
 from ..rewards import RewardError
 from .evaluation import validate
 from .interrupt import GracefulStop, Interrupted
@@ -45,6 +46,8 @@ class RunLoop:
         self.step_counts = {}  # phase two's decoded prefix-tree nodes and candidate token positions
         try:
             row = self.rl_step() if phase == "rl" else self.mle_step()
+        except ModelError as err:  # NaN log-probabilities, say: the model and the step, never a dropped source
+            raise ModelError(f"step {self.step + 1} [{phase}]: {err}") from None
         except torch.cuda.OutOfMemoryError:
             if distributed.world() > 1:
                 raise  # one process cannot skip alone: the others would wait for it in the all-reduce
@@ -155,8 +158,10 @@ class RunLoop:
         tests[final] = validate(self.model, self.task, self.test, self.reward, cfg.eval_beam, cfg.max_len,
                                 self.device)
         self.summary["test"], self.summary["tests"] = tests[final], tests
+        steps = {"mle": self.mle_end, final: self.step,  # each row carries its model's step
+                 "mle-continued": self.mle_end + self.summary.get("mle-continued", {}).get("steps", 0)}
         for name, scores in tests.items():
-            self.log({"step": self.log_step, "phase": "test", "model": name, **scores})
+            self.log({"step": steps[name], "phase": "test", "model": name, **scores})
             if self.is_main:
                 tqdm.write(f"step {self.step} test ({name}) " + fmt_scores(scores))
 

@@ -35,7 +35,9 @@ def summary_table(summary: dict, metrics=()) -> str:
     if tests:
         sections.append(("test ", tests, scored))
     sections.append(("", {c: summary[c] for c, _ in cols}, OTHER_ROWS))
-    lines = [f"{'':26}" + "".join(f"{title:>16}" for _, title in cols)]
+    # The label column fits the longest label (Karel's "valid passes the 5 spec pairs"), so columns stay aligned.
+    width = max([26] + [len(prefix + label) + 2 for prefix, _, rows in sections for _, label, _ in rows])
+    lines = [" " * width + "".join(f"{title:>16}" for _, title in cols)]
     for prefix, table, rows in sections:
         for key, label, fmt in rows:
             cells = []
@@ -43,8 +45,8 @@ def summary_table(summary: dict, metrics=()) -> str:
                 v = table.get(c, {}).get(key, float("nan"))
                 cells.append(f"{'-' if v != v else fmt.format(v):>16}")
             if any(cell.strip() != "-" for cell in cells):
-                lines.append(f"{prefix + label:26}" + "".join(cells))
-    lines.append(f"{'peak memory':26}{summary.get('peak_memory_mb', float('nan')):>15.0f}M")
+                lines.append(f"{prefix + label:{width}}" + "".join(cells))
+    lines.append(f"{'peak memory':{width}}{summary.get('peak_memory_mb', float('nan')):>15.0f}M")
     return "\n".join(lines)
 
 

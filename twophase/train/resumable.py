@@ -20,7 +20,8 @@ class Resumable:
     def state(self) -> dict:
         return {"model": saved_state(self.model), "optimizer": self.optimizer.state_dict(), "step": self.step,
                 "phase": self.phase_at(self.step - 1) if self.step else "mle", "config": asdict(self.cfg),
-                "task": {"spec": self.task.spec, "state": self.task.state_dict()},
+                "task": {"spec": self.task.spec, "state": self.task.state_dict(),
+                         "origin": getattr(self.task, "origin", None)},  # where a plug-in was imported from
                 "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
                 "mle_batches": self.mle_batches.state_dict() if self.mle_batches else None, "rl_batches": self.rl_batches.state_dict(),
                 "stats": self.stats, "summary": self.summary, "bad_in_a_row": self.bad_in_a_row,

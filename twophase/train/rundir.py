@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -75,15 +76,23 @@ def remove(files: list[Path]) -> None:
             path.unlink(missing_ok=True)
 
 
-def _kept(row: dict, step: int) -> bool:
+def _kept(row: dict, step: int, compared: bool = False) -> bool:
     # Rows of the checkpoint's own step stay (its training row and validation come before the save), except
-    # the test evaluation, which follows the final save and is redone when the resumed run ends.
-    return row.get("step", 0) < step or (row.get("step") == step and row.get("phase") != "test")
+    # the test evaluations, which follow the final save and are redone when the resumed run ends. The
+    # continued-MLE branch's rows are numbered from its branch point (below RL's steps): they stay only with the
+    # comparison they belong to, which a resumed run without it redoes.
+    if row.get("phase") == "test":
+        return False
+    if "mle-continued" in (row.get("phase"), row.get("after")):
+        return compared
+    return row.get("step", 0) <= step
 
 
-def cut_back(path, step: int) -> int:
+def cut_back(path, step: int, compared: bool = False) -> int:
     """Rewrite the JSONL log at `path` keeping its rows up to `step` (see _kept), atomically: a crash leaves the
-    old file or the new one. A torn last line (the process killed mid-write) goes too. Returns rows dropped."""
+    old file or the new one. A torn last line (the process killed mid-write) goes too. `compared`: the
+    checkpoint's --compare-mle branch is done (its rows, numbered from the branch point, stay). Returns rows
+    dropped."""
     path = Path(path)
     if not path.exists():
         return 0
@@ -93,7 +102,7 @@ def cut_back(path, step: int) -> int:
             row = json.loads(line)
         except json.JSONDecodeError:
             row = None
-        if isinstance(row, dict) and _kept(row, step):
+        if isinstance(row, dict) and _kept(row, step, compared):
             kept.append(line + "\n")
         else:
             dropped += 1
@@ -111,6 +120,18 @@ def cut_back(path, step: int) -> int:
                 raise SaveError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
             raise
     return dropped
+
+
+def strict(value):
+    """`value` with every NaN and infinity (nested too) as None: metrics.jsonl is strict JSON, which bare NaN is
+    not (jq, JavaScript and most JSON readers refuse it)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
 
 
 class MetricsLog:
@@ -136,7 +157,8 @@ class MetricsLog:
         stamp = datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
         try:
             with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({**row, "time": stamp, "elapsed_s": round(self.elapsed, 3)}) + "\n")
+                f.write(json.dumps(strict({**row, "time": stamp, "elapsed_s": round(self.elapsed, 3)}),
+                                   allow_nan=False) + "\n")
         except OSError as err:
             raise SaveError(err.errno, f"cannot write {self.path}: {err.strerror or err}") from None
         if self.mirror is not None:

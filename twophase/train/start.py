@@ -23,7 +23,7 @@ def recipe_defaults(args) -> dict:
     except tasks.TaskError:
         factory = None  # reported in one line when the run builds its task
     defaults = dict(getattr(factory, "flag_defaults", None) or {})
-    if args.preset:
+    if args.preset in PRESETS:  # an unknown one is refused by the full parser
         defaults.update(PRESETS[args.preset])
     return defaults
 
@@ -93,7 +93,7 @@ def start_run_dir(trainer, state: dict | None, recipe: dict) -> None:
             print(f"note: continuing from step {trainer.step}: the checkpoints of later steps were moved to {aside} "
                   "(with a copy of metrics.jsonl); nothing was deleted", flush=True)
         for log in rundir.LOGS:
-            rundir.cut_back(trainer.save_dir / log, trainer.log_step)
+            rundir.cut_back(trainer.save_dir / log, trainer.step, trainer.compared)
     runs.write_config(trainer.save_dir, cfg, recipe, runs.resume_path(cfg) or cfg.init_from)
 
 

@@ -31,6 +31,7 @@ from .rewardlog import reward_row
 from .compare import Comparison
 from .loop import RunLoop
 from ..onephase import one_phase_backward, one_phase_search
+from ..protocol import ModelError
 from .profiling import ChunkPlanner, StepProfiler
 from .resumable import Resumable
 from .rundir import MetricsLog
@@ -253,5 +254,8 @@ class Trainer(Resumable, RunLoop, Comparison):
 
     def validate(self) -> dict:
         cfg = self.cfg
-        return validate(self.model, self.task, self.valid, self.reward, cfg.eval_beam, cfg.max_len, self.device,
-                        limit=cfg.valid_size)
+        try:
+            return validate(self.model, self.task, self.valid, self.reward, cfg.eval_beam, cfg.max_len,
+                            self.device, limit=cfg.valid_size)
+        except ModelError as err:
+            raise ModelError(f"validation after step {self.step}: {err}") from None

@@ -83,7 +83,10 @@ class Head:
 class FastPath:
     """The `weighted_score_backward` both wrappers expose (see `twophase.protocol`): their own
     `_weighted_score_backward`, the output layer differentiated by hand, where `self.head` is known; None
-    otherwise, and the library then differentiates `score`."""
+    otherwise, and the library then differentiates `score`. Both ban no token (a pretrained head gives pad
+    some probability; search never proposes it): `bans_specials = False` tells `twophase.check_model`."""
+
+    bans_specials = False
 
     @property
     def weighted_score_backward(self):

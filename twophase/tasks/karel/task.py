@@ -61,6 +61,7 @@ class Karel(Task):
                Metric("syntax_error_rate", "syntax errors", higher_is_better=False),
                Metric("runtime_error_rate", "crashes and time-outs", higher_is_better=False))
     main_metric = "generalization"
+    flags = frozenset({"train_size", "embed_dim", "hidden_size", "dropout"})  # its data is generated
     # The recipe `train.py --task karel` runs (docs/karel.md): MLE, beam-RL, the equal-time MLE control and
     # three test passes in about 15 minutes of one core's time (measured: 7 minutes with 600 RL steps), well
     # within 25 minutes on 2 CPU cores. Hidden 128, not 256: an MLE step at 256 cost 3.5x more. The beam
@@ -109,7 +110,11 @@ class Karel(Task):
         return KarelModel(len(self.vocab), p.rows, p.cols, cfg.embed_dim, cfg.hidden_size, CHANNELS, cfg.dropout)
 
     def collate(self, batch: list[Example], device) -> torch.Tensor:
-        grids = np.stack([np.stack([pair_array(pair) for pair in ex.source]) for ex in batch])  # (B, P, 32, R, C)
+        """(B, P, 32, R, C). Specifications of fewer than P pairs (decode's input lines may differ) repeat their
+        first pair: the model takes the maximum over pairs, which a repeated pair leaves as it was."""
+        P = max(len(ex.source) for ex in batch)
+        grids = np.stack([np.stack([pair_array(pair) for pair in ex.source + (ex.source[0],) * (P - len(ex.source))])
+                          for ex in batch])  # (B, P, 32, R, C)
         return torch.from_numpy(grids).to(device=device, dtype=torch.float32)
 
     def target_ids(self, example: Example) -> list[list[int]]:

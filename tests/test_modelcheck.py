@@ -1,0 +1,149 @@
+"""`twophase.check_model`: every rule broken by a model built for it fails with one line naming the rule; the
+built-in, Karel, foreign and Hugging Face models pass. Also: search refuses NaN log-probabilities (it used to drop
+their rows), and library misuse is a ValueError naming the argument."""
+import pytest
+import torch
+from torch import nn
+
+import foreign_models as fm
+from twophase import ModelError, Samples, beam_search, check_model, greedy, objectives, rescore_backward, sample
+from twophase.models.karel import KarelModel
+from twophase.models.seq2seq import Seq2Seq
+from twophase.vocab import pad_batch
+
+
+class Broken(nn.Module):
+    """A good foreign model whose `step` output is passed through `fix`; `score` optionally shifted."""
+
+    def __init__(self, inner, fix=None, state_fix=None):
+        super().__init__()
+        self.inner, self.fix, self.state_fix = inner, fix, state_fix
+        self.pad_id, self.bos_id, self.eos_id = inner.pad_id, inner.bos_id, inner.eos_id
+
+    def encode(self, source):
+        return self.inner.encode(source)
+
+    def init_state(self, enc, owner):
+        return self.inner.init_state(enc, owner)
+
+    def step(self, enc, owner, prev, state):
+        state, logp = self.inner.step(enc, owner, prev, state if self.state_fix is None else self.state_fix(state))
+        return state, logp if self.fix is None else self.fix(logp)
+
+
+class WrongScore(fm.ScoredFeatureDecoder):
+    def score(self, enc, tokens, owner):
+        return super().score(enc, tokens, owner) + 0.5
+
+
+def _transformer(**kwargs):
+    return fm.make("transformer", **kwargs), fm.sources("transformer")
+
+
+def _rule(model, source, targets=None) -> str:
+    with pytest.raises(ModelError) as err:
+        check_model(model, source, targets)
+    lines = str(err.value).splitlines()
+    assert all(line.startswith("model check: ") for line in lines)
+    return lines[0]
+
+
+@pytest.mark.parametrize("fix, rule", [
+    (lambda logp: logp + 3, "normalised"),  # log_softmax + 3
+    (lambda logp: logp.exp(), "normalised"),  # probabilities
+    (lambda logp: logp.index_fill(1, torch.tensor([0]), float("nan")), "finite"),
+    (lambda logp: logp[:3], "shapes"),  # fewer rows than asked for
+])
+def test_a_broken_distribution_is_named(fix, rule):
+    inner, source = _transformer()
+    line = _rule(Broken(inner, fix), source)
+    assert line.startswith(f"model check: {rule}: Broken.")
+
+
+def test_one_column_short_is_named_against_the_targets():
+    """(N, V-1), renormalised: only the ids the task uses can tell (the model has no vocab_size)."""
+    inner, source = _transformer()
+    model = Broken(inner, lambda logp: logp[:, :-1].log_softmax(-1))
+    tgt = torch.tensor([[3, 5, 2], [4, 2, 0]])  # (R, T) the last id, 5, is one the model cannot produce
+    refs = Samples.of_targets(tgt, torch.tensor([0, 1]), 0, 2)
+    assert _rule(model, source, refs) == ("model check: vocabulary: Broken.step returns 5 log-probabilities per "
+                                          "row, but a target id is 5")
+
+
+def test_pad_or_bos_given_probability_is_named():
+    model, source = _transformer(mask_specials=False)
+    assert _rule(model, source).startswith("model check: specials: FeatureDecoder.step gives pad_id/bos_id [0, 1]")
+
+
+def test_a_score_that_disagrees_with_step_is_named():
+    torch.manual_seed(0)
+    model = fm._scaled(WrongScore(), 2.0)
+    assert _rule(model, fm.sources("transformer")).startswith("model check: score: WrongScore.score differs")
+
+
+def test_a_state_that_is_not_reorderable_is_named():
+    inner, source = fm.make("end-is-pad"), fm.sources("end-is-pad")
+    model = Broken(inner, state_fix=lambda h: h.roll(1, 0))  # each row reads its neighbour's state
+    assert _rule(model, source).startswith("model check: reorder: Broken.")
+
+
+@pytest.mark.parametrize("name", ["transformer", "scored-transformer", "gru", "end-is-pad"])
+def test_foreign_models_pass(name):
+    model = fm.make(name)
+    check_model(model, fm.sources(name))
+    assert model.training  # the check ran in evaluation mode and gave the mode back
+
+
+def test_builtin_models_pass():
+    torch.manual_seed(0)
+    lstm = Seq2Seq(9, 8, 6, 8)
+    refs = Samples.of_targets(torch.tensor([[4, 5, 2], [6, 2, 0]]), torch.tensor([0, 1]), 0, 2)
+    check_model(lstm, pad_batch([[4, 5, 6], [7]]), refs)
+    karel = KarelModel(12, 4, 4, 6, 8, (4, 4), 0.0)
+    check_model(karel, torch.rand(2, 3, 32, 4, 4))
+
+
+def test_hugging_face_wrappers_pass():
+    pytest.importorskip("transformers")
+    import hf_tiny
+    from twophase.models.hf import HFSeq2Seq
+    model = HFSeq2Seq(hf_tiny.seq2seq("t5"))  # pad gets probability: the wrapper leaves it to search
+    source = {"input_ids": torch.tensor([[4, 5, 1], [6, 1, 0]]), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    check_model(model, source)
+
+
+def test_search_refuses_nan_instead_of_dropping_the_source():
+    inner, source = _transformer()
+    model = Broken(inner, lambda logp: torch.where(torch.arange(len(logp))[:, None] == 0, float("nan"), logp))
+    for search in (lambda: beam_search(model, source, 2, 4), lambda: greedy(model, source, 4),
+                   lambda: sample(model, source, 2, 4, generator=torch.Generator().manual_seed(0))):
+        with pytest.raises(ModelError, match="^Broken returned NaN log-probabilities"):
+            search()
+
+
+def test_impossible_rows_are_still_dropped():
+    """-inf stays legal: a source whose every continuation but eos is banned keeps its finite rows only."""
+    inner, source = _transformer()
+
+    def only_eos(logp):
+        return torch.full_like(logp, float("-inf")).index_fill(1, torch.tensor([inner.eos_id]), 0.0)
+    s = beam_search(Broken(inner, only_eos), source, 3, 4)
+    assert len(s) == 3 and bool((s.scores == 0).all())  # one row per source: the other beams were impossible
+
+
+def test_library_misuse_names_the_argument():
+    model, source = _transformer()
+    with pytest.raises(ValueError, match="^beam_size must be an integer >= 1, got 0"):
+        beam_search(model, source, 0, 4)
+    with pytest.raises(ValueError, match="^temperature must be a finite number > 0, got 0"):
+        sample(model, source, 2, 4, temperature=0)
+    owner = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="^num_sources=2 is smaller than the owners"):
+        objectives.mle(owner, 2)
+    with pytest.raises(ValueError, match="^num_sources=2"):
+        objectives.reinforce(torch.ones(3), owner, 2)
+    s = beam_search(model, source, 2, 4)
+    c = torch.zeros(len(s), dtype=torch.float64)
+    c[1] = float("nan")
+    with pytest.raises(ValueError, match="^coefficients must be finite; row 1 is nan"):
+        rescore_backward(model, source, s, c, chunk_size=4)
