@@ -186,6 +186,27 @@ def test_leave_out_ratios_equal_exact_enumeration(probs):
     torch.testing.assert_close(got2, want2, rtol=0, atol=1e-9)
 
 
+def test_unordered_set_coefficients_equal_the_ratio_matrix_formula():
+    """The O(K M) leave-one-out sums give the paper's formula written with the whole (K, K) matrix R2: sources of
+    1 to 6 candidates (padding), rewards of both signs, probabilities from 1e-30 to 0.6."""
+    g = torch.Generator().manual_seed(3)
+    counts = [1, 2, 3, 6, 4]
+    owner = torch.arange(len(counts)).repeat_interleave(torch.tensor(counts))
+    lp = torch.log_softmax(torch.randn(len(counts), 8, generator=g, dtype=torch.float64) * 3, 1)
+    lp[3, 5] = -69.0  # p = 1e-30
+    scores = torch.cat([lp[b, :k] for b, k in enumerate(counts)])
+    r = torch.randn(len(owner), generator=g, dtype=torch.float64) * 2 - 1
+    got = estimators.unordered_set(r, scores, owner, len(counts))
+    want = []
+    for b, k in enumerate(counts):
+        rows = (owner == b).nonzero().squeeze(1)
+        log_r1, log_r2 = estimators.leave_out_ratios(scores[rows][None])
+        p, rb = scores[rows].exp(), r[rows]
+        base = (p[None, :] * log_r2[0].exp() * rb[None, :]).sum(1) if k > 1 else torch.zeros(1, dtype=torch.float64)
+        want.append(-p * log_r1[0].exp() * (rb - base) / len(counts))
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-9, atol=1e-14)
+
+
 def _rewards(n: int) -> torch.Tensor:
     return torch.rand(n, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
 

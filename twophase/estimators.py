@@ -23,9 +23,11 @@ P(S) and its leave-outs need no enumeration of the K! orders. With the mass outs
 p_j / m (which removing elements of S from D and renormalising leaves unchanged), the exponential-race form gives
 P^{D\\A}(S\\A) = int_0^1 prod_{j in S\\A} (1 - u^{a_j}) du = int exp(y - e^y) prod_{j in S\\A} (1 - exp(-a_j e^y)) dy
 after u = exp(-e^y). That integrand is smooth and decays doubly exponentially at +inf and exponentially at -inf,
-where the trapezoid rule converges geometrically in the step: a fixed grid of M = 441 points (step 0.1) gives
-every ratio to ~1e-12 relative (tested against enumeration). All K^2 ratios come from one grid, in log space:
-cost O(K^2 M) per source (measured in docs/sbs.md), memory bounded by processing sources in blocks.
+where the trapezoid rule converges geometrically in the step: a fixed grid of step 0.2, narrowed like 1/sqrt(K)
+past K = 7 as the integrand's peak narrows (`_grid`), gives every ratio to ~1e-13 relative (tested against exact
+enumeration; step 0.3 gives 1e-10, 0.4 1e-7; at K = 64 against a 4x finer grid), in log space. The estimator needs R(S, s) and,
+per s, one leave-one-out sum over s' at each grid point, never the K^2 ratios R2: cost O(K M) per source
+(measured in docs/sbs.md), memory bounded by processing sources in blocks.
 
 Letters: B sources, N candidate rows, K candidates of a source (padded to the largest), M grid points.
 """
@@ -39,8 +41,8 @@ from torch import Tensor
 from .objectives import group_sum
 from .sbs import log1mexp
 
-STEP, LOW = 0.1, -36.0  # the trapezoid grid in y (see `_grid`)
-BLOCK_ELEMENTS = 2**22  # float64 elements of one block's (n, K, K, M) log-integrands: 32 MiB
+STEP, LOW = 0.2, -36.0  # the trapezoid grid in y (see `_grid`)
+BLOCK_ELEMENTS = 2**20  # float64 elements of one of a block's (n, K, M) log-integrands: 8 MiB
 
 
 def log_inclusion(scores: Tensor, threshold: Tensor) -> Tensor:
@@ -75,7 +77,7 @@ def unordered_set(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: i
                                                     device=log_p.device))  # (B, K)
     rs = torch.where(mask, r[index], torch.zeros_like(lp))  # (B, K)
     K = lp.shape[1]
-    per_block = max(1, BLOCK_ELEMENTS // max(1, K * K * len(_grid(K, lp.device))))
+    per_block = max(1, BLOCK_ELEMENTS // max(1, K * len(_grid(K, lp.device))))
     coef = torch.cat([_unordered_block(lp[b:b + per_block], rs[b:b + per_block])
                       for b in range(0, num_sources, per_block)]) if num_sources else lp  # (B, K)
     out = torch.zeros_like(r)
@@ -84,30 +86,51 @@ def unordered_set(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: i
 
 
 def _unordered_block(lp: Tensor, r: Tensor) -> Tensor:
-    """(n, K) -p_s R(S, s) (r_s - b_s) for n sources' padded log-probabilities lp (n, K) (-inf: no row)."""
-    log_r1, log_r2 = leave_out_ratios(lp)  # (n, K), (n, K, K)
+    """(n, K) -p_s R(S, s) (r_s - b_s) for n sources' padded log-probabilities lp (n, K) (-inf: no row), in
+    O(K M): b_s needs only sum_{s' != s} p_s' r_s' R2(s, s'), one leave-one-out sum per grid point
+    (`_log_sum_others`), never the (K, K) matrix. The baseline is affine in the rewards
+    (p_s + sum_{s' != s} p_s' R2(s, s') = 1), so the rewards are shifted to be >= 0 for the log-space sums."""
+    mask = torch.isfinite(lp)  # (n, K)
+    l, total = _log_factors(lp)  # (n, K, M), (n, M)
+    without = total[:, None, :] - l  # (n, K, M) log integrand of P^{D\s}(S\s)
+    log_i1 = torch.logsumexp(without, dim=2)  # (n, K); the step h cancels in every ratio
+    log_r1 = log_i1 - torch.logsumexp(total, dim=1)[:, None]  # (n, K) log R(S, s)
+    shift = torch.where(mask, r, torch.full_like(r, math.inf)).amin(dim=1, keepdim=True)  # (n, 1)
+    up = torch.where(mask, r - shift, torch.zeros_like(r))  # (n, K) >= 0
+    log_w = torch.where(mask & (up > 0), lp + up.log(), torch.full_like(lp, float("-inf")))  # (n, K) log p r'
+    others = _log_sum_others(log_w[..., None] - l)  # (n, K, M) log sum_{s' != s} p_s' r'_s' / f_s'(y)
+    log_rest = torch.logsumexp(without + others, dim=2) - log_i1  # (n, K) log sum_{s' != s} p_s' R2 r'_s'
     p = torch.exp(lp)  # (n, K), 0 at padding
-    k = torch.isfinite(lp).sum(dim=1, keepdim=True)  # (n, 1) candidates of each source
-    base = (p[:, None, :] * torch.exp(log_r2) * r[:, None, :]).sum(dim=2)  # (n, K): b_s
+    base = p * up + torch.exp(log_rest) + shift  # (n, K) b_s
+    k = mask.sum(dim=1, keepdim=True)  # (n, 1) candidates of each source
     base = torch.where(k > 1, base, torch.zeros_like(base))  # one sample has no other to estimate E[r] from
-    return -p * torch.exp(log_r1) * (r - base)
+    return torch.where(mask, -p * torch.exp(log_r1) * (r - base), torch.zeros_like(p))
+
+
+def _log_sum_others(z: Tensor) -> Tensor:
+    """(n, K, M): log sum_{j != s} exp(z_j) over dim 1 without cancellation: scaled by the largest z, whose term
+    (1) stays in every sum but its own, so removing one term loses at most a factor 2 of relative precision; the
+    largest's own sum is taken directly, scaled by the second largest."""
+    n, K, M = z.shape
+    if K == 1:
+        return torch.full_like(z, float("-inf"))
+    z = z.clamp(min=-1e30)  # -inf (a zero term) as a finite sentinel: exp(-1e30 - z_max) = 0, and no nan
+    top = z.topk(2, dim=1)  # (n, 2, M)
+    first, second = top.values[:, :1], top.values[:, 1:]  # (n, 1, M) each
+    e = torch.exp(z - first)  # (n, K, M) <= 1
+    others = torch.log((e.sum(dim=1, keepdim=True) - e).clamp(min=0)) + first  # right for every s but the top
+    is_top = torch.zeros_like(z, dtype=torch.bool).scatter_(1, top.indices[:, :1], True)  # (n, K, M)
+    rest = torch.exp(z - second).masked_fill(is_top, 0.0).sum(dim=1, keepdim=True)  # (n, 1, M) >= 1
+    return torch.where(is_top, torch.log(rest) + second, others)
 
 
 def leave_out_ratios(lp: Tensor) -> tuple[Tensor, Tensor]:
     """log R(S, s) (n, K) and log R2(s, s') (n, K, K) (diagonal 0) of sets with log-probabilities lp (n, K),
-    -inf marking padding (whose entries are meaningless); by the trapezoid rule on `_grid`, in log space."""
-    mask = torch.isfinite(lp)  # (n, K)
-    lse = torch.logsumexp(lp, dim=1, keepdim=True).clamp(max=0.0)  # (n, 1) log sum_S p, <= 0 despite rounding
-    log_m = log1mexp(lse)  # (n, 1) log of the mass outside S; -inf when S holds it all (every ratio is then 1)
-    log_a = torch.where(mask, lp - log_m, torch.zeros_like(lp))  # (n, K) log a_j (+inf when m = 0)
-    y = _grid(lp.shape[1], lp.device)  # (M,)
-    x = log_a[..., None] + y  # (n, K, M) log(a_j e^y)
-    # log(1 - exp(-a e^y)); below e^-20 its series, so that tiny a_j never underflow to log 0
-    l = torch.where(x < -20, x - torch.exp(x) / 2, log1mexp(-torch.exp(x.clamp(min=-20))))
-    l = torch.where(mask[..., None], l, torch.zeros_like(l))  # padding: a factor 1
-    total = (y - torch.exp(y)) + l.sum(dim=1)  # (n, M) log integrand of P(S)
+    -inf marking padding (whose entries are meaningless): the whole (K, K) matrix, in O(K^2 M), which the
+    estimator never forms (`_unordered_block`); for tests and inspection."""
+    l, total = _log_factors(lp)  # (n, K, M), (n, M)
     without = total[:, None, :] - l  # (n, K, M) of P^{D\s}(S\s)
-    log_i0 = torch.logsumexp(total, dim=1)  # (n,), the step h cancels in every ratio
+    log_i0 = torch.logsumexp(total, dim=1)  # (n,)
     log_i1 = torch.logsumexp(without, dim=2)  # (n, K)
     log_i2 = torch.logsumexp(without[:, :, None, :] - l[:, None, :, :], dim=3)  # (n, K, K) of P^{D\{s,s'}}
     eye = torch.eye(lp.shape[1], dtype=torch.bool, device=lp.device)
@@ -115,11 +138,29 @@ def leave_out_ratios(lp: Tensor) -> tuple[Tensor, Tensor]:
     return log_i1 - log_i0[:, None], log_r2
 
 
+def _log_factors(lp: Tensor) -> tuple[Tensor, Tensor]:
+    """The log integrands on `_grid`: l (n, K, M) = log(1 - exp(-a_j e^y)) (0 at padding) and total (n, M) =
+    y - e^y + sum_j l_j, that of P(S)."""
+    mask = torch.isfinite(lp)  # (n, K)
+    lse = torch.logsumexp(lp, dim=1, keepdim=True).clamp(max=0.0)  # (n, 1) log sum_S p, <= 0 despite rounding
+    log_m = log1mexp(lse)  # (n, 1) log of the mass outside S; -inf when S holds it all (every ratio is then 1)
+    log_a = torch.where(mask, lp - log_m, torch.zeros_like(lp))  # (n, K) log a_j (+inf when m = 0)
+    y = _grid(lp.shape[1], lp.device)  # (M,)
+    x = log_a[..., None] + y  # (n, K, M) log(a_j e^y)
+    # log(1 - exp(-u)), u = a_j e^y: below u = e^-20 its series, so that tiny a_j never underflow to log 0; for
+    # large u, 1 - exp(-u) rounds to 1 and l to 0, an absolute error below 1e-16 in a log integrand
+    l = torch.where(x < -20, x - torch.exp(x) / 2, torch.log(-torch.expm1(-torch.exp(x.clamp(min=-20)))))
+    l = torch.where(mask[..., None], l, torch.zeros_like(l))  # padding: a factor 1
+    return l, (y - torch.exp(y)) + l.sum(dim=1)
+
+
 def _grid(K: int, device) -> Tensor:
-    """(M,) the y grid, step 0.1: from -36 (below it lies < e^-35 of any integrand's mass: it falls at least like
-    e^y) to log(40 (K+1)), beyond which exp(-e^y) leaves < e^-35 of it even where all K factors still grow like
-    a_j e^y (M = 441 for K = 64)."""
-    return torch.arange(LOW, math.log(40 * (K + 1)) + STEP, STEP, dtype=torch.float64, device=device)
+    """(M,) the y grid: from -36 (below it lies < e^-35 of any integrand's mass: it falls at least like e^y) to
+    log(40 (K+1)), beyond which exp(-e^y) leaves < e^-35 of it even where all K factors still grow like a_j e^y.
+    The step is STEP up to K = 7, then STEP sqrt(8 / (K+1)): where every a_j is small the integrand peaks like
+    e^{(K+1) y - e^y}, at e^y = K+1 with a width 1/sqrt(K+1) in y (M = 217 for K = 8, 630 for K = 64)."""
+    step = STEP * min(1.0, math.sqrt(8 / (K + 1)))
+    return torch.arange(LOW, math.log(40 * (K + 1)) + step, step, dtype=torch.float64, device=device)
 
 
 def _by_source(owner: Tensor, num_sources: int) -> tuple[Tensor, Tensor]:
