@@ -97,7 +97,8 @@ def _unordered_block(lp: Tensor, r: Tensor) -> Tensor:
     log_r1 = log_i1 - torch.logsumexp(total, dim=1)[:, None]  # (n, K) log R(S, s)
     shift = torch.where(mask, r, torch.full_like(r, math.inf)).amin(dim=1, keepdim=True)  # (n, 1)
     up = torch.where(mask, r - shift, torch.zeros_like(r))  # (n, K) >= 0
-    log_w = torch.where(mask & (up > 0), lp + up.log(), torch.full_like(lp, float("-inf")))  # (n, K) log p r'
+    # (n, K) log p r', a zero term as the finite -1e30 (exp(-1e30 - anything finite) = 0, and no nan)
+    log_w = torch.where(mask & (up > 0), lp + up.log(), torch.full_like(lp, -1e30))
     others = _log_sum_others(log_w[..., None] - l)  # (n, K, M) log sum_{s' != s} p_s' r'_s' / f_s'(y)
     log_rest = torch.logsumexp(without + others, dim=2) - log_i1  # (n, K) log sum_{s' != s} p_s' R2 r'_s'
     p = torch.exp(lp)  # (n, K), 0 at padding
@@ -108,17 +109,16 @@ def _unordered_block(lp: Tensor, r: Tensor) -> Tensor:
 
 
 def _log_sum_others(z: Tensor) -> Tensor:
-    """(n, K, M): log sum_{j != s} exp(z_j) over dim 1 without cancellation: scaled by the largest z, whose term
-    (1) stays in every sum but its own, so removing one term loses at most a factor 2 of relative precision; the
-    largest's own sum is taken directly, scaled by the second largest."""
+    """(n, K, M): log sum_{j != s} exp(z_j) over dim 1 (z finite) without cancellation: scaled by the largest z,
+    whose term (1) stays in every sum but its own, so removing one term loses at most a factor 2 of relative
+    precision; the largest's own sum is taken directly, scaled by the second largest."""
     n, K, M = z.shape
     if K == 1:
         return torch.full_like(z, float("-inf"))
-    z = z.clamp(min=-1e30)  # -inf (a zero term) as a finite sentinel: exp(-1e30 - z_max) = 0, and no nan
     top = z.topk(2, dim=1)  # (n, 2, M)
     first, second = top.values[:, :1], top.values[:, 1:]  # (n, 1, M) each
     e = torch.exp(z - first)  # (n, K, M) <= 1
-    others = torch.log((e.sum(dim=1, keepdim=True) - e).clamp(min=0)) + first  # right for every s but the top
+    others = torch.log(e.sum(dim=1, keepdim=True) - e) + first  # >= 1 inside the log for every s but the top
     is_top = torch.zeros_like(z, dtype=torch.bool).scatter_(1, top.indices[:, :1], True)  # (n, K, M)
     rest = torch.exp(z - second).masked_fill(is_top, 0.0).sum(dim=1, keepdim=True)  # (n, 1, M) >= 1
     return torch.where(is_top, torch.log(rest) + second, others)
@@ -147,9 +147,9 @@ def _log_factors(lp: Tensor) -> tuple[Tensor, Tensor]:
     log_a = torch.where(mask, lp - log_m, torch.zeros_like(lp))  # (n, K) log a_j (+inf when m = 0)
     y = _grid(lp.shape[1], lp.device)  # (M,)
     x = log_a[..., None] + y  # (n, K, M) log(a_j e^y)
-    # log(1 - exp(-u)), u = a_j e^y: below u = e^-20 its series, so that tiny a_j never underflow to log 0; for
-    # large u, 1 - exp(-u) rounds to 1 and l to 0, an absolute error below 1e-16 in a log integrand
-    l = torch.where(x < -20, x - torch.exp(x) / 2, torch.log(-torch.expm1(-torch.exp(x.clamp(min=-20)))))
+    # log(1 - exp(-u)), u = a_j e^y: expm1 keeps tiny u exact down to u = e^-700, below which l = log u (before u
+    # would underflow to 0); for large u, 1 - exp(-u) rounds to 1 and l to 0, an absolute error < 1e-16
+    l = torch.where(x < -700, x, torch.log(-torch.expm1(-torch.exp(x))))
     l = torch.where(mask[..., None], l, torch.zeros_like(l))  # padding: a factor 1
     return l, (y - torch.exp(y)) + l.sum(dim=1)
 
