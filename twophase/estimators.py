@@ -16,7 +16,8 @@ Unordered set estimator (Kool et al., ICLR 2020). With P(S) the probability of d
 and R(S, s) = P^{D\\s}(S\\{s}) / P(S) (the leave-one-out ratio; D\\s: the space without s, renormalised),
 sum_{s in S} p_s R(S, s) f(s) is unbiased, and its built-in baseline estimates E[r] from the other K-1 samples:
 
-    b_s = p_s r_s + sum_{s' in S, s' != s} p_s' R2(s, s') r_s',   R2(s, s') = P^{D\\{s,s'}}(S\\{s,s'}) / P^{D\\s}(S\\{s}),
+    b_s = p_s r_s + sum_{s' in S, s' != s} p_s' R2(s, s') r_s',
+    R2(s, s') = P^{D\\{s,s'}}(S\\{s,s'}) / P^{D\\s}(S\\{s}),
     c_s = -p_s R(S, s) (r_s - b_s) / B                           (unbiased for K >= 2; b = 0 for K = 1).
 
 P(S) and its leave-outs need no enumeration of the K! orders. With the mass outside S, m = 1 - sum_S p, and a_j =
@@ -25,9 +26,9 @@ P^{D\\A}(S\\A) = int_0^1 prod_{j in S\\A} (1 - u^{a_j}) du = int exp(y - e^y) pr
 after u = exp(-e^y). That integrand is smooth and decays doubly exponentially at +inf and exponentially at -inf,
 where the trapezoid rule converges geometrically in the step: a fixed grid of step 0.2, narrowed like 1/sqrt(K)
 past K = 7 as the integrand's peak narrows (`_grid`), gives every ratio to ~1e-13 relative (tested against exact
-enumeration; step 0.3 gives 1e-10, 0.4 1e-7; at K = 64 against a 4x finer grid), in log space. The estimator needs R(S, s) and,
-per s, one leave-one-out sum over s' at each grid point, never the K^2 ratios R2: cost O(K M) per source
-(measured in docs/sbs.md), memory bounded by processing sources in blocks.
+enumeration; step 0.3 gives 1e-10, 0.4 1e-7; at K = 64 against a 4x finer grid), in log space. The estimator needs
+R(S, s) and, per s, one leave-one-out sum over s' at each grid point, never the K^2 ratios R2: cost O(K M) per
+source, M ~ sqrt(K) (measured in docs/sbs.md), memory bounded by processing sources in blocks.
 
 Letters: B sources, N candidate rows, K candidates of a source (padded to the largest), M grid points.
 """
