@@ -26,7 +26,7 @@ def _eos_model(seed, eos_bias):
 def _spy(monkeypatch):
     """Record, for every compacted step, (sources, open rows, their rows) summed over its blocks."""
     steps = []
-    step, extensions = search._compact_step, search._best_open_extensions
+    step, extensions = search._compact_step, search._open_extensions
 
     def step_spy(*args):
         steps.append((0, 0, 0))
@@ -37,7 +37,7 @@ def _spy(monkeypatch):
         return extensions(model, h, scores, at)
 
     monkeypatch.setattr(search, "_compact_step", step_spy)
-    monkeypatch.setattr(search, "_best_open_extensions", extensions_spy)
+    monkeypatch.setattr(search, "_open_extensions", extensions_spy)
     return steps
 
 

@@ -4,15 +4,17 @@ Phase one searches (beam or sampling) without a graph; phase two re-decodes the 
 chunks, back-propagating per-sequence coefficients. Any model that follows `SequenceModel` (twophase.protocol)
 can be trained; the built-in LSTM is `twophase.Seq2Seq`. See README.md.
 """
-from . import objectives, rewards, tree, vocab
+from . import estimators, objectives, rewards, tree, vocab
 from .modelcheck import check_model
 from .protocol import ModelError, SequenceModel
 from .rescoring import rescore_backward
 from .samples import Samples, best_rows
+from .sbs import stochastic_beam_search
 from .search import beam_search, greedy, sample
 
 __all__ = ["SequenceModel", "ModelError", "check_model", "Seq2Seq", "Samples", "beam_search", "sample", "greedy",
-           "rescore_backward", "best_rows", "tree", "vocab", "rewards", "objectives"]
+           "stochastic_beam_search", "rescore_backward", "best_rows", "tree", "vocab", "rewards", "objectives",
+           "estimators"]
 
 
 def __getattr__(name: str):

@@ -1,8 +1,9 @@
 """The one-phase baseline: search with the autograd graph of every decoding step kept, then one backward.
 
 This is what sequence-level RL costs without twophase, kept for comparison (`--one-phase`, `twophase.bench`):
-`one_phase_beam_search` / `one_phase_sample` run the very loops of `twophase.search` (same model functions,
-same tie-breaking, same generator draws) with gradients enabled, so they return the same candidates as phase one
+`one_phase_beam_search` / `one_phase_sample` / `one_phase_stochastic_beam_search` run the very loops of
+`twophase.search` and `twophase.sbs` (same model functions, same tie-breaking, same generator draws) with gradients
+enabled, so they return the same candidates as phase one
 plus their sequence log-probabilities WITH the graph of the whole search, beam reorders included.
 `one_phase_backward` then back-propagates sum_i c_i log p_i in one go: the same gradient `rescore_backward`
 computes, but the graph of all N rows times T steps (each holding a (N, V) log-softmax) is alive at once.
@@ -18,12 +19,13 @@ import torch
 from torch import Tensor
 
 from .protocol import scoring_mode
+from .sbs import _stochastic_beam_search
 from .search import Samples, _beam_search, _finish, _sample
 
 
-def _with_graph(model, found: tuple[Tensor, Tensor, Tensor]) -> tuple[Samples, Tensor]:
+def _with_graph(model, found: tuple[Tensor, Tensor, Tensor], **extra: Tensor) -> tuple[Samples, Tensor]:
     """Split the loop's output into plain Samples (detached scores, as phase one gives them) and the graph."""
-    samples = _finish(model, *found)
+    samples = _finish(model, *found, **extra)
     log_probs = samples.scores  # (N,) with the search's graph
     samples.scores = log_probs.detach()
     return samples, log_probs
@@ -43,12 +45,23 @@ def one_phase_sample(model, source, num_samples: int, max_len: int, temperature:
         return _with_graph(model, _sample(model, source, num_samples, max_len, temperature, generator))
 
 
+def one_phase_stochastic_beam_search(model, source, num_samples: int, max_len: int,
+                                     generator: torch.Generator | None = None) -> tuple[Samples, Tensor]:
+    """`sbs.stochastic_beam_search` with gradients: the same draws for the same generator state, and their (N,)
+    log-probabilities with graph."""
+    with torch.enable_grad(), scoring_mode(model):
+        *found, g = _stochastic_beam_search(model, source, num_samples, max_len, generator)
+        return _with_graph(model, tuple(found), perturbed=g.perturbed.reshape(-1), threshold=g.threshold[found[2]])
+
+
 def one_phase_search(model, source, sampler: str, num: int, max_len: int, temperature: float = 1.0,
                      generator: torch.Generator | None = None) -> tuple[Samples, Tensor]:
-    """--one-phase's phase one: `num` candidates per source from sampler 'beam' or 'sample', and their
+    """--one-phase's phase one: `num` candidates per source from sampler 'beam', 'sample' or 'sbs', and their
     log-probabilities with the graph of the whole search."""
     if sampler == "beam":
         return one_phase_beam_search(model, source, num, max_len)
+    if sampler == "sbs":
+        return one_phase_stochastic_beam_search(model, source, num, max_len, generator)
     return one_phase_sample(model, source, num, max_len, temperature, generator)
 
 

@@ -32,8 +32,11 @@ class _Decoder:
     with its own `advance` and `log_probs` computes the latter per slice, so no (N, V) tensor exists at once;
     otherwise `step`'s (N, V) result is sliced. Search never proposes pad_id or bos_id, unless it is eos_id."""
 
-    def __init__(self, model):
+    def __init__(self, model, choose=None):
         self.model = model
+        # choose(cand (n, K*V), K, sources (n,)) -> ((n, K) scores, (n, K) flat indices): which extensions each
+        # source keeps; beam search keeps the K most probable, stochastic beam search (`twophase.sbs`) others.
+        self.choose = choose if choose is not None else _top_k
         self.split = callable(getattr(model, "advance", None)) and callable(getattr(model, "log_probs", None))
         self.last = None
         self.specials = None
@@ -77,6 +80,8 @@ def _check_count(name: str, value, minimum: int = 1) -> None:
     """Misuse named in one line (a beam of 0 used to fail inside topk, a temperature of 0 with NaN draws)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _top_k(cand: Tensor, K: int, sources: Tensor):
+    return cand.topk(K, dim=1)
 
 
 def _score_dtype(logp: Tensor) -> torch.dtype:
@@ -84,15 +89,16 @@ def _score_dtype(logp: Tensor) -> torch.dtype:
     return torch.promote_types(logp.dtype, torch.float32)
 
 
-def _finish(model, tokens: Tensor, scores: Tensor, owner: Tensor) -> Samples:
-    """Drop impossible rows (score -inf; `check_finite` refused NaN and +inf), trim trailing padding columns.
-    Runs outside inference mode: the clones are ordinary tensors, which phase two may save for backward (it
-    embeds these tokens)."""
+def _finish(model, tokens: Tensor, scores: Tensor, owner: Tensor, **extra: Tensor) -> Samples:
+    """Drop impossible rows (score -inf; `check_finite` refused NaN and +inf), trim trailing padding columns;
+    `extra` (N,) row fields of `Samples` follow the rows. Runs outside inference mode: the clones are ordinary
+    tensors, which phase two may save for backward (it embeds these tokens)."""
     keep = ~torch.isneginf(scores)
     tokens, scores, owner = tokens[keep], scores[keep], owner[keep]
     lengths = target_mask(tokens, model.pad_id, model.eos_id).sum(dim=1)
     T = int(lengths.max()) if len(lengths) else 0
-    return Samples(tokens[:, :T].clone(), lengths.clone(), owner.clone(), scores.clone())
+    return Samples(tokens[:, :T].clone(), lengths.clone(), owner.clone(), scores.clone(),
+                   **{k: v[keep].clone() for k, v in extra.items()})
 
 
 def beam_search(model, source, beam_size: int, max_len: int) -> Samples:
@@ -104,15 +110,17 @@ def beam_search(model, source, beam_size: int, max_len: int) -> Samples:
     return _finish(model, *found)
 
 
-def _beam_search(model, source, beam_size: int, max_len: int):
+def _beam_search(model, source, beam_size: int, max_len: int, choose=None):
     """The search loop under the caller's grad mode: phase one runs it in inference mode, `onephase` with a
     graph, so both find the same candidates. Hence no in-place writes into tensors autograd may have saved.
-    Once COMPACT_AT of the rows finished, steps skip them (`_compact_step`): the same candidates, less work."""
+    Once COMPACT_AT of the rows finished, steps skip them (`_compact_step`): the same candidates, less work.
+    `choose(B, K, device)`, where given, makes the choice of each step's extensions (see `_Decoder`) that
+    replaces the top K."""
     _check_count("beam_size", beam_size)
     _check_count("max_len", max_len, minimum=0)
     enc = model.encode(source)
     B, K, device = num_sources(enc), beam_size, tree.device_of(enc)
-    dec = _Decoder(model)
+    dec = _Decoder(model, None if choose is None else choose(B, K, device))
     owner = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,)
     state = model.init_state(enc, owner)
     scores = None  # (B, K), made at the first step, in the log-probabilities' summing dtype
@@ -137,8 +145,9 @@ def _beam_search(model, source, beam_size: int, max_len: int):
                 per_block = max(1, BLOCK_BYTES // max(1, K * V * probe.element_size()))
                 scores = torch.full((B, K), float("-inf"), dtype=_score_dtype(probe), device=device)
                 scores[:, 0] = 0.0  # one live hypothesis at first, or the K copies would fill the beam with duplicates
-            top = [_best_extensions(dec.log_probs(state, slice(b * K, min(b + per_block, B) * K)),
-                                    scores[b:b + per_block], done[b * K:(b + per_block) * K], model.pad_id)
+            top = [dec.choose(_extensions(dec.log_probs(state, slice(b * K, min(b + per_block, B) * K)),
+                                          scores[b:b + per_block], done[b * K:(b + per_block) * K], model.pad_id),
+                              K, torch.arange(b, min(b + per_block, B), device=device))
                    for b in range(0, B, per_block)]
             scores, flat = torch.cat([s for s, _ in top]), torch.cat([f for _, f in top])  # (B, K) each, best first
             slot = None
@@ -162,14 +171,13 @@ def _finished_row(V: int, like: Tensor, pad_id: int) -> Tensor:
     return finished
 
 
-def _best_extensions(logp: Tensor, scores: Tensor, done: Tensor, pad_id: int):
-    """The K best one-token extensions of n sources' hypotheses, given their log-probabilities logp (n*K, V):
-    (n, K) scores and flat indices into (K*V) candidates."""
+def _extensions(logp: Tensor, scores: Tensor, done: Tensor, pad_id: int) -> Tensor:
+    """(n, K*V) the scores of every one-token extension of n sources' hypotheses, given their log-probabilities
+    logp (n*K, V): a flat index k*V + v is hypothesis k extended by token v."""
     (n, K), V = scores.shape, logp.shape[-1]
     if bool(done.any()):  # a (n*K, V) pass, skipped while every hypothesis is open
         logp = torch.where(done[:, None], _finished_row(V, logp, pad_id), logp)  # (n*K, V)
-    cand = (scores.reshape(-1, 1) + logp).reshape(n, K * V)  # (n, K*V)
-    return cand.topk(K, dim=1)
+    return (scores.reshape(-1, 1) + logp).reshape(n, K * V)  # (n, K*V)
 
 
 def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: Tensor, per_block: int, V: int):
@@ -197,7 +205,8 @@ def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: 
     for j in range(0, len(ends), per_block):  # blocks of sources, as the full step's (rows, V) temporaries
         j1 = min(j + per_block, len(ends))
         o = slice(ends[j - 1] if j else 0, ends[j1 - 1])
-        top.append(_best_open_extensions(dec.log_probs(state_o, o), act_scores[j:j1], pos[o] - j * K, pad_id))
+        cand = _open_extensions(dec.log_probs(state_o, o), act_scores[j:j1], pos[o] - j * K, pad_id)
+        top.append(dec.choose(cand, K, act[j:j1]))
     kept = (torch.arange(K, device=act.device) * V + pad_id).expand(B, K)  # (B, K) row k extended by padding
     flat = kept.index_copy(0, act, torch.cat([f for _, f in top]))  # (B, K)
     scores = scores.index_copy(0, act, torch.cat([s for s, _ in top]))  # (B, K)
@@ -208,15 +217,15 @@ def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: 
     return state_o, scores, flat, slot
 
 
-def _best_open_extensions(logp: Tensor, scores: Tensor, at: Tensor, pad_id: int):
-    """`_best_extensions` for n sources given the log-probabilities logp (m, V) of their open rows only, which
+def _open_extensions(logp: Tensor, scores: Tensor, at: Tensor, pad_id: int) -> Tensor:
+    """`_extensions` for n sources given the log-probabilities logp (m, V) of their open rows only, which
     sit at positions at (m,) among the sources' n*K rows; every other row gets the finished row's candidates."""
     (n, K), V = scores.shape, logp.shape[-1]
     flat = scores.reshape(-1)  # (n*K,)
     # Open rows: score + log p, the full step's very sum. Writing them over the fresh sum is safe with a graph:
     # an addition saves nothing for backward.
     cand = (flat[:, None] + _finished_row(V, logp, pad_id)).index_copy_(0, at, flat[at, None] + logp)  # (n*K, V)
-    return cand.reshape(n, K * V).topk(K, dim=1)
+    return cand.reshape(n, K * V)
 
 
 def sample(model, source, num_samples: int, max_len: int, temperature: float = 1.0,

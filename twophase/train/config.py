@@ -21,6 +21,7 @@ PRESETS = {
                      eval_every=500, save_every=500, rl_steps=500, rl_lr=1e-4),
 }
 
+WITHOUT_REPLACEMENT = ("priority", "unordered-set")  # the objectives that need --sampler sbs
 MRT_ALPHA = 0.5  # --mrt-alpha's default; another value with another objective is refused
 DEFAULT_BEAM = 5  # validation's and twophase-decode's beam width, one figure so the two agree
 
@@ -116,13 +117,16 @@ class Config:
     rl_steps: int = arg(600, "two-phase RL steps after the warm start", minimum=0)
     batch_size: int = arg(32, "sources per RL step", minimum=1)
     rl_lr: float = arg(2e-4, "Adam learning rate during RL", minimum=0.0)
-    sampler: str = arg("beam", "phase one: 'beam' search or ancestral 'sample'", choices=("beam", "sample"))
+    sampler: str = arg("beam", "phase one: 'beam' search, ancestral 'sample', or 'sbs' (stochastic beam search: K "
+                               "distinct samples without replacement, docs/sbs.md)", choices=("beam", "sample", "sbs"))
     beam_size: int = arg(8, "candidates per source (beam width or number of samples), K", minimum=1)
     temperature: float = arg(1.0, "sampling temperature of --sampler sample (scores stay the model's own); "
                                   "not with --objective reinforce, whose gradient it would bias", minimum=1e-6)
     objective: str = arg("beam", "reinforce, beam (expected reward renormalised over the candidates, "
-                                 "Bunel et al. 2018) or mrt (minimum risk training, Shen et al. 2016)",
-                         choices=("reinforce", "beam", "mrt"))
+                                 "Bunel et al. 2018), mrt (minimum risk training, Shen et al. 2016), or with "
+                                 "--sampler sbs: priority (importance weights p/q) or unordered-set (with its "
+                                 "built-in baseline, Kool et al. 2020), both unbiased (docs/sbs.md)",
+                         choices=("reinforce", "beam", "mrt", "priority", "unordered-set"))
     baseline: str | None = arg(None, "REINFORCE baseline: none, mean, loo (leave-one-out) or greedy "
                                      "(self-critical); only with --objective reinforce (default: mean)",
                                choices=("none", "mean", "loo", "greedy"))
@@ -290,11 +294,14 @@ class Config:
             raise ValueError(f"--temperature applies to --sampler sample only, not --sampler {self.sampler}")
         if self.mrt_alpha != MRT_ALPHA and self.objective != "mrt":
             raise ValueError(f"--mrt-alpha applies to --objective mrt only, not --objective {self.objective}")
+        if self.objective in WITHOUT_REPLACEMENT and self.sampler != "sbs":
+            raise ValueError(f"--objective {self.objective} needs --sampler sbs (it weights a sample without "
+                             f"replacement), not --sampler {self.sampler}")
         if self.objective != "reinforce":
             if self.baseline is not None:
                 raise ValueError(f"--baseline applies to --objective reinforce only, not --objective "
                                  f"{self.objective}")
-            if self.beam_size < 2:
+            if self.beam_size < 2 and self.objective not in WITHOUT_REPLACEMENT:
                 raise ValueError(f"--beam-size 1 with --objective {self.objective} trains nothing (one candidate "
                                  "per source has q = 1 and coefficient 0); use --beam-size >= 2")
             return
@@ -317,6 +324,9 @@ class Config:
             return ["--objective reinforce with --top-k, --top-p or --min-len is biased (it samples from the "
                     "truncated distribution but weighs grad log p of the full one, as TRL does); unbiased: no "
                     "truncation, or --objective beam or mrt"]
+        if self.rl_steps > 0 and self.objective == "reinforce" and self.sampler == "sbs":
+            return ["--objective reinforce with --sampler sbs is biased (a sample without replacement is not K "
+                    "independent draws); unbiased: --objective unordered-set or priority"]
         return []
 
 

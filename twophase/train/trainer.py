@@ -1,7 +1,7 @@
 """The training steps: an MLE warm start, then two-phase sequence-level RL (`loop.RunLoop` runs them in order).
 
 One RL step reads like the algorithm:
-    1. phase one  - search K candidates per source with no graph (beam_search / sample);
+    1. phase one  - search K candidates per source with no graph (beam_search / sample / stochastic_beam_search);
     2. rewards    - score the detokenised candidates against every reference of their source (and the source);
     3. objective  - turn rewards and search scores into one coefficient per candidate;
     4. phase two  - rescore_backward: chunked teacher-forced re-decoding, exact gradient of sum c_i log p_i;
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from . import amp, distributed
-from .. import objectives
+from .. import estimators, objectives
 from .checkpoint import CheckpointManager
 from .config import Config, parse_size
 from ..tasks.base import Example, Task
@@ -38,6 +38,7 @@ from .rundir import MetricsLog
 from .schedule import Plateau
 from ..rescoring import rescore_backward
 from ..samples import Samples
+from ..sbs import stochastic_beam_search
 from ..search import beam_search, greedy, sample
 from ..vocab import pad_targets
 
@@ -149,6 +150,8 @@ class Trainer(Resumable, RunLoop, Comparison):
                                                cfg.temperature, self.sampling)
             elif cfg.sampler == "beam":
                 cand = beam_search(self.model, source, cfg.beam_size, cfg.max_len)
+            elif cfg.sampler == "sbs":
+                cand = stochastic_beam_search(self.model, source, cfg.beam_size, cfg.max_len, self.sampling)
             else:
                 cand = sample(self.model, source, cfg.beam_size, cfg.max_len, cfg.temperature, self.sampling,
                               top_k=cfg.top_k or None, top_p=cfg.top_p if cfg.top_p < 1 else None,
@@ -209,6 +212,10 @@ class Trainer(Resumable, RunLoop, Comparison):
             return objectives.beam(rewards, cand.scores, cand.owner, B, tokens=cand.tokens)
         if cfg.objective == "mrt":
             return objectives.mrt(rewards, cand.scores, cand.owner, B, cfg.mrt_alpha, tokens=cand.tokens)
+        if cfg.objective == "priority":
+            return estimators.priority(rewards, cand.scores, cand.threshold, cand.owner, B)
+        if cfg.objective == "unordered-set":
+            return estimators.unordered_set(rewards, cand.scores, cand.owner, B)
         greedy_rewards = None
         if cfg.reinforce_baseline == "greedy":  # self-critical: the greedy decode's reward is the baseline
             with self.autocast():
