@@ -21,7 +21,7 @@ from .protocol import scoring_mode
 from .search import Samples, _beam_search, _finish, _sample
 
 
-def _with_graph(model, found: tuple[Tensor, Tensor, Tensor]) -> tuple[Samples, Tensor]:
+def _with_graph(model, found: tuple) -> tuple[Samples, Tensor]:
     """Split the loop's output into plain Samples (detached scores, as phase one gives them) and the graph."""
     samples = _finish(model, *found)
     log_probs = samples.scores  # (N,) with the search's graph

@@ -163,6 +163,14 @@ class Seq2Seq(nn.Module):
         tok = outputlayer.target_log_probs(h, self.out.weight, self.out.bias, target, self.banned)  # (M,)
         return tok.new_zeros(tgt.shape[0]).index_add_(0, row, tok)  # (N,): sum over each row's positions
 
+    def token_scores(self, enc: Encoded, tgt: Tensor, owner: Tensor) -> Tensor:
+        """(N, T) the per-token log-probabilities `score` sums, 0 at PAD positions."""
+        N, T = tgt.shape
+        h, target, _ = self.decoder_states(enc, tgt, owner)
+        tok = outputlayer.target_log_probs(h, self.out.weight, self.out.bias, target, self.banned)  # (M,)
+        valid = (tgt != PAD).reshape(-1).nonzero().squeeze(1)  # (M,) as decoder_states picks them
+        return tok.new_zeros(N * T).index_copy(0, valid, tok).reshape(N, T)
+
     def sequence_log_probs(self, src: Tensor, src_lengths: Tensor, tgt: Tensor, owner: Tensor | None = None) -> Tensor:
         """(N,) log-probabilities, with grad, of target rows tgt (N, T) given src (B, S)."""
         if owner is None:

@@ -104,6 +104,20 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         rest = self._continue(enc, owner, tokens[:, :-1], 0, self.model).logits  # (N, T - 1, V)
         return total + masked_sum(token_log_probs(rest, tokens[:, 1:]), mask[:, 1:])
 
+    def token_scores(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
+        """(N, T) the per-token log-probabilities `score` sums, 0 past each row's end."""
+        mask = target_mask(tokens, self.pad_id, self.eos_id)
+        first = self._first(enc, tokens, owner, mask)[:, None]  # (N, 1)
+        if tokens.shape[1] == 1:
+            return first
+        if self.head is not None:
+            hidden = self._continue(enc, owner, tokens[:, :-1], 0, self.model.base_model).last_hidden_state
+            rest = heads.token_log_probs(self.head, self.model, hidden, tokens[:, 1:], mask[:, 1:])
+        else:
+            rest = token_log_probs(self._continue(enc, owner, tokens[:, :-1], 0, self.model).logits, tokens[:, 1:])
+            rest = torch.where(mask[:, 1:], rest, torch.zeros_like(rest))  # (N, T - 1)
+        return torch.cat([first, rest], dim=1)
+
     def _weighted_score_backward(self, enc: dict, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list,
                                  collect: bool):
         mask = target_mask(tokens, self.pad_id, self.eos_id)

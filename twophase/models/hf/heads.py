@@ -129,6 +129,17 @@ def log_probs(head: Head, model, hidden: Tensor, tokens: Tensor, mask: Tensor) -
     return tok.new_zeros(len(tokens)).index_add_(0, row, tok)
 
 
+def token_log_probs(head: Head, model, hidden: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
+    """(N, T) log p(tokens) at hidden (N, T, H) at the positions mask (N, T) scores, 0 elsewhere, with
+    gradients: `log_probs` per position."""
+    weight, bias = head.parts(model)
+    h, target, _ = scored(head.hidden(hidden), tokens, mask)
+    banned = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
+    tok = outputlayer.target_log_probs(h, weight, bias, target, banned)  # (M,)
+    valid = mask.reshape(-1).nonzero().squeeze(1)  # (M,) as `scored` picks them
+    return tok.new_zeros(mask.numel()).index_copy(0, valid, tok).reshape(mask.shape)
+
+
 def weighted_backward(head: Head, model, hidden: Tensor, tokens: Tensor, mask: Tensor, c: Tensor, inputs: list,
                       collect: bool, extra: Tensor | None = None) -> tuple[Tensor, list]:
     """Phase two's chunk (see `twophase.protocol`, `weighted_score_backward`): loss = sum_i c_i log p_i over the
