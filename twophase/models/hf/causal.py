@@ -25,7 +25,7 @@ import inspect
 import torch
 from torch import Tensor
 
-from ... import tree
+from ... import tokenweights, tree
 from ...protocol import scoring_mode, target_mask
 from . import cache, heads
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
@@ -122,14 +122,18 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
                                  collect: bool):
         mask = target_mask(tokens, self.pad_id, self.eos_id)
         first = self._first(enc, tokens, owner, mask)  # (N,): (N, V) logits, autograd's
-        first = (c.to(first.dtype) * first).sum()
+        if tokenweights.is_token_level(c):  # the first tokens' terms of a token-level objective, by autograd
+            rows = mask[:, 0].nonzero().squeeze(1)
+            first = c.terms(first.index_select(0, rows), rows, torch.zeros_like(rows))
+        else:
+            first = (c.to(first.dtype) * first).sum()
         if tokens.shape[1] > 1:
             hidden = self._continue(enc, owner, tokens[:, :-1], 0, self.model.base_model).last_hidden_state
         else:  # no position after the first: its graph alone
             weight = self.model.get_output_embeddings().weight
             hidden = weight.new_zeros(len(tokens), 0, weight.shape[1])  # (N, 0, H)
         return heads.weighted_backward(self.head, self.model, hidden, tokens[:, 1:], mask[:, 1:], c, inputs,
-                                      collect, extra=first)
+                                      collect, extra=first, col_offset=1)
 
     def _first(self, enc: dict, tokens: Tensor, owner: Tensor, mask: Tensor) -> Tensor:
         """(N,) log p of each row's first token, from the prompts' last logits (0 where the row scores none)."""
