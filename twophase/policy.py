@@ -81,7 +81,8 @@ class PolicyLoss:
 
     def derivative(self, logp: Tensor, row: Tensor, col: Tensor) -> tuple[Tensor, Tensor, dict]:
         """(terms (P,), d terms / d logp (P,), sums) in closed form, no graph: the weights of a by-hand path.
-        sums: clipped positions ("clip_low", "clip_high", TRL's definitions) and the summed k3 ("kl")."""
+        sums: clipped positions ("clip_low", "clip_high") and the summed k3 as it enters the loss (times rho when
+        importance-weighted: "kl"), TRL's metrics' definitions."""
         with torch.no_grad():
             logp, old, ref, adv, scale = self._at(row, col, logp)
             rho = torch.exp(logp - old)
@@ -93,9 +94,9 @@ class PolicyLoss:
             if self.beta != 0:
                 e = torch.exp(ref - logp)
                 kl, dkl = e - (ref - logp) - 1, 1 - e
-                sums["kl"] = float(kl.sum())
                 if self.kl_importance_weighted:  # d(k3 * rho) = dk3 * rho + k3 * rho
                     kl, dkl = kl * rho, (dkl + kl) * rho
+                sums["kl"] = float(kl.sum())
                 surrogate, d = surrogate + self.beta * kl, d + self.beta * dkl
             return surrogate * scale, d * scale, sums
 
@@ -104,13 +105,14 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                 epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                 ref_token_logps: Tensor | None = None, kl_importance_weighted: bool = True,
                 max_len: int | None = None, num_sources: int | None = None, owner: Tensor | None = None,
-                num_items: float | None = None) -> PolicyLoss:
+                num_items: float | None = None, num_rows: int | None = None) -> PolicyLoss:
     """The token-level objective of N rows (see the module docstring) for `rescore_backward`.
 
     advantages (N,); old_token_logps (N, T) (`Samples.token_scores`); lengths (N,) the positions each row
     scores (`Samples.lengths`); ref_token_logps (N, T) needed when beta != 0; epsilon_high None = epsilon;
-    max_len (dr_grpo) defaults to T; num_items (dapo) to the batch's scored tokens; `sequence` needs owner (N,)
-    and num_sources B."""
+    max_len (dr_grpo) defaults to T; num_items (dapo, bnpo) to the rows' scored tokens and num_rows (grpo,
+    dr_grpo) to N: several processes pass the global batch's, so that their summed gradients are one process's
+    (TRL's bnpo normalises by each process's own tokens); `sequence` needs owner (N,) and num_sources B."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(LOSS_TYPES)}")
     if beta != 0 and ref_token_logps is None:
@@ -120,14 +122,14 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
         raise ValueError(f"expected {N} rows of old_token_logps and lengths, got {tuple(old_token_logps.shape)}, "
                          f"{tuple(lengths.shape)}")
     n = lengths.to(torch.float64)
+    rows = N if num_rows is None else num_rows
+    tokens = float(n.sum()) if num_items is None else float(num_items)
     if loss_type == "grpo":
-        scale = 1.0 / (n.clamp(min=1) * N)
-    elif loss_type == "bnpo":
-        scale = torch.full_like(n, 1.0 / max(float(n.sum()), 1.0))
+        scale = 1.0 / (n.clamp(min=1) * rows)
     elif loss_type == "dr_grpo":
-        scale = torch.full_like(n, 1.0 / (N * (max_len or old_token_logps.shape[1])))
-    elif loss_type == "dapo":
-        scale = torch.full_like(n, 1.0 / max(float(n.sum()) if num_items is None else float(num_items), 1.0))
+        scale = torch.full_like(n, 1.0 / (rows * (max_len or old_token_logps.shape[1])))
+    elif loss_type in ("dapo", "bnpo"):
+        scale = torch.full_like(n, 1.0 / max(tokens, 1.0))
     else:
         if owner is None or num_sources is None:
             raise ValueError("loss_type 'sequence' needs owner and num_sources")
@@ -138,10 +140,11 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
 
 
 def advantages(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = "mean",
-               scale: str = "group") -> Tensor:
+               scale: str = "group", batch_std: float | None = None) -> Tensor:
     """(N,) advantages r - b divided by the reward std (TRL's `scale_rewards`): baseline "mean" (the source's
     mean reward), "loo" (the mean of the source's other rows, RLOO) or "none"; scale "group" (the source's
-    std), "batch" (the whole batch's) or "none". Stds are unbiased (torch.std, as TRL); + 1e-4 as TRL."""
+    std), "batch" (the whole batch's) or "none". Stds are unbiased (torch.std, as TRL); + 1e-4 as TRL. batch_std:
+    the whole batch's std where its rows are spread over processes."""
     r = rewards.to(torch.float64)
     count = group_count(owner, num_sources)  # (N,)
     total = torch.zeros(num_sources, dtype=r.dtype, device=r.device).index_add_(0, owner, r)[owner]
@@ -159,7 +162,8 @@ def advantages(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str =
         std = torch.sqrt(sq / (count - 1).clamp(min=1))
         a = a / (std + 1e-4)
     elif scale == "batch":
-        a = a / (r.std() + 1e-4 if len(r) > 1 else 1.0)
+        std = batch_std if batch_std is not None else (float(r.std()) if len(r) > 1 else 0.0)
+        a = a / (std + 1e-4)
     elif scale != "none":
         raise ValueError(f"unknown advantage scale {scale!r}; choose from group, batch, none")
     return a

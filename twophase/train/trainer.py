@@ -30,6 +30,7 @@ from .evaluation import score, validate
 from .compare import Comparison
 from .loop import RunLoop
 from ..onephase import one_phase_backward, one_phase_search
+from .policy_step import PolicyStep
 from .profiling import ChunkPlanner, StepProfiler
 from .resumable import Resumable
 from .rundir import MetricsLog
@@ -82,6 +83,7 @@ class Trainer(Resumable, RunLoop, Comparison):
         self.last_chunk = cfg.rescore_chunk
         self.is_main = distributed.rank() == 0  # the one process that logs, draws the bar and saves
         self.metrics = MetricsLog(self.save_dir / "metrics.jsonl", enabled=self.is_main)
+        self.policy = PolicyStep(self) if cfg.objective == "policy" else None  # --objective policy's generations
 
     # ------------------------------------------------------------------ batches
     def _sources(self, idx: list[int]):
@@ -110,6 +112,8 @@ class Trainer(Resumable, RunLoop, Comparison):
         return {"loss": loss, **self._update(loss)}
 
     def rl_step(self) -> dict:
+        if self.policy is not None:  # token-level objective, several updates per generation (policy_step)
+            return self.policy.step()
         cfg, batch = self.cfg, next(self.rl_batches)
         B, idx = len(batch), distributed.shard(batch)  # B counts the global batch; idx is this process's share
         source = self._sources(idx)
@@ -148,7 +152,7 @@ class Trainer(Resumable, RunLoop, Comparison):
                 "reward_max": distributed.reduce_max(float(rewards.max())), "candidates": int(total["candidates"]),
                 **self._update(total["loss"])}
 
-    def phase_two(self, source, rows: Samples, coef, keep_mode: bool = False) -> float:
+    def phase_two(self, source, rows: Samples, coef, keep_mode: bool = False, stats: dict | None = None) -> float:
         """rescore_backward with the configured chunk size, or the largest within --memory-budget, under the
         autocast phase one ran in; with fp16 the coefficients carry the loss scale (the returned loss does not)."""
         coef, scale = amp.scale_coefficients(coef, self.scaler)
@@ -157,7 +161,7 @@ class Trainer(Resumable, RunLoop, Comparison):
             if chunk == "auto":
                 chunk = self.chunk_planner.chunk_size(self.model, source, rows)
                 self.last_chunk = chunk
-            stats = {}
+            stats = {} if stats is None else stats
             loss = rescore_backward(self.model, source, rows, coef, chunk, profiler=self.profiler,
                                     keep_mode=keep_mode, prefix_sharing=not self.cfg.no_prefix_sharing, stats=stats)
             for key in ("positions", "nodes"):  # phase_two may run twice a step (--one-phase's MLE rows)
