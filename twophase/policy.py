@@ -11,10 +11,10 @@ Each row's loss is a function of its own current per-token log-probabilities l_r
 with every normaliser a constant of the whole batch (loss_type):
 
     grpo      scale_r = 1 / (len_r * N)          each row's token mean, then the mean over rows
-    bnpo      scale_r = 1 / sum_r len_r          the token mean over the (local) batch
     dr_grpo   scale_r = 1 / (N * max_len)        Dr. GRPO: a fixed length
     dapo      scale_r = 1 / num_items            the token mean over the global batch (TRL's num_items_in_batch
                                                  divided by the number of processes)
+    bnpo      scale_r = 1 / num_items            the same here (TRL: each process's own tokens)
     sequence  scale_r = 1 / (B * K_owner(r))     per-sequence sums averaged per source, then over sources: at
                                                  rho = 1 and beta = 0 today's `objectives.reinforce` coefficients
 
