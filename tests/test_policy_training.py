@@ -40,9 +40,11 @@ def _params(save):
 
 def test_end_to_end_with_two_updates_per_generation_and_kl(data, tmp_path, one_thread):
     save = tmp_path / "run"
-    assert cli.main([*data, *TINY, *POLICY, "--mle-steps", "4", "--rl-steps", "4", "--save-dir", str(save)]) == 0
+    assert cli.main([*data, *TINY, *POLICY, "--mle-steps", "4", "--rl-steps", "4", "--save-dir", str(save),
+                     "--rescore-chunk", "auto", "--memory-budget", "16KiB"]) == 0
     rl = [r for r in _rows(save) if r["phase"] == "rl"]
     assert [r["update_in_generation"] for r in rl] == [1, 2, 1, 2]
+    assert all(1 <= r["chunk"] < 15 for r in rl)  # --rescore-chunk auto: chunks below the 15 candidates
     for r in rl:
         for key in ("frac_reward_zero_std", "clip_ratio_low", "clip_ratio_high", "kl", "completion_length_mean",
                     "completion_length_min", "completion_length_max", "terminated", "reward_mean", "grad_norm"):
