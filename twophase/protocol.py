@@ -43,6 +43,10 @@ V-sized logit block once instead of twice): given coefficients c (C,) it returns
 `weighted_tree_backward` does the same for loss = sum_nodes nodes.weights * log p(node's token | its prefix),
 each distinct (source, prefix) of the chunk's rows decoded once; without it, phase two runs `step` depth by
 depth over the tree, unless the model has its own `score` or `weighted_score_backward` (then it scores rows).
+With a token-level objective (`twophase.policy`) the coefficients are a `tokenweights.ChunkLoss` and
+`nodes.weights` a function of the nodes' log-probabilities: a by-hand path gets each position's weight from
+`tokenweights.weights(c, row, col, dtype)` (a tensor, or a function to call on a block's log-probs, as
+`outputlayer.target_log_probs_and_grads` does) and its loss from `tokenweights.loss` / `weighted_sum`.
 
 A model that splits `step` into `advance(enc, owner, prev, state) -> state` and `log_probs(state) -> (N, V)`
 lets beam search build its (rows, V) candidate scores a block of sources at a time (a wide beam's largest
