@@ -70,12 +70,7 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     device = samples.tokens.device
-    token_level = callable(getattr(coefficients, "derivative", None))
-    if not token_level:
-        coefficients = torch.as_tensor(coefficients, device=device)
-    if len(coefficients) != len(samples) or (not token_level and coefficients.dim() != 1):
-        raise ValueError(f"expected {len(samples)} coefficients, got shape {tuple(coefficients.shape)}"
-                         if not token_level else f"expected an objective of {len(samples)} rows, got {len(coefficients)}")
+    coefficients, token_level = _checked(coefficients, len(samples), device)
     # Rows with a zero coefficient add nothing to the gradient (e.g. every candidate of a source equally good).
     live = (coefficients.live() if token_level else coefficients != 0).nonzero().squeeze(1)  # (N',)
     if len(live) == 0:
@@ -118,6 +113,18 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
         for key, value in counts.items():
             stats[key] = stats.get(key, 0) + value
     return total
+
+
+def _checked(coefficients, n: int, device):
+    """(coefficients as a (n,) tensor on device, False), or (a token-level objective of n rows, True)."""
+    if callable(getattr(coefficients, "derivative", None)):
+        if len(coefficients) != n:
+            raise ValueError(f"expected an objective of {n} rows, got {len(coefficients)}")
+        return coefficients, True
+    coefficients = torch.as_tensor(coefficients, device=device)
+    if coefficients.shape != (n,):
+        raise ValueError(f"expected {n} coefficients, got shape {tuple(coefficients.shape)}")
+    return coefficients, False
 
 
 def shares_prefixes(model) -> bool:
