@@ -82,7 +82,7 @@ def test_gradient_equals_trls(setup, loss_type, beta, eps_high):
     loss = rescore_backward(wrapper, source, s, obj, chunk_size=5, stats=stats)
     got = take_grads(wrapper)
     assert stats["clip_low"] >= 0.1 * stats["tokens"] and stats["clip_high"] >= 0.1 * stats["tokens"]
-    assert loss == pytest.approx(float(trl_loss), rel=1e-5)
+    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
     scale = max(float(w.abs().max()) for w in want)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
