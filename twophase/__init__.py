@@ -4,14 +4,14 @@ Phase one searches (beam or sampling) without a graph; phase two re-decodes the 
 chunks, back-propagating per-sequence coefficients. Any model that follows `SequenceModel` (twophase.protocol)
 can be trained; the built-in LSTM is `twophase.Seq2Seq`. See README.md.
 """
-from . import objectives, rewards, tree, vocab
+from . import objectives, policy, rewards, tree, vocab
 from .protocol import SequenceModel
 from .rescoring import rescore_backward
 from .samples import Samples, best_rows
 from .search import beam_search, greedy, sample
 
 __all__ = ["SequenceModel", "Seq2Seq", "Samples", "beam_search", "sample", "greedy", "rescore_backward",
-           "best_rows", "tree", "vocab", "rewards", "objectives"]
+           "best_rows", "tree", "vocab", "rewards", "objectives", "policy"]
 
 
 def __getattr__(name: str):
