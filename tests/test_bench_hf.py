@@ -47,3 +47,23 @@ def test_bad_flags_are_one_line_errors(capsys):
             hf.parse_args(argv)
         assert exit_.value.code == 2
         assert "error: --" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed")
+def test_the_real_grpo_trainer_gives_the_two_phase_gradient(one_thread):
+    """The bench's grpo-trainer method (TRL 1.16's own compute_loss, dr_grpo, advantages scaled to the REINFORCE
+    coefficients) computes the gradient two-phase computes, so the two are timed on equal work."""
+    cell = dict(TOY, model="causal", method="grpo-trainer", threads=1)
+    wrapper, source = hf.build(cell)
+    wrapper.double()
+    trainer = hf.grpo_trainer(wrapper, cell)
+    s = sample(wrapper, source, TOY["samples"], TOY["completion"], generator=torch.Generator().manual_seed(0))
+    c = hf.coefficients(s, TOY["batch"], 0)
+    rescore_backward(wrapper, source, s, c, chunk_size=4)
+    two = [p.grad.clone() for p in wrapper.parameters()]
+    wrapper.zero_grad(set_to_none=True)
+    hf.grpo_trainer_backward(trainer, wrapper, source, s, c, micro=4)
+    diff = torch.stack([(g - p.grad).norm() for g, p in zip(two, wrapper.parameters())]).norm()
+    assert float(diff) <= 1e-5 * float(torch.stack([g.norm() for g in two]).norm())  # TRL's float32 logits
+    figures = hf.run_cell(dict(cell))
+    assert figures["step_s"] > 0 and figures["tensors_mb"] > 0 and "_trainer" not in figures

@@ -4,7 +4,7 @@ Phase one searches (beam or sampling) without a graph; phase two re-decodes the 
 chunks, back-propagating per-sequence coefficients. Any model that follows `SequenceModel` (twophase.protocol)
 can be trained; the built-in LSTM is `twophase.Seq2Seq`. See README.md.
 """
-from . import estimators, objectives, rewards, tree, vocab
+from . import estimators, objectives, policy, rewards, tree, vocab
 from .modelcheck import check_model
 from .protocol import ModelError, SequenceModel
 from .rescoring import rescore_backward
@@ -14,7 +14,7 @@ from .search import beam_search, greedy, sample
 
 __all__ = ["SequenceModel", "ModelError", "check_model", "Seq2Seq", "Samples", "beam_search", "sample", "greedy",
            "stochastic_beam_search", "rescore_backward", "best_rows", "tree", "vocab", "rewards", "objectives",
-           "estimators"]
+           "estimators", "policy"]
 
 
 def __getattr__(name: str):

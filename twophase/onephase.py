@@ -23,7 +23,7 @@ from .sbs import _stochastic_beam_search
 from .search import Samples, _beam_search, _finish, _sample
 
 
-def _with_graph(model, found: tuple[Tensor, Tensor, Tensor], **extra: Tensor) -> tuple[Samples, Tensor]:
+def _with_graph(model, found: tuple, **extra: Tensor) -> tuple[Samples, Tensor]:
     """Split the loop's output into plain Samples (detached scores, as phase one gives them) and the graph."""
     samples = _finish(model, *found, **extra)
     log_probs = samples.scores  # (N,) with the search's graph

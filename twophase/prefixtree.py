@@ -30,7 +30,8 @@ class PrefixTree:
     tokens: Tensor  # (M,) long: the token each node scores (its prefix's last token)
     owner: Tensor  # (M,) long: the node's source
     parent: Tensor  # (M,) long: index of the parent among the previous depth's nodes (0 at depth 0)
-    weights: Tensor  # (M,) summed coefficients of the rows through the node, in the coefficients' dtype
+    weights: Tensor  # (M,) summed coefficients of the rows through the node, in the coefficients' dtype; for a
+    # token-level objective (`twophase.tokenweights`) the function giving them from the nodes' log-probabilities
     offsets: list  # T + 1 ints
     positions: int  # token positions the rows score (sum of their lengths): what the rows would decode
 
@@ -85,7 +86,9 @@ def new_nodes(tokens: Tensor, owner: Tensor, lengths: Tensor) -> Tensor:
 
 
 def build(tokens: Tensor, owner: Tensor, lengths: Tensor, coefficients: Tensor) -> PrefixTree:
-    """The tree of rows tokens (N, T) with their sources, scored lengths and coefficients (N,).
+    """The tree of rows tokens (N, T) with their sources, scored lengths and coefficients (N,) (or a
+    `tokenweights.ChunkLoss` over the N rows: each node's weight then sums the derivatives of the rows' positions
+    that read it).
 
     Exact for rows in any order: row i opens new nodes from depth common_prefix[i] on and shares the previous
     row's nodes above it. Sorted rows (`sort_rows`) share every prefix they have in common."""
@@ -102,7 +105,11 @@ def build(tokens: Tensor, owner: Tensor, lengths: Tensor, coefficients: Tensor) 
     # every active position adds its row's coefficient to its node: weights summed over the rows through it
     base = torch.tensor(offsets[:-1], device=tokens.device)  # (T,)
     at = (base[None, :] + index)[active]  # (P,) global node of each scored position
-    weights = coefficients.new_zeros(offsets[-1]).index_add_(0, at, coefficients[:, None].expand(-1, T)[active])
+    if isinstance(coefficients, Tensor):
+        weights = coefficients.new_zeros(offsets[-1]).index_add_(0, at, coefficients[:, None].expand(-1, T)[active])
+    else:
+        pos_row, pos_col = active.nonzero(as_tuple=True)  # (P,) each, in `at`'s (row-major) order
+        weights = coefficients.at(pos_row, pos_col, node=at, size=offsets[-1])
     return PrefixTree(tokens=tokens[row, depth], owner=owner[row], parent=parent, weights=weights,
                       offsets=offsets, positions=int(active.sum()))
 
@@ -110,7 +117,10 @@ def build(tokens: Tensor, owner: Tensor, lengths: Tensor, coefficients: Tensor) 
 def step_loss(model, enc, nodes: PrefixTree) -> Tensor:
     """sum_nodes weight * log p(node's token | its prefix), with a graph, through the model's `step` only: each
     depth's states are the previous depth's selected by parent (`tree.select_rows`). Nodes of weight exactly zero
-    add nothing (a -inf log-probability there would otherwise make 0 * -inf = nan)."""
+    add nothing (a -inf log-probability there would otherwise make 0 * -inf = nan). With a token-level
+    objective's weights, its loss at the nodes' log-probabilities."""
+    if callable(nodes.weights):
+        return nodes.weights.autograd(step_log_probs(model, enc, nodes))
     prev = nodes.inputs(model.bos_id)  # (M,)
     state, total = None, None
     for t in range(nodes.depth):
@@ -127,3 +137,16 @@ def step_loss(model, enc, nodes: PrefixTree) -> Tensor:
     if total is None:
         return torch.zeros((), device=nodes.tokens.device)
     return total
+
+
+def step_log_probs(model, enc, nodes: PrefixTree) -> Tensor:
+    """(M,) log p(node's token | its prefix) with a graph, through `step` depth by depth (as `step_loss`)."""
+    prev = nodes.inputs(model.bos_id)  # (M,)
+    state, levels = None, []
+    for t in range(nodes.depth):
+        here = nodes.level(t)
+        owner = nodes.owner[here]  # (n_t,)
+        state = model.init_state(enc, owner) if t == 0 else tree.select_rows(state, nodes.parent[here])
+        state, log_probs = model.step(enc, owner, prev[here], state)  # (n_t, V)
+        levels.append(log_probs.gather(1, nodes.tokens[here, None]).squeeze(1))  # (n_t,)
+    return torch.cat(levels) if levels else torch.zeros(0, device=nodes.tokens.device)

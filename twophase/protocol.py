@@ -7,6 +7,8 @@ Three ids and three methods make a model; two optional methods make it faster:
     init_state(enc, owner) -> state               the decoder state of N rows
     step(enc, owner, prev, state) -> (state, log_probs)
     score(enc, tokens, owner) -> (N,)             optional: teacher-forced log p, with gradients
+    token_scores(enc, tokens, owner) -> (N, T)    optional: the same per position (0 past a row's end); what
+                                                  a token-level objective differentiates where no fast path is
     weighted_score_backward(enc, tokens, owner, coefficients, inputs, collect) -> (loss, grads)
                                                   optional: phase two's chunk done by the model (see below)
     weighted_tree_backward(enc, nodes, inputs, collect) -> (loss, grads)
@@ -41,6 +43,10 @@ V-sized logit block once instead of twice): given coefficients c (C,) it returns
 `weighted_tree_backward` does the same for loss = sum_nodes nodes.weights * log p(node's token | its prefix),
 each distinct (source, prefix) of the chunk's rows decoded once; without it, phase two runs `step` depth by
 depth over the tree, unless the model has its own `score` or `weighted_score_backward` (then it scores rows).
+With a token-level objective (`twophase.policy`) the coefficients are a `tokenweights.ChunkLoss` and
+`nodes.weights` a function of the nodes' log-probabilities: a by-hand path gets each position's weight from
+`tokenweights.weights(c, row, col, dtype)` (a tensor, or a function to call on a block's log-probs, as
+`outputlayer.target_log_probs_and_grads` does) and its loss from `tokenweights.loss` / `weighted_sum`.
 
 A model that splits `step` into `advance(enc, owner, prev, state) -> state` and `log_probs(state) -> (N, V)`
 lets beam search build its (rows, V) candidate scores a block of sources at a time (a wide beam's largest
@@ -95,6 +101,19 @@ def teacher_forced_inputs(tokens: Tensor, bos_id: int) -> Tensor:
     return torch.cat([bos, tokens[:, :-1]], dim=1)
 
 
+def step_token_scores(model: SequenceModel, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:
+    """(N, T) log p(tokens[i, t] | source owner[i], tokens[i, :t]) by running `step` over the rows,
+    teacher-forced, 0 past each row's end: the very numbers search computed."""
+    mask = target_mask(tokens, model.pad_id, model.eos_id)  # (N, T)
+    prev = teacher_forced_inputs(tokens, model.bos_id)  # (N, T)
+    state, columns = model.init_state(enc, owner), []
+    for t in range(tokens.shape[1]):
+        state, log_probs = model.step(enc, owner, prev[:, t], state)  # (N, V)
+        tok = log_probs.gather(1, tokens[:, t:t + 1]).squeeze(1)  # (N,)
+        columns.append(torch.where(mask[:, t], tok, torch.zeros_like(tok)))  # a pad position may read -inf
+    return torch.stack(columns, 1) if columns else torch.zeros(len(owner), 0, device=tokens.device)
+
+
 def step_score(model: SequenceModel, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:
     """(N,) log p(tokens[i] | source owner[i]) by running `step` over the rows, teacher-forced: the default
     `score` of a model that has none, with the very numbers search summed."""
@@ -107,6 +126,13 @@ def step_score(model: SequenceModel, enc: Any, tokens: Tensor, owner: Tensor) ->
         tok = torch.where(mask[:, t], tok, torch.zeros_like(tok))  # a pad position's gather may read -inf
         total = tok if total is None else total + tok
     return total if total is not None else torch.zeros(len(owner), device=tokens.device)
+
+
+def token_scores(model: SequenceModel, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:
+    """(N, T) teacher-forced per-token log-probabilities with gradients, 0 past each row's end: the model's
+    `token_scores`, or `step_token_scores`."""
+    own = getattr(model, "token_scores", None)
+    return own(enc, tokens, owner) if own is not None else step_token_scores(model, enc, tokens, owner)
 
 
 def score(model: SequenceModel, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:

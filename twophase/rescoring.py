@@ -23,6 +23,13 @@ A model may do a chunk's forward and backward itself (`weighted_tree_backward` o
 by hand, computing each V-sized logit block once. Otherwise autograd differentiates `step` run depth by depth
 over the tree, or, for a model with its own `score` (perhaps one parallel pass), `score` over the rows.
 
+A token-level objective (`twophase.policy.PolicyLoss`, in place of the coefficients) makes each position's
+loss a function of its current log-probability, with every normaliser a constant of the whole batch; the loss
+is still a sum over rows, so the chunks stay exact. Each chunk gets it as a `tokenweights.ChunkLoss`: the by-hand
+paths read each block's weights from the log-probs they have just computed, a tree node's weight summing the
+derivatives of the rows through it; autograd differentiates the objective at the per-token log-probs of `step`
+(depth by depth over the tree) or of the model's `token_scores`.
+
 Letters: B sources, N candidate rows, C rows per chunk, T target length, M prefix-tree nodes.
 """
 from __future__ import annotations
@@ -34,7 +41,7 @@ import itertools
 import torch
 from torch import Tensor
 
-from . import prefixtree, protocol, tree
+from . import prefixtree, protocol, tokenweights, tree
 from .samples import Samples
 
 
@@ -42,7 +49,8 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
                      oom_retry: bool | None = None, keep_mode: bool = False, prefix_sharing: bool = True,
                      stats: dict | None = None) -> float:
     """Accumulate into .grad the gradient of sum_i coefficients[i] * log p(samples.tokens[i] | source[owner[i]]),
-    decoding a chunk at a time. Returns the value of that sum.
+    decoding a chunk at a time. Returns the value of that sum. `coefficients` may instead be a token-level
+    objective over the rows (`twophase.policy.policy_loss`): the gradient and value are then its loss's.
 
     With prefix_sharing (where the model decodes through a prefix tree, see `shares_prefixes`), the rows are
     sorted so that each source's rows sharing a prefix are neighbours, and a chunk decodes each distinct
@@ -56,19 +64,15 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     The model runs in evaluation mode, as search ran it, unless keep_mode (e.g. MLE rows with dropout).
     `profiler` (optional, see twophase.train.profiling) gets a section per encoder pass and per chunk. `stats`
     (optional dict) gets "rows", "chunks", "positions" (token positions the rows score) and "nodes" (positions
-    decoded: the distinct prefixes, or every position without sharing) added to its counts.
+    decoded: the distinct prefixes, or every position without sharing) added to its counts; with a token-level
+    objective also "tokens", "clip_low", "clip_high" (positions clipped, TRL's definitions) and "kl" (summed k3).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     device = samples.tokens.device
-    coefficients = torch.as_tensor(coefficients, device=device)
-    if coefficients.shape != (len(samples),):
-        raise ValueError(f"expected {len(samples)} coefficients, got shape {tuple(coefficients.shape)}")
-    if not bool(torch.isfinite(coefficients).all()):  # a NaN would reach every parameter's .grad silently
-        bad = int((~torch.isfinite(coefficients)).nonzero()[0])
-        raise ValueError(f"coefficients must be finite; row {bad} is {float(coefficients[bad])}")
+    coefficients, token_level = _checked(coefficients, len(samples), device)
     # Rows with a zero coefficient add nothing to the gradient (e.g. every candidate of a source equally good).
-    live = (coefficients != 0).nonzero().squeeze(1)  # (N',)
+    live = (coefficients.live() if token_level else coefficients != 0).nonzero().squeeze(1)  # (N',)
     if len(live) == 0:
         return 0.0
     samples, coefficients = samples.select(live), coefficients[live]
@@ -79,6 +83,8 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
         oom_retry = device.type == "cuda"
     section = profiler.section if profiler is not None else (lambda name: contextlib.nullcontext())
     counts = {"rows": len(samples), "chunks": 0, "positions": plan.positions, "nodes": 0}
+    if token_level:
+        counts.update(tokens=0, clip_low=0, clip_high=0, kl=0.0)
     with torch.enable_grad(), protocol.scoring_mode(model, keep=keep_mode):
         with section("phase 2: encoder forward"):
             enc = model.encode(source)
@@ -93,7 +99,7 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
             try:
                 with section(f"phase 2: chunk of {end - start} rows" + (f", {nodes} nodes" if plan.tree else "")):
                     total += _chunk(model, boundary, samples, coefficients, slice(start, end), params, oom_retry,
-                                    plan.tree)
+                                    plan.tree, counts)
             except torch.cuda.OutOfMemoryError:
                 if size == 1 or not oom_retry:
                     raise
@@ -110,6 +116,21 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
         for key, value in counts.items():
             stats[key] = stats.get(key, 0) + value
     return total
+
+
+def _checked(coefficients, n: int, device):
+    """(coefficients as a (n,) tensor on device, False), or (a token-level objective of n rows, True)."""
+    if callable(getattr(coefficients, "derivative", None)):
+        if len(coefficients) != n:
+            raise ValueError(f"expected an objective of {n} rows, got {len(coefficients)}")
+        return coefficients, True
+    coefficients = torch.as_tensor(coefficients, device=device)
+    if coefficients.shape != (n,):
+        raise ValueError(f"expected {n} coefficients, got shape {tuple(coefficients.shape)}")
+    if not bool(torch.isfinite(coefficients).all()):  # a NaN would reach every parameter's .grad silently
+        bad = int((~torch.isfinite(coefficients)).nonzero()[0])
+        raise ValueError(f"coefficients must be finite; row {bad} is {float(coefficients[bad])}")
+    return coefficients, False
 
 
 def shares_prefixes(model) -> bool:
@@ -174,19 +195,25 @@ def _bank_boundary_grads(boundary, sums: dict) -> None:
             leaf.grad = None
 
 
-def _chunk(model, boundary, samples: Samples, coefficients: Tensor, rows: slice, params, collect: bool,
-           shared: bool) -> float:
+def _chunk(model, boundary, samples: Samples, coefficients, rows: slice, params, collect: bool,
+           shared: bool, counts: dict) -> float:
     """Decode rows (as their prefix tree when shared), then add d(sum c_i log p_i)/d(params, boundary) into
     their .grad; returns the sum. With collect, the whole chunk's gradient exists before any of it is added (see
-    the module docstring)."""
+    the module docstring). A token-level objective's statistics go into counts once the chunk succeeded."""
     inputs = params + [x for x in tree.floating(boundary) if x.requires_grad]
+    c = coefficients[rows]
+    if not isinstance(c, Tensor):
+        c = tokenweights.ChunkLoss(c)  # this attempt's loss and statistics (an OOM retry starts afresh)
     if shared:
-        nodes = prefixtree.build(samples.tokens[rows], samples.owner[rows], samples.lengths[rows], coefficients[rows])
+        nodes = prefixtree.build(samples.tokens[rows], samples.owner[rows], samples.lengths[rows], c)
         loss, grads = tree_gradients(model, boundary, nodes, inputs, collect)
     else:
         T = int(samples.lengths[rows].max())  # no steps past the chunk's longest row
-        loss, grads = chunk_gradients(model, boundary, samples.tokens[rows, :T], samples.owner[rows],
-                                      coefficients[rows], inputs, collect)
+        loss, grads = chunk_gradients(model, boundary, samples.tokens[rows, :T], samples.owner[rows], c, inputs,
+                                      collect)
+    if isinstance(c, tokenweights.ChunkLoss):
+        for key, value in c.sums.items():
+            counts[key] += value
     with torch.no_grad():
         for x, g in zip(inputs, grads):
             if g is None:
@@ -215,6 +242,10 @@ def chunk_gradients(model, enc, tokens: Tensor, owner: Tensor, c: Tensor, inputs
     by_hand = getattr(model, "weighted_score_backward", None)
     if by_hand is not None:
         return by_hand(enc, tokens, owner, c, inputs, collect)
+    if isinstance(c, tokenweights.ChunkLoss):  # the objective at the per-token log-probs (C, T)
+        row, col = protocol.target_mask(tokens, model.pad_id, model.eos_id).nonzero(as_tuple=True)  # (P,) each
+        tok = protocol.token_scores(model, enc, tokens, owner)
+        return _autograd(c.terms(tok[row, col], row, col), inputs, collect)
     log_p = protocol.score(model, enc, tokens, owner)  # (C,)
     return _autograd((c.to(log_p.dtype) * log_p).sum(), inputs, collect)
 

@@ -45,8 +45,9 @@ def stochastic_beam_search(model, source, num_samples: int, max_len: int,
     ordered sample: the first row of a source is an ordinary draw from p). Samples.scores are the model's
     log-probabilities, Samples.perturbed the G_y and Samples.threshold the source's kappa, both float64."""
     with scoring_mode(model), torch.inference_mode():
-        tokens, scores, owner, gumbels = _stochastic_beam_search(model, source, num_samples, max_len, generator)
-    return _finish(model, tokens, scores, owner, perturbed=gumbels.perturbed.reshape(-1),
+        tokens, scores, owner, token_scores, gumbels = _stochastic_beam_search(model, source, num_samples, max_len,
+                                                                               generator)
+    return _finish(model, tokens, scores, owner, token_scores, perturbed=gumbels.perturbed.reshape(-1),
                    threshold=gumbels.threshold[owner])
 
 

@@ -89,7 +89,8 @@ def _score_dtype(logp: Tensor) -> torch.dtype:
     return torch.promote_types(logp.dtype, torch.float32)
 
 
-def _finish(model, tokens: Tensor, scores: Tensor, owner: Tensor, **extra: Tensor) -> Samples:
+def _finish(model, tokens: Tensor, scores: Tensor, owner: Tensor, token_scores: Tensor | None = None,
+            **extra: Tensor) -> Samples:
     """Drop impossible rows (score -inf; `check_finite` refused NaN and +inf), trim trailing padding columns;
     `extra` (N,) row fields of `Samples` follow the rows. Runs outside inference mode: the clones are ordinary
     tensors, which phase two may save for backward (it embeds these tokens)."""
@@ -97,7 +98,9 @@ def _finish(model, tokens: Tensor, scores: Tensor, owner: Tensor, **extra: Tenso
     tokens, scores, owner = tokens[keep], scores[keep], owner[keep]
     lengths = target_mask(tokens, model.pad_id, model.eos_id).sum(dim=1)
     T = int(lengths.max()) if len(lengths) else 0
-    return Samples(tokens[:, :T].clone(), lengths.clone(), owner.clone(), scores.clone(),
+    if token_scores is not None:  # (N, T), never with a graph (the one-phase baseline differentiates `scores`)
+        token_scores = token_scores.detach()[keep][:, :T].clone()
+    return Samples(tokens[:, :T].clone(), lengths.clone(), owner.clone(), scores.clone(), token_scores,
                    **{k: v[keep].clone() for k, v in extra.items()})
 
 
@@ -125,6 +128,7 @@ def _beam_search(model, source, beam_size: int, max_len: int, choose=None):
     state = model.init_state(enc, owner)
     scores = None  # (B, K), made at the first step, in the log-probabilities' summing dtype
     tokens = torch.full((B * K, max_len), model.pad_id, dtype=torch.long, device=device)
+    token_scores = None  # (B*K, max_len) each hypothesis' per-token log-probabilities, made with scores
     done = torch.zeros(B * K, dtype=torch.bool, device=device)
     prev = torch.full((B * K,), model.bos_id, dtype=torch.long, device=device)
     base = torch.arange(B, device=device)[:, None] * K  # (B, 1) first row of each source
@@ -136,7 +140,7 @@ def _beam_search(model, source, beam_size: int, max_len: int, choose=None):
             found = _compact_step(dec, enc, owner, prev, state, scores, done, per_block, V)
             if found is None:  # nothing open: every hypothesis finished or impossible
                 break
-            state, scores, flat, slot = found
+            state, scores, flat, picked, slot = found
         else:  # all rows, in the B x K layout a model may read as per-source views
             state = dec.advance(enc, owner, prev, state)
             if scores is None:
@@ -145,22 +149,26 @@ def _beam_search(model, source, beam_size: int, max_len: int, choose=None):
                 per_block = max(1, BLOCK_BYTES // max(1, K * V * probe.element_size()))
                 scores = torch.full((B, K), float("-inf"), dtype=_score_dtype(probe), device=device)
                 scores[:, 0] = 0.0  # one live hypothesis at first, or the K copies would fill the beam with duplicates
-            top = [dec.choose(_extensions(dec.log_probs(state, slice(b * K, min(b + per_block, B) * K)),
-                                          scores[b:b + per_block], done[b * K:(b + per_block) * K], model.pad_id),
-                              K, torch.arange(b, min(b + per_block, B), device=device))
+                token_scores = torch.zeros(B * K, max_len, dtype=scores.dtype, device=device)
+            top = [_chosen(dec, dec.log_probs(state, slice(b * K, min(b + per_block, B) * K)),
+                           scores[b:b + per_block], done[b * K:(b + per_block) * K], model.pad_id,
+                           torch.arange(b, min(b + per_block, B), device=device))
                    for b in range(0, B, per_block)]
-            scores, flat = torch.cat([s for s, _ in top]), torch.cat([f for _, f in top])  # (B, K) each, best first
+            scores, flat, picked = (torch.cat(parts) for parts in zip(*top))  # (B, K) each, best first
             slot = None
         rows = (base + flat // V).reshape(-1)  # (B*K,) which hypothesis each new one extends
         prev = (flat % V).reshape(-1)  # (B*K,)
         tokens = tokens[rows]
         tokens[:, t] = prev
+        token_scores = token_scores[rows]
+        token_scores[:, t] = picked.detach().reshape(-1)  # the chosen token's log p (0 extending a finished row)
         done = done[rows] | (prev == model.eos_id)
         at = rows if slot is None else slot[rows]  # (B*K,) each new hypothesis' row of state
         state = tree.select_rows(state, at)
     if scores is None:  # max_len 0
         scores = torch.zeros(B, K, device=device).index_fill_(1, torch.arange(1, K, device=device), float("-inf"))
-    return tokens, scores.reshape(-1), owner
+        token_scores = torch.zeros(B * K, 0, device=device)
+    return tokens, scores.reshape(-1), owner, token_scores
 
 
 def _finished_row(V: int, like: Tensor, pad_id: int) -> Tensor:
@@ -178,6 +186,17 @@ def _extensions(logp: Tensor, scores: Tensor, done: Tensor, pad_id: int) -> Tens
     if bool(done.any()):  # a (n*K, V) pass, skipped while every hypothesis is open
         logp = torch.where(done[:, None], _finished_row(V, logp, pad_id), logp)  # (n*K, V)
     return (scores.reshape(-1, 1) + logp).reshape(n, K * V)  # (n, K*V)
+
+
+def _chosen(dec: _Decoder, logp: Tensor, scores: Tensor, done: Tensor, pad_id: int, sources: Tensor):
+    """The K extensions `dec.choose` keeps for n sources given their hypotheses' log-probabilities logp (n*K, V):
+    (n, K) scores, flat indices into the (K*V) candidates, and the log-probabilities of the tokens they add (0
+    where a finished hypothesis is extended by padding)."""
+    K, V = scores.shape[1], logp.shape[-1]
+    best, flat = dec.choose(_extensions(logp, scores, done, pad_id), K, sources)
+    rows = flat // V + K * torch.arange(len(flat), device=flat.device)[:, None]  # (n, K) among the n*K rows
+    picked = logp[rows, flat % V]
+    return best, flat, torch.where(done[rows], torch.zeros((), dtype=picked.dtype, device=picked.device), picked)
 
 
 def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: Tensor, per_block: int, V: int):
@@ -205,16 +224,18 @@ def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: 
     for j in range(0, len(ends), per_block):  # blocks of sources, as the full step's (rows, V) temporaries
         j1 = min(j + per_block, len(ends))
         o = slice(ends[j - 1] if j else 0, ends[j1 - 1])
-        cand = _open_extensions(dec.log_probs(state_o, o), act_scores[j:j1], pos[o] - j * K, pad_id)
-        top.append(dec.choose(cand, K, act[j:j1]))
+        logp, at = dec.log_probs(state_o, o), pos[o] - j * K
+        best, idx = dec.choose(_open_extensions(logp, act_scores[j:j1], at, pad_id), K, act[j:j1])
+        top.append((best, idx, _open_picked(logp, at, idx, K)))
     kept = (torch.arange(K, device=act.device) * V + pad_id).expand(B, K)  # (B, K) row k extended by padding
-    flat = kept.index_copy(0, act, torch.cat([f for _, f in top]))  # (B, K)
-    scores = scores.index_copy(0, act, torch.cat([s for s, _ in top]))  # (B, K)
+    flat = kept.index_copy(0, act, torch.cat([f for _, f, _ in top]))  # (B, K)
+    scores = scores.index_copy(0, act, torch.cat([s for s, _, _ in top]))  # (B, K)
+    picked = scores.new_zeros(B, K).index_copy(0, act, torch.cat([p for _, _, p in top]))  # (B, K)
     # A dead row's descendants are dead: whatever finite state they get (an open row's), nothing reads it but
     # a full step, which discards what it computes from it.
     slot = torch.zeros(B * K, dtype=torch.long, device=act.device).index_copy_(
         0, rows, torch.arange(len(rows), device=act.device))  # (B*K,)
-    return state_o, scores, flat, slot
+    return state_o, scores, flat, picked, slot
 
 
 def _open_extensions(logp: Tensor, scores: Tensor, at: Tensor, pad_id: int) -> Tensor:
@@ -226,6 +247,16 @@ def _open_extensions(logp: Tensor, scores: Tensor, at: Tensor, pad_id: int) -> T
     # an addition saves nothing for backward.
     cand = (flat[:, None] + _finished_row(V, logp, pad_id)).index_copy_(0, at, flat[at, None] + logp)  # (n*K, V)
     return cand.reshape(n, K * V)
+
+
+def _open_picked(logp: Tensor, at: Tensor, idx: Tensor, K: int) -> Tensor:
+    """(n, K) the log-probability of the token each chosen extension idx (n, K) adds, read from the open rows'
+    logp (m, V) at positions at (m,) among the n*K rows; 0 for a finished row's padding."""
+    n, V = idx.shape[0], logp.shape[-1]
+    slot = torch.full((n * K,), -1, dtype=torch.long, device=at.device).index_copy_(
+        0, at, torch.arange(len(at), device=at.device))[(idx // V) + K * torch.arange(n, device=at.device)[:, None]]
+    return torch.where(slot >= 0, logp[slot.clamp(min=0), idx % V], torch.zeros((), dtype=logp.dtype,
+                                                                                device=logp.device))
 
 
 def sample(model, source, num_samples: int, max_len: int, temperature: float = 1.0,
@@ -278,6 +309,7 @@ def _sample(model, source, num_samples: int, max_len: int, temperature: float, g
     state = model.init_state(enc, owner)
     scores = None  # (B*K,)
     tokens = torch.full((B * K, max_len), model.pad_id, dtype=torch.long, device=device)
+    token_scores = None  # (B*K, max_len)
     done = torch.zeros(B * K, dtype=torch.bool, device=device)
     prev = torch.full((B * K,), model.bos_id, dtype=torch.long, device=device)
     for t in range(max_len):
@@ -285,6 +317,7 @@ def _sample(model, source, num_samples: int, max_len: int, temperature: float, g
         logp = dec.ban_specials(logp)
         if scores is None:
             scores = torch.zeros(B * K, dtype=_score_dtype(logp), device=device)
+            token_scores = torch.zeros(B * K, max_len, dtype=scores.dtype, device=device)
         with torch.no_grad():  # the draw is not differentiated: keep its (B*K, V) out of any graph
             if top_k or top_p or min_len:
                 probs = torch.softmax(truncate(logp / temperature, model.eos_id, t, top_k, top_p, min_len), dim=-1)
@@ -292,14 +325,17 @@ def _sample(model, source, num_samples: int, max_len: int, temperature: float, g
                 probs = torch.softmax(logp / temperature, dim=-1) if temperature != 1.0 else logp.exp()
         drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B*K,)
         prev = drawn.masked_fill(done, model.pad_id)
-        scores = scores + logp.gather(1, drawn[:, None]).squeeze(1).masked_fill(done, 0.0)
+        picked = logp.gather(1, drawn[:, None]).squeeze(1).masked_fill(done, 0.0)  # (B*K,)
+        scores = scores + picked
+        token_scores[:, t] = picked.detach()
         tokens[:, t] = prev
         done = done | (prev == model.eos_id)
         if bool(done.all()):
             break
     if scores is None:
         scores = torch.zeros(B * K, device=device)
-    return tokens, scores, owner
+        token_scores = torch.zeros(B * K, 0, device=device)
+    return tokens, scores, owner, token_scores
 
 
 def greedy(model, source, max_len: int) -> Samples:

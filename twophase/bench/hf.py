@@ -10,6 +10,10 @@ baseline, the GRPO shape), and the gradient of sum_i c_i log p(y_i | x_i). Metho
     trl         phase one as two-phase, then TRL's recipe: per micro-batch of C rows one forward of the whole
                 input (the causal LM: prompt + completion, logits of the completion only; T5: encoder + decoder),
                 log-softmax, gather, backward; the prompt (source) is re-encoded for each of its K rows
+    grpo-trainer  phase one as two-phase, then the real TRL `GRPOTrainer.compute_loss` (trl 1.16, causal LMs
+                only; extra `bench`) per micro-batch of C rows, loss_type dr_grpo with the advantages that make its
+                gradient the REINFORCE coefficients' (ratio 1, beta 0), no bf16 autocast, no gradient
+                checkpointing: TRL's own forward (no position ids: Llama's rotary attention does not mind)
 Every method runs in a fresh subprocess (`--worker JSON`), so each peak belongs to one method. `tensors` is the
 peak of bytes held by tensors during a step (the profiler's allocation record, `memstats.AllocationPeak`), `rss`
 the process's peak resident set above its size before the first step. CPU only, float32, one thread by default
@@ -45,6 +49,7 @@ DEFAULTS = dict(batch=8, samples=16, prompt=128, completion=64, width=256, layer
 MODELS = ("t5", "causal")
 TIMES = ("phase1_s", "phase2_s", "step_s", "phase2_cpu", "step_cpu")  # wall seconds; CPU seconds of the process
 METHODS = ("two-phase", "one-phase", "trl")
+CAUSAL_ONLY = ("grpo-trainer",)  # TRL's GRPOTrainer trains causal LMs
 
 
 def build(cell: dict):
@@ -118,6 +123,50 @@ def trl_backward(wrapper, source: dict, samples, c: torch.Tensor, micro: int) ->
     return total
 
 
+def grpo_trainer(wrapper, cell: dict):
+    """TRL's GRPOTrainer around the wrapper's model, built offline: a word-level tokenizer over the ids, a dummy
+    reward and dataset (compute_loss reads neither), beta 0 (no reference model loaded)."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import GRPOConfig, GRPOTrainer
+
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, **{f"w{i}": i for i in range(3, cell["vocab"])}}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>")),
+                                        pad_token="<pad>", eos_token="</s>", bos_token="<s>", padding_side="left")
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=cell["samples"],
+                      num_generations=cell["samples"], max_completion_length=cell["completion"], beta=0.0,
+                      loss_type="dr_grpo", report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False)
+    trainer = GRPOTrainer(model=wrapper.model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=tokenizer)
+    wrapper.eval()  # compute_loss in "eval" mode: no gradient-accumulation scaling (and no dropout)
+    return trainer
+
+
+def grpo_trainer_backward(trainer, wrapper, source: dict, samples, c: torch.Tensor, micro: int) -> float:
+    """TRL's compute_loss (dr_grpo: sum / (rows * max_len)) per micro-batch of rows, backward after each. With
+    A_i = -c_i * rows * max_len its gradient at ratio 1 is sum_i c_i grad log p_i, the other methods'."""
+    total = 0.0
+    trainer.model.eval()  # "eval" mode, as built (rescore_backward elsewhere restores a wrapper's mode)
+    for start in range(0, len(samples), micro):
+        rows = slice(start, start + micro)
+        tokens, owner = samples.tokens[rows], samples.owner[rows]  # (C, T), (C,)
+        keep = target_mask(tokens, wrapper.pad_id, wrapper.eos_id)  # (C, T)
+        adv = -c[rows] * len(tokens) * trainer.max_completion_length  # (C,)
+        inputs = {"prompt_ids": source["input_ids"][owner], "prompt_mask": source["attention_mask"][owner],
+                  "completion_ids": tokens, "completion_mask": keep.long(), "advantages": adv.float(),
+                  "num_items_in_batch": keep.sum()}
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+        total += loss.item()
+    return total
+
+
 def train_step(cell: dict, wrapper, source: dict, window=contextlib.nullcontext) -> dict:
     """One step of the cell's method; returns its phases' seconds and the candidates' mean length. `window()`
     is entered around each phase (an `AllocationPeak` when measuring memory)."""
@@ -138,6 +187,8 @@ def train_step(cell: dict, wrapper, source: dict, window=contextlib.nullcontext)
             del log_p
         elif cell["method"] == "two-phase":
             rescore_backward(wrapper, source, samples, c, cell["chunk"])
+        elif cell["method"] == "grpo-trainer":
+            grpo_trainer_backward(cell["_trainer"], wrapper, source, samples, c, cell["chunk"])
         else:
             trl_backward(wrapper, source, samples, c, cell["chunk"])
     end, end_cpu = time.perf_counter(), time.process_time()
@@ -153,6 +204,8 @@ def run_cell(cell: dict) -> dict:
     one left held + phase two's peak): the one-phase graph is held from phase one into phase two."""
     torch.set_num_threads(cell["threads"])
     wrapper, source = build(cell)
+    if cell["method"] == "grpo-trainer":
+        cell = dict(cell, _trainer=grpo_trainer(wrapper, cell))  # built once, outside the timed steps
     reset_rss_peak()
     base = rss_bytes()
     runs = [train_step(cell, wrapper, source) for _ in range(cell["warmup"] + cell["steps"])][cell["warmup"]:]
@@ -161,6 +214,7 @@ def run_cell(cell: dict) -> dict:
     one, two = train_step(cell, wrapper, source, AllocationPeak)["windows"]
     out = {key: statistics.median(r[key] for r in runs) for key in (*TIMES, "mean_len")}
     mib = 2**-20
+    cell = {k: v for k, v in cell.items() if k != "_trainer"}
     return dict(cell, **out, rss_mb=max(0, rss_peak) * mib, phase1_mb=one.peak_bytes * mib,
                 phase2_mb=two.peak_bytes * mib, tensors_mb=max(one.peak_bytes, one.end_bytes + two.peak_bytes) * mib,
                 params_mb=sum(p.numel() * p.element_size() for p in wrapper.parameters()) * mib)
@@ -234,7 +288,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE",
                    help=f"override sizes: {', '.join(DEFAULTS)}")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of t5,causal")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of two-phase,one-phase,trl")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated subset of two-phase,one-phase,trl,grpo-trainer (the real TRL "
+                        "GRPOTrainer, causal only)")
     p.add_argument("--one-phase-rows", type=int, default=32, metavar="R",
                    help="one-phase cells of more than R rows are measured at two smaller batches and extrapolated "
                         "(memory linearly, times in proportion to the batch), marked * (default 32)")
@@ -242,7 +298,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", help="also write the table (Markdown) and the cells (JSON) to OUT.md / OUT.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name, allowed in (("models", MODELS), ("methods", METHODS)):
+    for name, allowed in (("models", MODELS), ("methods", METHODS + CAUSAL_ONLY)):
         chosen = getattr(args, name).split(",")
         if not chosen or any(x not in allowed for x in chosen):
             p.error(f"--{name}: expected a comma-separated subset of {','.join(allowed)}, got {getattr(args, name)!r}")
@@ -268,6 +324,8 @@ def main(argv=None) -> int:
     cells = []
     for model in args.models:
         for method in args.methods:
+            if model != "causal" and method in CAUSAL_ONLY:
+                continue
             cells.append(measure_capped(dict(s, model=model, method=method), args.one_phase_rows, args.timeout))
             print(f"  {model} {method}: " + json.dumps({k: cells[-1].get(k) for k in (
                 "phase1_s", "phase2_s", "step_s", "tensors_mb", "rss_mb", "mean_len", "error")}), flush=True)

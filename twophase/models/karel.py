@@ -91,6 +91,10 @@ class KarelModel(nn.Module):
     # ---------------------------------------------------------------- teacher forcing, one pass
     def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
         """(N,) log p(tokens[i] | source owner[i]) of rows tokens (N, T): tokens, EOS, PAD..., with gradients."""
+        return self.token_scores(enc, tokens, owner).sum(1)
+
+    def token_scores(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
+        """(N, T) the per-token log-probabilities `score` sums, 0 past each row's end."""
         N, T = tokens.shape
         prev = teacher_forced_inputs(tokens, self.bos_id)  # (N, T)
         spec = enc["spec"][owner][:, None].expand(N, T, -1)  # (N, T, H)
@@ -101,4 +105,4 @@ class KarelModel(nn.Module):
         tok = log_p.gather(2, tokens[:, :, None]).squeeze(2)  # (N, T)
         mask = target_mask(tokens, self.pad_id, self.eos_id)
         # where, not a product: a PAD position gathers -inf, and -inf * 0 is NaN
-        return torch.where(mask, tok, torch.zeros_like(tok)).sum(1)
+        return torch.where(mask, tok, torch.zeros_like(tok))

@@ -124,25 +124,35 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
     Returns (log p (M,), d/dh (M, H), d/dweight (V, H), d/dbias (V,)), the numbers TargetLogProbs' forward and
     backward give for an incoming gradient w, without autograd. Phase two knows w (the coefficients) before it
     decodes, so it needs each logit block once, where forward-then-backward computes it twice. Given dw / db,
-    the weight and bias gradients are added into them (e.g. the parameters' .grad) instead of fresh tensors."""
+    the weight and bias gradients are added into them (e.g. the parameters' .grad) instead of fresh tensors.
+    w may also be a function of the log-probabilities (`twophase.tokenweights.PositionWeights`: a token-level
+    objective), called once per block with the block's rows and log p."""
     M, V = h.shape[0], weight.shape[0]
     # Under autocast the three matmuls run in its dtype; logsumexp, softmax, log p and dw / db in float32.
     acc, mm = sum_dtype(weight), _matmul_dtype(h, weight)
-    hm, wm, w = h.to(mm), weight.to(mm), w.to(acc)
+    dynamic = callable(w)  # each block's weights from its log-probabilities
+    hm, wm = h.to(mm), weight.to(mm)
+    if not dynamic:
+        w = w.to(acc)
     block = block or _block_rows(M, V, acc)
     tok, dh = h.new_empty(M, dtype=acc), torch.empty_like(h)
     dw = torch.zeros_like(weight) if dw is None else dw
     db = torch.zeros_like(bias) if db is None else db
     # A banned target has log p = -inf and, as in TargetLogProbs, no gradient: its one-hot term is dropped.
-    w_target = w.masked_fill(banned[target], 0.0)
+    w_target = None if dynamic else w.masked_fill(banned[target], 0.0)
     for i in range(0, M, block):
         rows = slice(i, i + block)
         z = logits(hm[rows], wm, bias, banned).to(acc)  # (m, V)
         lse = torch.logsumexp(z, dim=1)  # (m,)
         tok[rows] = z.gather(1, target[rows, None]).squeeze(1) - lse
+        if dynamic:
+            w_rows = w(rows, tok[rows]).to(acc)  # (m,)
+            w_tgt = w_rows.masked_fill(banned[target[rows]], 0.0)
+        else:
+            w_rows, w_tgt = w[rows], w_target[rows]
         # w * (onehot(target) - softmax), in place over the block; banned columns have softmax exactly 0
-        dz = z.sub_(lse[:, None]).exp_().mul_(-w[rows, None])
-        dz.scatter_add_(1, target[rows, None], w_target[rows, None])
+        dz = z.sub_(lse[:, None]).exp_().mul_(-w_rows[:, None])
+        dz.scatter_add_(1, target[rows, None], w_tgt[:, None])
         db += dz.sum(dim=0)
         dz = dz.to(mm)
         dh[rows] = dz @ wm  # (m, H)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from . import deferred, fused, outputlayer
+from .. import tokenweights
 from ..vocab import BOS, EOS, PAD
 
 
@@ -163,6 +164,14 @@ class Seq2Seq(nn.Module):
         tok = outputlayer.target_log_probs(h, self.out.weight, self.out.bias, target, self.banned)  # (M,)
         return tok.new_zeros(tgt.shape[0]).index_add_(0, row, tok)  # (N,): sum over each row's positions
 
+    def token_scores(self, enc: Encoded, tgt: Tensor, owner: Tensor) -> Tensor:
+        """(N, T) the per-token log-probabilities `score` sums, 0 at PAD positions."""
+        N, T = tgt.shape
+        h, target, _ = self.decoder_states(enc, tgt, owner)
+        tok = outputlayer.target_log_probs(h, self.out.weight, self.out.bias, target, self.banned)  # (M,)
+        valid = (tgt != PAD).reshape(-1).nonzero().squeeze(1)  # (M,) as decoder_states picks them
+        return tok.new_zeros(N * T).index_copy(0, valid, tok).reshape(N, T)
+
     def sequence_log_probs(self, src: Tensor, src_lengths: Tensor, tgt: Tensor, owner: Tensor | None = None) -> Tensor:
         """(N,) log-probabilities, with grad, of target rows tgt (N, T) given src (B, S)."""
         if owner is None:
@@ -200,13 +209,14 @@ class Seq2Seq(nn.Module):
         backward) and the decoder's graph is back-propagated from its output h. Without collect, everything is
         added into .grad here and the returned gradient list is empty."""
         h, target, row = self.decoder_states(enc, tokens, owner)  # (M, H), (M,), (M,)
-        # (M,) d loss / d log p of each position: its row's coefficient, never rounded to a 16-bit h's dtype
-        # (fp16 loss scaling puts coefficients far above fp16's range)
-        w = c.to(outputlayer.sum_dtype(self.out.weight)).index_select(0, row)
+        col = (tokens != PAD).reshape(-1).nonzero().squeeze(1) % tokens.shape[1]  # (M,) as decoder_states
+        # (M,) d loss / d log p of each position: its row's coefficient (or a token-level objective's, from the
+        # position's log p), never rounded to a 16-bit h's dtype (fp16 loss scaling puts coefficients far above
+        # fp16's range)
+        w = tokenweights.weights(c, row, col, outputlayer.sum_dtype(self.out.weight))
         tok, grads = self._output_layer_backward(h, target, w, inputs, collect)
         with torch.no_grad():
-            log_p = tok.new_zeros(len(c)).index_add_(0, row, tok)  # (C,), as `score` sums it
-            return (c.to(log_p.dtype) * log_p).sum(), grads
+            return tokenweights.loss(c, tok, row), grads
 
     def weighted_tree_backward(self, enc: Encoded, nodes, inputs: list, collect: bool):
         """`weighted_score_backward` over a prefix tree (`twophase.prefixtree`): every distinct prefix decoded
@@ -214,12 +224,14 @@ class Seq2Seq(nn.Module):
         exactly zero (a prefix every candidate of a beam objective shares) skip the output layer."""
         weights = deferred.DeferredWeights()
         h = self.tree_decoder_states(enc, nodes, weights)  # (M, H)
-        w = nodes.weights.to(outputlayer.sum_dtype(self.out.weight))  # (M,)
-        target, scored = nodes.tokens, (w != 0).nonzero().squeeze(1)
-        if len(scored) < len(w):
-            h, w, target = h.index_select(0, scored), w[scored], target[scored]
+        w, target = nodes.weights, nodes.tokens
+        if not tokenweights.is_token_level(w):  # a token-level objective's weights are known only from log p
+            w = w.to(outputlayer.sum_dtype(self.out.weight))  # (M,)
+            scored = (w != 0).nonzero().squeeze(1)
+            if len(scored) < len(w):
+                h, w, target = h.index_select(0, scored), w[scored], target[scored]
         tok, grads = self._output_layer_backward(h, target, w, inputs, collect, weights)
-        return (w * tok).sum(), grads
+        return tokenweights.weighted_sum(w, tok), grads
 
     def _output_layer_backward(self, h: Tensor, target: Tensor, w: Tensor, inputs: list, collect: bool,
                                weights: deferred.DeferredWeights | None = None):

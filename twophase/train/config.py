@@ -9,6 +9,7 @@ import argparse
 import re
 import sys
 from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 
 
 # --preset NAME: other defaults for a named recipe; flags given on the command line still win.
@@ -123,13 +124,35 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature of --sampler sample (scores stay the model's own); "
                                   "not with --objective reinforce, whose gradient it would bias", minimum=1e-6)
     objective: str = arg("beam", "reinforce, beam (expected reward renormalised over the candidates, "
-                                 "Bunel et al. 2018), mrt (minimum risk training, Shen et al. 2016), or with "
+                                 "Bunel et al. 2018), mrt (minimum risk training, Shen et al. 2016), policy "
+                                 "(token-level clipped ratios and KL, TRL's GRPO losses: docs/policy.md), or with "
                                  "--sampler sbs: priority (importance weights p/q) or unordered-set (with its "
                                  "built-in baseline, Kool et al. 2020), both unbiased (docs/sbs.md)",
-                         choices=("reinforce", "beam", "mrt", "priority", "unordered-set"))
+                         choices=("reinforce", "beam", "mrt", "policy", "priority", "unordered-set"))
     baseline: str | None = arg(None, "REINFORCE baseline: none, mean, loo (leave-one-out) or greedy "
-                                     "(self-critical); only with --objective reinforce (default: mean)",
+                                     "(self-critical); with --objective reinforce, or policy (none, mean, loo) "
+                                     "(default: mean)",
                                choices=("none", "mean", "loo", "greedy"))
+    # ---- --objective policy (docs/policy.md)
+    loss_type: str = arg("dapo", "--objective policy: TRL's loss aggregation (grpo, dr_grpo, dapo, bnpo) or "
+                                 "sequence (per-sequence sums, averaged per source)",
+                         choices=("grpo", "dr_grpo", "dapo", "bnpo", "sequence"))
+    updates_per_generation: int = arg(1, "--objective policy: optimizer steps per phase one (TRL's "
+                                         "num_iterations), each a phase two over the same candidates", minimum=1)
+    clip_epsilon: float = arg(0.2, "--objective policy: the ratio is clipped to [1 - eps, 1 + eps_high]",
+                              minimum=0.0)
+    clip_epsilon_high: float | None = arg(None, "--objective policy: the upper clip (DAPO's clip-higher); "
+                                                "default: --clip-epsilon", minimum=0.0)
+    kl_beta: float = arg(0.0, "--objective policy: weight of the k3 KL to a frozen reference (the end-of-MLE "
+                              "model, or --ref-checkpoint)", minimum=0.0)
+    kl_importance_weighted: bool = arg(True, "--objective policy: the KL term times the importance ratio "
+                                             "(TRL's use_bias_correction_kl)")
+    ref_checkpoint: str | None = arg(None, "--objective policy with --kl-beta: the reference's parameters from "
+                                           "this checkpoint file instead of the end-of-MLE model")
+    advantage_scale: str = arg("group", "--objective policy: divide advantages by the source's reward std, the "
+                                        "batch's, or not (TRL's scale_rewards)", choices=("group", "batch", "none"))
+    drop_zero_std: bool = arg(False, "--objective policy: sources whose candidates' rewards are all equal leave "
+                                     "phase two (DAPO's dynamic sampling; counted as dropped_groups)")
     mrt_alpha: float = arg(MRT_ALPHA, "MRT sharpness alpha: Q ∝ p^alpha over a source's candidates", minimum=0.0)
     compare_mle: bool = arg(True, "after RL, continue MLE from the end-of-MLE state at --rl-lr for the RL "
                                   "phase's training time (CPU time on CPU, wall time on GPU), validate (and test) "
@@ -289,9 +312,45 @@ class Config:
                 raise ValueError(f"--hf-model: {_flag(name)} splits text for the built-in vocabularies; the "
                                  "model's tokenizer splits it")
 
+    def _validate_policy(self) -> None:
+        """--objective policy's flags: refused with another objective (they would do nothing), and the
+        combinations it does not support."""
+        defaults = {f.name: f.default for f in fields(self)}
+        names = ("loss_type", "updates_per_generation", "clip_epsilon", "clip_epsilon_high", "kl_beta",
+                 "kl_importance_weighted", "ref_checkpoint", "advantage_scale", "drop_zero_std")
+        if self.objective != "policy":
+            for name in names:
+                if getattr(self, name) != defaults[name]:
+                    raise ValueError(f"{_flag(name)} applies to --objective policy only, not --objective "
+                                     f"{self.objective}")
+            return
+        for name, why in (("one_phase", "phase one keeps no graph for several updates"),
+                          ("mle_weight", "the MLE rows have no old policy")):
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(f"--objective policy does not take {_flag(name)} ({why})")
+        if self.amp == "fp16":
+            raise ValueError("--objective policy does not take --amp fp16 (its loss scale); use --amp bf16")
+        if self.baseline == "greedy":
+            raise ValueError("--objective policy takes --baseline none, mean or loo, not greedy")
+        if self.sampler == "sbs":
+            raise ValueError("--objective policy takes --sampler sample or beam, not sbs (its candidates are not "
+                             "independent draws)")
+        if self.grad_accum != 1:
+            raise ValueError("--objective policy does not take --grad-accum (a generation is one batch)")
+        if self.ref_checkpoint is not None and self.kl_beta == 0:
+            raise ValueError("--ref-checkpoint needs --kl-beta > 0")
+        if self.ref_checkpoint is not None and not Path(self.ref_checkpoint).is_file():
+            raise ValueError(f"--ref-checkpoint {self.ref_checkpoint}: no such file")
+
     def _validate_rl(self) -> None:
+        self._validate_policy()
         if self.temperature != 1 and self.sampler != "sample":
             raise ValueError(f"--temperature applies to --sampler sample only, not --sampler {self.sampler}")
+        if self.objective == "policy":
+            if self.beam_size < 2 and self.baseline != "none":
+                raise ValueError("--objective policy with --beam-size 1 has no group to compare a candidate with; "
+                                 "use --beam-size >= 2, or --baseline none")
+            return
         if self.mrt_alpha != MRT_ALPHA and self.objective != "mrt":
             raise ValueError(f"--mrt-alpha applies to --objective mrt only, not --objective {self.objective}")
         if self.objective in WITHOUT_REPLACEMENT and self.sampler != "sbs":
@@ -317,6 +376,9 @@ class Config:
 
     def warnings(self) -> list[str]:
         """Configurations that train, but not what the user probably means; one line each."""
+        if self.rl_steps > 0 and self.objective == "policy" and self.sampler == "beam":
+            return ["--objective policy with --sampler beam: beam candidates are not samples of the old policy, so "
+                    "the importance ratio corrects nothing; usual: --sampler sample"]
         if self.rl_steps > 0 and self.objective == "reinforce" and self.sampler == "beam":
             return ["--objective reinforce with --sampler beam is biased (beam candidates are not samples of the "
                     "model); unbiased: --sampler sample, or --objective beam"]

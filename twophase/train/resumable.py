@@ -28,6 +28,7 @@ class Resumable:
                 "best_step": self.best_step, "elapsed_s": self.metrics.elapsed,
                 "schedule": self.plateau.state_dict(), "mle_end": self.mle_end, "compared": self.compared,
                 "log_step": self.log_step,
+                **({"policy": self.policy.state_dict()} if getattr(self, "policy", None) is not None else {}),
                 **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}  # floats and ints
 
     def save_best(self, scores: dict) -> None:
@@ -82,6 +83,8 @@ class Resumable:
         # An MLE phase the schedule ended early stays ended; otherwise --mle-steps (perhaps raised) decides.
         self.mle_end = int(state["mle_end"]) if self.plateau.stopped else self.cfg.mle_steps
         self.compared = bool(state.get("compared", False))
+        if getattr(self, "policy", None) is not None and "policy" in state:  # mid-generation: its candidates
+            self.policy.load_state_dict(state["policy"])
         self.log_step = int(state.get("log_step", self.step))
         if self.step < self.total:  # more steps asked for: a comparison after the shorter run no longer applies
             self.compared, self.log_step = False, self.step

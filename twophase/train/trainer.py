@@ -32,6 +32,7 @@ from .compare import Comparison
 from .loop import RunLoop
 from ..onephase import one_phase_backward, one_phase_search
 from ..protocol import ModelError
+from .policy_step import PolicyStep
 from .profiling import ChunkPlanner, StepProfiler
 from .resumable import Resumable
 from .rundir import MetricsLog
@@ -86,6 +87,7 @@ class Trainer(Resumable, RunLoop, Comparison):
         self.last_chunk = cfg.rescore_chunk
         self.is_main = distributed.rank() == 0  # the one process that logs, draws the bar and saves
         self.metrics = MetricsLog(self.save_dir / "metrics.jsonl", enabled=self.is_main)
+        self.policy = PolicyStep(self) if cfg.objective == "policy" else None  # --objective policy's generations
 
     # ------------------------------------------------------------------ batches
     def _sources(self, idx: list[int]):
@@ -120,6 +122,8 @@ class Trainer(Resumable, RunLoop, Comparison):
 
     def rl_step(self) -> dict:
         """One update from --grad-accum batches of B sources, every loss averaged over all N*B of them."""
+        if self.policy is not None:  # token-level objective, several updates per generation (policy_step)
+            return self.policy.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss, rewards, parts = 0.0, [], {}
         for _ in range(self.cfg.grad_accum):
@@ -174,7 +178,7 @@ class Trainer(Resumable, RunLoop, Comparison):
             loss = self.one_phase_backward(log_p, source, rows, coef)
         return loss, rewards, parts
 
-    def phase_two(self, source, rows: Samples, coef, keep_mode: bool = False) -> float:
+    def phase_two(self, source, rows: Samples, coef, keep_mode: bool = False, stats: dict | None = None) -> float:
         """rescore_backward with the configured chunk size, or the largest within --memory-budget, under the
         autocast phase one ran in; with fp16 the coefficients carry the loss scale (the returned loss does not)."""
         coef, scale = amp.scale_coefficients(coef, self.scaler)
@@ -183,7 +187,7 @@ class Trainer(Resumable, RunLoop, Comparison):
             if chunk == "auto":
                 chunk = self.chunk_planner.chunk_size(self.model, source, rows)
                 self.last_chunk = chunk
-            stats = {}
+            stats = {} if stats is None else stats
             loss = rescore_backward(self.model, source, rows, coef, chunk, profiler=self.profiler,
                                     keep_mode=keep_mode, prefix_sharing=not self.cfg.no_prefix_sharing, stats=stats)
             for key in ("positions", "nodes"):  # phase_two may run twice a step (--one-phase's MLE rows)

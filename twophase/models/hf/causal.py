@@ -25,7 +25,7 @@ import inspect
 import torch
 from torch import Tensor
 
-from ... import tree
+from ... import tokenweights, tree
 from ...protocol import scoring_mode, target_mask
 from . import cache, heads, lora
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
@@ -107,18 +107,36 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         rest = self._continue(enc, owner, tokens[:, :-1], 0, self.model).logits  # (N, T - 1, V)
         return total + masked_sum(token_log_probs(rest, tokens[:, 1:]), mask[:, 1:])
 
+    def token_scores(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
+        """(N, T) the per-token log-probabilities `score` sums, 0 past each row's end."""
+        mask = target_mask(tokens, self.pad_id, self.eos_id)
+        first = self._first(enc, tokens, owner, mask)[:, None]  # (N, 1)
+        if tokens.shape[1] == 1:
+            return first
+        if self.head is not None:
+            hidden = self._continue(enc, owner, tokens[:, :-1], 0, self.model.base_model).last_hidden_state
+            rest = heads.token_log_probs(self.head, self.model, hidden, tokens[:, 1:], mask[:, 1:])
+        else:
+            rest = token_log_probs(self._continue(enc, owner, tokens[:, :-1], 0, self.model).logits, tokens[:, 1:])
+            rest = torch.where(mask[:, 1:], rest, torch.zeros_like(rest))  # (N, T - 1)
+        return torch.cat([first, rest], dim=1)
+
     def _weighted_score_backward(self, enc: dict, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list,
                                  collect: bool):
         mask = target_mask(tokens, self.pad_id, self.eos_id)
         first = self._first(enc, tokens, owner, mask)  # (N,): (N, V) logits, autograd's
-        first = (c.to(first.dtype) * first).sum()
+        if tokenweights.is_token_level(c):  # the first tokens' terms of a token-level objective, by autograd
+            rows = mask[:, 0].nonzero().squeeze(1)
+            first = c.terms(first.index_select(0, rows), rows, torch.zeros_like(rows))
+        else:
+            first = (c.to(first.dtype) * first).sum()
         if tokens.shape[1] > 1:
             hidden = self._continue(enc, owner, tokens[:, :-1], 0, self.model.base_model).last_hidden_state
         else:  # no position after the first: its graph alone
             weight = self.model.get_output_embeddings().weight
             hidden = weight.new_zeros(len(tokens), 0, weight.shape[1])  # (N, 0, H)
         return heads.weighted_backward(self.head, self.model, hidden, tokens[:, 1:], mask[:, 1:], c, inputs,
-                                      collect, extra=first)
+                                      collect, extra=first, col_offset=1)
 
     def _first(self, enc: dict, tokens: Tensor, owner: Tensor, mask: Tensor) -> Tensor:
         """(N,) log p of each row's first token, from the prompts' last logits (0 where the row scores none)."""

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ... import tokenweights
 from .. import outputlayer
 
 # class name -> the name of a (1, V) logit-bias buffer the model adds after lm_head, or None
@@ -132,18 +133,34 @@ def log_probs(head: Head, model, hidden: Tensor, tokens: Tensor, mask: Tensor) -
     return tok.new_zeros(len(tokens)).index_add_(0, row, tok)
 
 
-def weighted_backward(head: Head, model, hidden: Tensor, tokens: Tensor, mask: Tensor, c: Tensor, inputs: list,
-                      collect: bool, extra: Tensor | None = None) -> tuple[Tensor, list]:
+def token_log_probs(head: Head, model, hidden: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
+    """(N, T) log p(tokens) at hidden (N, T, H) at the positions mask (N, T) scores, 0 elsewhere, with
+    gradients: `log_probs` per position."""
+    weight, bias = head.parts(model)
+    h, target, _ = scored(head.hidden(hidden), tokens, mask)
+    banned = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
+    tok = outputlayer.target_log_probs(h, weight, bias, target, banned)  # (M,)
+    valid = mask.reshape(-1).nonzero().squeeze(1)  # (M,) as `scored` picks them
+    return tok.new_zeros(mask.numel()).index_copy(0, valid, tok).reshape(mask.shape)
+
+
+def weighted_backward(head: Head, model, hidden: Tensor, tokens: Tensor, mask: Tensor, c, inputs: list,
+                      collect: bool, extra: Tensor | None = None, col_offset: int = 0) -> tuple[Tensor, list]:
     """Phase two's chunk (see `twophase.protocol`, `weighted_score_backward`): loss = sum_i c_i log p_i over the
     positions mask (N, T) scores at hidden (N, T, H), plus `extra` (a 0-dim loss term on the same graph: the
-    causal LM's first tokens), and its gradients with respect to inputs; without collect they go into .grad."""
+    causal LM's first tokens), and its gradients with respect to inputs; without collect they go into .grad.
+    c may be a token-level objective (`twophase.tokenweights.ChunkLoss`): the row's positions are then tokens'
+    columns + col_offset (the causal LM's first token is column 0 of its rows)."""
     weight, bias = head.parts(model)
     h, target, row = scored(head.hidden(hidden), tokens, mask)
+    col = mask.reshape(-1).nonzero().squeeze(1) % max(mask.shape[1], 1) + col_offset  # (M,) as `scored`
     # each position's d loss / d log p: its row's coefficient, in the precision log p is summed in
-    w = c.to(outputlayer.sum_dtype(weight)).index_select(0, row)  # (M,)
+    w = tokenweights.weights(c, row, col, outputlayer.sum_dtype(weight))  # (M,)
     banned = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
     roots = () if extra is None else ((extra, torch.ones_like(extra)),)
     tok, grads = outputlayer.backward_from_hidden(h, weight, bias, target, banned, w, inputs, collect, roots)
     with torch.no_grad():
+        if tokenweights.is_token_level(w):  # the accumulated objective already holds `extra`'s terms
+            return tokenweights.weighted_sum(w, tok), grads
         loss = (w * tok).sum()
         return (loss if extra is None else loss + extra.detach().to(loss.dtype)), grads

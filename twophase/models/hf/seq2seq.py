@@ -70,6 +70,16 @@ class HFSeq2Seq(heads.FastPath, torch.nn.Module):
         logits = self._forward(enc, owner, inputs, {"use_cache": False}).logits  # (N, T, V)
         return masked_sum(token_log_probs(logits, tokens), mask)
 
+    def token_scores(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
+        """(N, T) the per-token log-probabilities `score` sums, 0 past each row's end."""
+        inputs = teacher_forced_inputs(tokens, self.bos_id)  # (N, T)
+        mask = target_mask(tokens, self.pad_id, self.eos_id)
+        if self.head is not None:
+            return heads.token_log_probs(self.head, self.model, self._decoder(enc, owner, inputs), tokens, mask)
+        logits = self._forward(enc, owner, inputs, {"use_cache": False}).logits  # (N, T, V)
+        tok = token_log_probs(logits, tokens)
+        return torch.where(mask, tok, torch.zeros_like(tok))
+
     def _weighted_score_backward(self, enc: dict, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list,
                                  collect: bool):
         hidden = self._decoder(enc, owner, teacher_forced_inputs(tokens, self.bos_id))  # (N, T, H)

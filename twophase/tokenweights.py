@@ -1,0 +1,112 @@
+"""Phase two's weights d loss / d log p for a token-level objective, read from the log-probabilities it decodes.
+
+With per-sequence coefficients c, every scored position of row i has weight c_i, known before the decode. With
+a token-level objective (`twophase.policy.PolicyLoss`: each position's loss a function of its own current
+log-probability), position (r, t) has weight dl_rt/dlogp evaluated at that log-probability, so a by-hand path
+(`outputlayer.target_log_probs_and_grads`) asks for a block's weights once it has the block's log-probs, and
+still computes each logit block once. In a prefix tree a node holds one log-probability that every row through
+it reads: its weight is the sum of those rows' derivatives.
+
+`ChunkLoss` is the objective bound to one chunk's C rows, handed to the model in place of its (C,) coefficients;
+`weights(c, ...)` / `loss(c, ...)` let a model's fast path treat both alike. The chunk's loss and statistics
+(clipped positions, summed KL) accumulate as the weights are read: each entry must be read exactly once.
+
+Letters: C rows of a chunk, M entries (scored positions, or tree nodes), P scored positions.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class ChunkLoss:
+    """A token-level objective over a chunk's rows (`objective` has `terms` and `derivative`, see
+    `twophase.policy.PolicyLoss`)."""
+
+    def __init__(self, objective):
+        self.objective = objective
+        self.total = torch.zeros((), dtype=torch.float64)
+        self.sums = {"tokens": 0, "clip_low": 0, "clip_high": 0, "kl": 0.0}
+
+    def __len__(self) -> int:
+        return len(self.objective)
+
+    def _add(self, loss: Tensor, sums: dict, tokens: int) -> None:
+        self.total = self.total.to(loss.device) + loss.detach().sum().to(torch.float64)
+        self.sums["tokens"] += tokens
+        for key, value in sums.items():
+            self.sums[key] += value
+
+    def at(self, row: Tensor, col: Tensor, node: Tensor | None = None, size: int | None = None) -> "PositionWeights":
+        """The weights of M entries: the positions (row (P,), col (P,)) themselves, or with node (P,) the size
+        nodes they read."""
+        return PositionWeights(self, row, col, node, size)
+
+    def terms(self, logp: Tensor, row: Tensor, col: Tensor) -> Tensor:
+        """The loss of positions (row, col) at log-probabilities logp (P,) with autograd's graph (0-dim)."""
+        loss = self.objective.terms(logp, row, col)
+        _, _, sums = self.objective.derivative(logp.detach(), row, col)
+        self._add(loss, sums, len(row))
+        return loss.sum()
+
+
+class PositionWeights:
+    """Entry weights as a function of entry log-probabilities: `self(index, tok)` for a slice of the M entries."""
+
+    def __init__(self, chunk: ChunkLoss, row: Tensor, col: Tensor, node: Tensor | None, size: int | None):
+        self.chunk, self.size = chunk, len(row) if node is None else size
+        if node is None:
+            self.row, self.col, self.node, self.ptr = row, col, None, None
+            return
+        order = torch.sort(node, stable=True).indices  # (P,) positions grouped by node, nodes in order
+        self.row, self.col, self.node = row[order], col[order], node[order]
+        # positions of nodes [i, j) are ptr[i]:ptr[j]
+        self.ptr = torch.searchsorted(self.node, torch.arange(self.size + 1, device=node.device)).tolist()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __call__(self, index: slice, tok: Tensor) -> Tensor:
+        """Weights (m,) of entries index (a slice) whose log-probabilities are tok (m,); adds their loss."""
+        start, stop, _ = index.indices(self.size)
+        if self.node is None:
+            loss, d, sums = self.chunk.objective.derivative(tok, self.row[start:stop], self.col[start:stop])
+            self.chunk._add(loss, sums, stop - start)
+            return d
+        a, b = self.ptr[start], self.ptr[stop]
+        local = self.node[a:b] - start  # (p,) each position's entry within the slice
+        loss, d, sums = self.chunk.objective.derivative(tok.index_select(0, local), self.row[a:b], self.col[a:b])
+        self.chunk._add(loss, sums, b - a)
+        return torch.zeros(stop - start, dtype=d.dtype, device=d.device).index_add_(0, local, d)
+
+    def autograd(self, tok: Tensor) -> Tensor:
+        """The loss at entry log-probabilities tok (M,) with autograd's graph (0-dim)."""
+        return self.chunk.terms(tok if self.node is None else tok.index_select(0, self.node), self.row, self.col)
+
+
+def is_token_level(c) -> bool:
+    return isinstance(c, (ChunkLoss, PositionWeights))
+
+
+def weights(c, row: Tensor, col: Tensor, dtype: torch.dtype):
+    """(M,) d loss / d log p of positions (row, col) of a chunk: c[row] for coefficients c (C,), else the
+    ChunkLoss' `PositionWeights`."""
+    if isinstance(c, ChunkLoss):
+        return c.at(row, col)
+    return c.to(dtype).index_select(0, row)
+
+
+def loss(c, tok: Tensor, row: Tensor) -> Tensor:
+    """The chunk's loss from its positions' log-probabilities tok (M,) of rows row (M,): sum_i c_i log p_i
+    for coefficients, the accumulated objective for a ChunkLoss (once its weights were read)."""
+    if isinstance(c, ChunkLoss):
+        return c.total
+    log_p = tok.new_zeros(len(c)).index_add_(0, row, tok)  # (C,)
+    return (c.to(log_p.dtype) * log_p).sum()
+
+
+def weighted_sum(w, tok: Tensor) -> Tensor:
+    """sum w * tok for entry weights w (M,), or the accumulated objective for `PositionWeights`."""
+    if isinstance(w, PositionWeights):
+        return w.chunk.total
+    return (w * tok).sum()
