@@ -7,6 +7,9 @@ Three ids and three methods make a model; two optional methods make it faster:
     init_state(enc, owner) -> state               the decoder state of N rows
     step(enc, owner, prev, state) -> (state, log_probs)
     score(enc, tokens, owner) -> (N,)             optional: teacher-forced log p, with gradients
+    position_log_probs(enc, tokens, owner) -> (N, T, V)
+                                                  optional: the next-token log-probabilities at every position
+                                                  of `score`'s pass (`twophase.constraints` renormalises them)
     weighted_score_backward(enc, tokens, owner, coefficients, inputs, collect) -> (loss, grads)
                                                   optional: phase two's chunk done by the model (see below)
     weighted_tree_backward(enc, nodes, inputs, collect) -> (loss, grads)
