@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from . import amp, distributed, rundir
+from . import amp, distributed, grammar, rundir
 from .. import rewards
 from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args
 from .. import tasks
@@ -109,7 +109,7 @@ def resume_state(cfg: Config) -> dict | None:
         raise UsageError(f"--resume: {err}") from None
     saved = state["config"]
     for key in ("task", "train", "valid", "char_source", "char_target", "lowercase_source", "embed_dim",
-                "hidden_size", "bidirectional", "best_metric", "hf_model"):
+                "hidden_size", "bidirectional", "best_metric", "hf_model", "grammar"):
         if key in saved and saved[key] != getattr(cfg, key):
             raise UsageError(f"--resume: {path} was trained with --{key.replace('_', '-')} {saved[key]}, "
                              f"not {getattr(cfg, key)}")
@@ -158,6 +158,11 @@ def build(cfg: Config) -> Trainer:
         torch.set_num_threads(threads)
     model = task.build_model().to(device)
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
+    try:  # --grammar on: the task's grammar around the model, for every search, score and gradient
+        model = grammar.constrain(model, task, cfg.grammar, cfg.max_len)
+        grammar.check_references(model, task, device)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     if distributed.rank() > 0:  # its own dropout masks; rank 0 goes on as a single process would
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
     if distributed.rank() == 0:
