@@ -3,6 +3,8 @@ test models, each under a random DFA and under a bracket language (a stack in te
 renormalises the unconstrained model's step-by-step distributions in plain Python (tests/grammars.py)."""
 import itertools
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,3 +240,12 @@ def test_a_state_that_allows_nothing_is_an_error():
         sample(c, source, 2, 3)
     with pytest.raises(GrammarError, match="allows no token"):
         protocol.score(c, c.encode(source), torch.tensor([[words[0], 0, 0]] * 3), torch.arange(3))
+
+
+def test_the_documented_example_runs(capsys):
+    text = (Path(__file__).resolve().parents[1] / "docs" / "constraints.md").read_text()
+    snippets = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    assert len(snippets) == 1
+    exec(compile(snippets[0], "docs/constraints.md", "exec"), {})
+    rows = capsys.readouterr().out.splitlines()
+    assert len(rows) == 8 and all(r.split()[1] in "123" for r in rows)
