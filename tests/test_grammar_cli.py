@@ -12,7 +12,7 @@ from twophase.models.karel import KarelModel
 from twophase.rescoring import shares_prefixes
 from twophase.tasks.karel.dsl import VOCAB, try_parse
 from twophase.tasks.karel.grammar import karel_grammar
-from twophase.train import cli, decode, grammar
+from twophase.train import cli, decode
 from twophase.train.checkpoint import load
 from twophase.vocab import SPECIALS, Vocab
 
@@ -77,8 +77,7 @@ def test_a_karel_run_under_the_grammar_makes_no_syntax_error(tmp_path, monkeypat
     grid = "\n".join(["........"] * 8)
     (tmp_path / "in.txt").write_text(json.dumps([[f"hero 0 0 E\n{grid}", f"hero 0 1 E\n{grid}"]]) + "\n")
     base = ["--checkpoint", str(run / "checkpoint_last.pt"), "--input", str(tmp_path / "in.txt"), "--beam-size", "3"]
-    for extra, longest in (([], 30), (["--max-len", "8"], 7), (["--grammar", "strict"], 30),
-                           (["--grammar", "off"], None)):
+    for extra, longest in (([], 30), (["--max-len", "8"], 7), (["--grammar", "off"], None)):
         assert decode.main(base + ["--output", str(tmp_path / "out.txt"), *extra]) == 0
         program = (tmp_path / "out.txt").read_text().strip()
         if longest:  # the checkpoint's grammar: a program, within the length
@@ -108,9 +107,3 @@ def test_a_task_without_grammar_refuses_the_flag(tmp_path, capsys):
             "--mle-steps", "1", "--rl-steps", "0"]
     assert cli.main(argv) == 2
     assert "--grammar on: task 'tsv' declares no grammar" in capsys.readouterr().err
-
-
-def test_mle_steps_train_the_models_own_likelihood_under_on_and_the_constrained_one_under_strict():
-    c = constrained_karel()
-    assert grammar.mle_model(c, "on") is c.model and grammar.mle_model(c, "strict") is c
-    assert grammar.mle_model(c.model, "off") is c.model

@@ -158,7 +158,7 @@ def build(cfg: Config) -> Trainer:
         torch.set_num_threads(threads)
     model = task.build_model().to(device)
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
-    try:  # --grammar on|strict: the task's grammar around the model (twophase.train.grammar)
+    try:  # --grammar on: the task's grammar around the model, for every search, score and gradient
         model = grammar.constrain(model, task, cfg.grammar, cfg.max_len)
         grammar.check_references(model, task, device)
     except ValueError as err:

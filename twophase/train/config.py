@@ -132,11 +132,9 @@ class Config:
                                    "package.module:callable; default: the task's (edit for g2p and tsv)")
     max_len: int = arg(32, "longest candidate phase one may produce, EOS included (with --hf-model: in the "
                            "tokenizer's tokens)", minimum=1)
-    grammar: str = arg("off", "on: every search (training, validation, test) and RL's phase two use the model "
-                              "renormalised over the tokens the task's grammar allows (no syntax errors), MLE steps "
-                              "train the model's own likelihood; strict: MLE steps train the constrained one too "
-                              "(karel: on, its DSL; twophase-decode follows the checkpoint; docs/constraints.md)",
-                       choices=("off", "on", "strict"))
+    grammar: str = arg("off", "on: every search, score and gradient uses the model renormalised over the tokens the "
+                              "task's grammar allows (no syntax errors; karel: on, its DSL); twophase-decode "
+                              "follows the checkpoint (docs/constraints.md)", choices=("off", "on"))
     rescore_chunk: int | str = arg(128, "phase two re-decodes at most this many candidates at a time; 'auto': "
                                         "the most whose graph fits in --memory-budget", parse=parse_chunk)
     memory_budget: str | None = arg(None, "with --rescore-chunk auto: bytes phase two's graph may use, e.g. 2GiB",

@@ -32,7 +32,7 @@ def build_parser() -> OneLineParser:
     p.add_argument("--max-len", type=int, default=None, help="longest output (default: the training --max-len)")
     p.add_argument("--batch-size", type=int, default=128, help="sources decoded together (default: 128)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--grammar", choices=("off", "on", "strict"), default=None,
+    p.add_argument("--grammar", choices=("off", "on"), default=None,
                    help="constrain decoding to the task's grammar (default: as the checkpoint was trained)")
     p.add_argument("--hf-model", default=None,
                    help="a checkpoint of a --hf-model run: the folder to read the model's config and tokenizer "

@@ -1,10 +1,9 @@
-"""`--grammar on|strict`: the task's grammar around the model (`twophase.constraints.Constrained`), for training
-and decoding alike, and the check that the training references are in it.
+"""`--grammar on`: the task's grammar around the model (`twophase.constraints.Constrained`), for training and
+decoding alike, and the check that the training references are in it.
 
-The wrapped model is what the trainer, validation and twophase-decode see: every search and RL's phase two are
-the constrained model's; MLE steps differentiate `mle_model` (the model's own likelihood under `on`). The
-wrapper's `state_dict` is the model's own, so checkpoints do not depend on the flag; the flag itself is saved
-with the run's config, and twophase-decode follows it unless told otherwise.
+The wrapped model is what the trainer, validation and twophase-decode see: every search, score and gradient
+is the constrained model's. Its `state_dict` is the model's own, so checkpoints do not depend on the flag; the
+flag itself is saved with the run's config, and twophase-decode follows it unless told otherwise.
 """
 from __future__ import annotations
 
@@ -24,19 +23,11 @@ def constrain(model, task: Task, grammar: str, max_len: int, flag: str = "--gram
     try:
         g = task.grammar(max_len)
     except ValueError as err:
-        raise ValueError(f"{flag} {grammar}: {err}") from None
+        raise ValueError(f"{flag} on: {err}") from None
     if g is None:
-        raise ValueError(f"{flag} {grammar}: task '{getattr(task, 'spec', task.name)}' declares no grammar "
+        raise ValueError(f"{flag} on: task '{getattr(task, 'spec', task.name)}' declares no grammar "
                          "(Task.grammar returns None)")
     return Constrained(model, g)
-
-
-def mle_model(model, grammar: str):
-    """What MLE steps differentiate: under --grammar on the model's own likelihood, log p(y) = log p'(y) plus the
-    log allowed mass at each position, which also trains the tokens the grammar forces (on Karel this warm start
-    fits the constrained likelihood better than training that likelihood itself: docs/constraints.md); under
-    --grammar strict the constrained one."""
-    return model.model if grammar == "on" and isinstance(model, Constrained) else model
 
 
 def check_references(model, task: Task, device, batch_size: int = 4096) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import amp, distributed, grammar
+from . import amp, distributed
 from .. import objectives
 from .checkpoint import CheckpointManager
 from .config import Config, parse_size
@@ -105,8 +105,7 @@ class Trainer(Resumable, RunLoop, Comparison):
         refs = self._target_rows([self.ref_ids[i][j] for i, j in pairs], list(range(len(pairs))))  # (B, T)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.phase_two(source, refs, objectives.mle(refs.owner, len(batch)), keep_mode=True,
-                              model=grammar.mle_model(self.model, self.cfg.grammar))
+        loss = self.phase_two(source, refs, objectives.mle(refs.owner, len(batch)), keep_mode=True)
         loss = distributed.reduce_sums({"loss": loss})["loss"]
         return {"loss": loss, **self._update(loss)}
 
@@ -149,19 +148,17 @@ class Trainer(Resumable, RunLoop, Comparison):
                 "reward_max": distributed.reduce_max(float(rewards.max())), "candidates": int(total["candidates"]),
                 **self._update(total["loss"])}
 
-    def phase_two(self, source, rows: Samples, coef, keep_mode: bool = False, model=None) -> float:
+    def phase_two(self, source, rows: Samples, coef, keep_mode: bool = False) -> float:
         """rescore_backward with the configured chunk size, or the largest within --memory-budget, under the
-        autocast phase one ran in; with fp16 the coefficients carry the loss scale (the returned loss does not).
-        `model`: the one to differentiate, if not the trainer's (MLE steps under --grammar on)."""
-        model = self.model if model is None else model
+        autocast phase one ran in; with fp16 the coefficients carry the loss scale (the returned loss does not)."""
         coef, scale = amp.scale_coefficients(coef, self.scaler)
         with self.autocast():
             chunk = self.cfg.rescore_chunk
             if chunk == "auto":
-                chunk = self.chunk_planner.chunk_size(model, source, rows)
+                chunk = self.chunk_planner.chunk_size(self.model, source, rows)
                 self.last_chunk = chunk
             stats = {}
-            loss = rescore_backward(model, source, rows, coef, chunk, profiler=self.profiler,
+            loss = rescore_backward(self.model, source, rows, coef, chunk, profiler=self.profiler,
                                     keep_mode=keep_mode, prefix_sharing=not self.cfg.no_prefix_sharing, stats=stats)
             for key in ("positions", "nodes"):  # phase_two may run twice a step (--one-phase's MLE rows)
                 self.step_counts[key] = self.step_counts.get(key, 0) + stats.get(key, 0)
