@@ -2,7 +2,6 @@
 programs are accepted, random and mutated token strings are accepted exactly when the parser accepts them, every
 prefix a constrained sampler writes is a valid prefix, and the max-length cut neither strands a search
 mid-program nor excludes a program that fits (an exhaustive enumeration at max_len 10)."""
-import functools
 import random
 
 import pytest
@@ -20,21 +19,19 @@ VOC = Vocab(list(SPECIALS) + list(VOCAB))
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@functools.lru_cache(maxsize=None)
-def _grammar(max_len: int):
-    return karel_grammar(VOC, max_len)
-
-
-def accepts(tokens: list[str], max_len: int) -> bool:
-    """Whether the automaton takes every token, then eos."""
-    g = _grammar(max_len)
-    ids = VOC.encode(tokens) + [EOS]
-    state = g.start(torch.zeros(1, dtype=torch.long))
-    for i in ids:
-        if not bool(g.allowed(state)[0, i]):
-            return False
-        state = g.advance(state, torch.tensor([i]))
-    return True
+def accepts(programs: list[list[str]], max_len: int) -> list[bool]:
+    """Whether the automaton takes every token of each program, then eos (all programs at once)."""
+    g = karel_grammar(VOC, max_len)
+    rows = [VOC.encode(p) + [EOS] for p in programs]
+    T = max(len(r) for r in rows)
+    ids = torch.tensor([r + [PAD] * (T - len(r)) for r in rows])  # (n, T)
+    scored = torch.arange(T)[None, :] < torch.tensor([len(r) for r in rows])[:, None]  # (n, T)
+    state, ok = g.start(torch.zeros(len(rows), dtype=torch.long)), torch.ones(len(rows), dtype=torch.bool)
+    for t in range(T):
+        took = g.allowed(state).gather(1, ids[:, t:t + 1]).squeeze(1)  # (n,)
+        ok &= took | ~scored[:, t]
+        state = g.advance(state, ids[:, t])
+    return ok.tolist()
 
 
 def is_valid_prefix(tokens: list[str]) -> bool:
@@ -48,12 +45,17 @@ def is_valid_prefix(tokens: list[str]) -> bool:
 
 def test_every_generated_program_is_accepted_and_the_cut_is_tight():
     rng, p = random.Random(0), GeneratorParams()
-    for _ in range(100):
-        tokens = sample_program(rng, p).tokens()
-        n = max(len(tokens) + 1, 6)
-        assert accepts(tokens, n), tokens  # fits exactly: tokens and eos
-        if len(tokens) + 1 > 6:
-            assert not accepts(tokens, n - 1), tokens
+    programs = [sample_program(rng, p).tokens() for _ in range(300)]
+    assert all(accepts(programs, max(len(t) for t in programs) + 1))
+    by_length = {}
+    for tokens in programs:
+        if len(tokens) <= p.max_tokens:  # the data's programs: the cut at exactly their length
+            by_length.setdefault(len(tokens), []).append(tokens)
+    assert len(by_length) > 10
+    for n, group in by_length.items():
+        assert all(accepts(group, n + 1))  # fits exactly: tokens and eos
+        if n + 1 > 6:
+            assert not any(accepts(group, n))  # one position short
 
 
 def _mutated(rng: random.Random, tokens: list[str]) -> list[str]:
@@ -77,8 +79,7 @@ def test_random_token_strings_are_accepted_iff_the_parser_accepts_them():
     cases += [_mutated(rng, sample_program(rng, p).tokens()) for _ in range(200)]
     verdicts = [try_parse(t) is not None for t in cases]
     assert 20 < sum(verdicts) < len(cases) - 20  # both outcomes well represented
-    for tokens, ok in zip(cases, verdicts):
-        assert accepts(tokens, 100) == ok, tokens
+    assert accepts(cases, 100) == verdicts
 
 
 class Uniform(torch.nn.Module):
