@@ -98,6 +98,7 @@ def _allowed_sequences(c, vocab, max_len):
 @pytest.mark.parametrize("name", fm.NAMES)
 def test_exhaustive_beam_equals_brute_force_over_the_allowed_sequences(name, grammar, monkeypatch):
     monkeypatch.setattr(search, "COMPACT_AT", 0.0)  # compaction on from the first finished row
+    monkeypatch.setattr(search, "BLOCK_BYTES", 1)  # candidate scores one source at a time (the split's slices)
     c, source = _make(name, grammar)
     source, max_len = fm.sources(name, B=2), 3
     rows = _allowed_sequences(c, c.model.out.out_features, max_len)
