@@ -3,7 +3,8 @@ exactness checks on them as on the LSTM, so nothing in the library may assume th
 
 - `FeatureDecoder`: a `torch.nn.TransformerDecoder` over a dict of float features {"feats", "mask"} (no token
   source); enc is a dict holding a float and a bool tensor; the state is the prefix of token ids, which GROWS by
-  one column a step; no `score` (phase two runs `step`). `ScoredFeatureDecoder` adds a one-pass `score`.
+  one column a step; no `score` (phase two runs `step`). `ScoredFeatureDecoder` adds a one-pass `score` and
+  `position_log_probs`.
 - `DigitGRU`: a GRU without attention, ids pad 5, bos 3, eos 0; the source is a plain list of int lists; enc a
   dataclass (float + long tensors); the state a dict of a float hidden and a long counter; `advance`/`log_probs`.
 - `EndIsPadRNN`: an Elman RNN over a float tensor, pad_id == eos_id (GPT-2 style), enc and state bare tensors.
@@ -75,9 +76,12 @@ class FeatureDecoder(nn.Module):
 class ScoredFeatureDecoder(FeatureDecoder):
     """The same function with a `score` that decodes every position in one causal pass."""
 
-    def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
+    def position_log_probs(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
         h = self.hidden(enc, owner, teacher_forced_inputs(tokens, self.bos_id))  # (N, T, H)
-        logp = _masked_log_softmax(self.out(h), self.banned).gather(2, tokens[..., None]).squeeze(2)  # (N, T)
+        return _masked_log_softmax(self.out(h), self.banned)  # (N, T, V)
+
+    def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
+        logp = self.position_log_probs(enc, tokens, owner).gather(2, tokens[..., None]).squeeze(2)  # (N, T)
         return torch.where(target_mask(tokens, self.pad_id, self.eos_id), logp, torch.zeros_like(logp)).sum(1)
 
 

@@ -9,6 +9,9 @@ Three ids and three methods make a model; two optional methods make it faster:
     score(enc, tokens, owner) -> (N,)             optional: teacher-forced log p, with gradients
     token_scores(enc, tokens, owner) -> (N, T)    optional: the same per position (0 past a row's end); what
                                                   a token-level objective differentiates where no fast path is
+    position_log_probs(enc, tokens, owner) -> (N, T, V)
+                                                  optional: the next-token log-probabilities at every position
+                                                  of `score`'s pass (`twophase.constraints` renormalises them)
     weighted_score_backward(enc, tokens, owner, coefficients, inputs, collect) -> (loss, grads)
                                                   optional: phase two's chunk done by the model (see below)
     weighted_tree_backward(enc, nodes, inputs, collect) -> (loss, grads)

@@ -95,14 +95,18 @@ class KarelModel(nn.Module):
 
     def token_scores(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
         """(N, T) the per-token log-probabilities `score` sums, 0 past each row's end."""
+        log_p = self.position_log_probs(enc, tokens, owner)  # (N, T, V)
+        tok = log_p.gather(2, tokens[:, :, None]).squeeze(2)  # (N, T)
+        mask = target_mask(tokens, self.pad_id, self.eos_id)
+        # where, not a product: a PAD position gathers -inf, and -inf * 0 is NaN
+        return torch.where(mask, tok, torch.zeros_like(tok))
+
+    def position_log_probs(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
+        """(N, T, V) the next-token log-probabilities at every position of rows tokens (N, T), one nn.LSTM pass."""
         N, T = tokens.shape
         prev = teacher_forced_inputs(tokens, self.bos_id)  # (N, T)
         spec = enc["spec"][owner][:, None].expand(N, T, -1)  # (N, T, H)
         x = torch.cat([self.drop(self.embed(prev)), spec], dim=-1)  # (N, T, E + H)
         h0, c0 = self.init_state(enc, owner)
         hs, _ = self.lstm(x, (h0[None].contiguous(), c0[None].contiguous()))  # (N, T, H)
-        log_p = self._log_softmax(self.out(self.drop(hs)))  # (N, T, V)
-        tok = log_p.gather(2, tokens[:, :, None]).squeeze(2)  # (N, T)
-        mask = target_mask(tokens, self.pad_id, self.eos_id)
-        # where, not a product: a PAD position gathers -inf, and -inf * 0 is NaN
-        return torch.where(mask, tok, torch.zeros_like(tok))
+        return self._log_softmax(self.out(self.drop(hs)))  # (N, T, V)

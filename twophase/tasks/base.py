@@ -107,6 +107,11 @@ class Task:
         """A candidate row (ids up to its EOS, padding after) as the string rewards and metrics see."""
         raise NotImplementedError
 
+    def grammar(self, max_len: int):
+        """What `--grammar on` constrains the model to (`twophase.constraints`: start/allowed/advance over
+        rows of at most max_len positions, EOS included), or None (the default): the task has none."""
+        return None
+
     # ---- decoding
     def parse_source(self, line: str) -> Any:
         """An input line of `twophase-decode` as an `Example.source`."""

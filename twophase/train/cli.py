@@ -11,7 +11,7 @@ from dataclasses import fields
 
 import torch
 
-from . import amp, distributed, rundir, runs, startup
+from . import amp, distributed, grammar, rundir, runs, startup
 from .start import evaluate, init_state, recipe_defaults, resume_state, start_defaults, start_run_dir
 from ..protocol import ModelError
 from .. import rewards, rewardsum
@@ -153,6 +153,11 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         model.load_state_dict(init["model"])
     startup.check_model_on_a_batch(task, model, device)  # a broken model named now, not trained silently
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
+    try:  # --grammar on: the task's grammar around the model, for every search, score and gradient
+        model = grammar.constrain(model, task, cfg.grammar, cfg.max_len)
+        grammar.check_references(model, task, device)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     if distributed.rank() > 0:  # its own dropout masks; rank 0 goes on as a single process would
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
     if distributed.rank() == 0:

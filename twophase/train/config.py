@@ -165,6 +165,9 @@ class Config:
                                    "and tsv)")
     max_len: int = arg(32, "longest candidate phase one may produce, EOS included (with --hf-model: in the "
                            "tokenizer's tokens)", minimum=1)
+    grammar: str = arg("off", "on: every search, score and gradient uses the model renormalised over the tokens the "
+                              "task's grammar allows (no syntax errors; karel: on, its DSL); twophase-decode "
+                              "follows the checkpoint (docs/constraints.md)", choices=("off", "on"))
     rescore_chunk: int | str = arg(128, "phase two re-decodes at most this many candidates at a time; 'auto': "
                                         "the most whose graph fits in --memory-budget", parse=parse_chunk)
     memory_budget: str | None = arg(None, "with --rescore-chunk auto: bytes phase two's graph may use, e.g. 2GiB",

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from . import grammar
 from .checkpoint import CheckpointError, load
 from .cli import UsageError, pick_device
 from .config import DEFAULT_BEAM, OneLineParser, config_from_dict
@@ -45,6 +46,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--scores", action="store_true",
                    help="prefix each hypothesis with its log-probability under the model and a tab")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--grammar", choices=("off", "on"), default=None,
+                   help="constrain decoding to the task's grammar (default: as the checkpoint was trained)")
     p.add_argument("--hf-model", default=None,
                    help="a checkpoint of a --hf-model run: the folder to read the model's config and tokenizer "
                         "from (default: the training --hf-model; the run's hf_final folder holds both too); the "
@@ -203,10 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         check_output(args.output)  # before decoding: a typo should not cost the whole decode
         device = pick_device(args.device)
         model, task, cfg = load_model(args.checkpoint, device, args.hf_model)
+        max_len = args.max_len or cfg["max_len"]
+        try:
+            model = grammar.constrain(model, task, args.grammar or cfg.get("grammar", "off"), max_len)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
         lines = read_input(args.input)
-        hyps, sources = decode_lines(model, task, lines, args.beam_size, args.max_len or cfg["max_len"],
-                                     args.batch_size, device, args.nbest, args.scores,
-                                     "<stdin>" if args.input == "-" else args.input)
+        hyps, sources = decode_lines(model, task, lines, args.beam_size, max_len, args.batch_size, device,
+                                     args.nbest, args.scores, "<stdin>" if args.input == "-" else args.input)
         write_output(args.output, "".join(h + "\n" for h in hyps))
     except (UsageError, DataError, CheckpointError, tasks.TaskError, ModelError) as err:
         print(f"twophase-decode: error: {err}", file=sys.stderr)

@@ -34,6 +34,7 @@ from ..data import DataError
 from . import dataset
 from .dsl import VOCAB
 from .generate import GeneratorParams
+from .grammar import KarelGrammar, karel_grammar
 from .reward import OK, RUNTIME, SYNTAX, outcome
 from .world import World
 
@@ -65,9 +66,11 @@ class Karel(Task):
     # The recipe `train.py --task karel` runs (docs/karel.md): MLE, beam-RL, the equal-time MLE control and
     # three test passes in about 15 minutes of one core's time (measured: 7 minutes with 600 RL steps), well
     # within 25 minutes on 2 CPU cores. Hidden 128, not 256: an MLE step at 256 cost 3.5x more. The beam
-    # objective with K = 16, as Bunel et al.'s RL_beam.
+    # objective with K = 16, as Bunel et al.'s RL_beam. The DSL's grammar constrains every search and score, as
+    # the paper's syntax checker (--grammar off: without).
     flag_defaults = dict(hidden_size=128, embed_dim=64, max_len=31, mle_steps=3000, objective="beam",
-                         beam_size=16, rl_steps=2000, rl_lr=5e-4, eval_every=1000, save_dir="runs/karel")
+                         beam_size=16, rl_steps=2000, rl_lr=5e-4, eval_every=1000, save_dir="runs/karel",
+                         grammar="on")
 
     def __init__(self, cfg):
         super().__init__()
@@ -108,6 +111,9 @@ class Karel(Task):
     def build_model(self) -> KarelModel:
         cfg, p = self.cfg, self.params
         return KarelModel(len(self.vocab), p.rows, p.cols, cfg.embed_dim, cfg.hidden_size, CHANNELS, cfg.dropout)
+
+    def grammar(self, max_len: int) -> KarelGrammar:
+        return karel_grammar(self.vocab, max_len)  # the DSL's pushdown automaton (grammar.py)
 
     def collate(self, batch: list[Example], device) -> torch.Tensor:
         """(B, P, 32, R, C). Specifications of fewer than P pairs (decode's input lines may differ) repeat their
