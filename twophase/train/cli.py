@@ -16,7 +16,8 @@ from .. import tasks
 from ..tasks.data import DataError
 from .evaluation import score
 from .checkpoint import CheckpointError, load
-from .report import summary_table
+from .evaluation import test_beams
+from .report import summary_table, with_beams
 from .interrupt import Interrupted
 from .trainer import Trainer
 from . import tensorboard
@@ -240,7 +241,9 @@ def _train(cfg: Config) -> int:
         return stop.code
     if not trainer.is_main:
         return 0
-    print(summary_table(summary, trainer.task.metrics))
+    print(summary_table(summary, with_beams(trainer.task.metrics, test_beams(trainer.cfg))))
+    for line in trainer.task.closing_lines():  # Karel: its baselines, beside the table
+        print(line)
     best = trainer.checkpoints
     if best.best is not None:
         print(f"best {trainer.best_key}: {best.best:.4f} at step {trainer.best_step}: {best.best_path}")

@@ -143,6 +143,16 @@ class Config:
     no_prefix_sharing: bool = arg(False, "phase two re-decodes every candidate from its first token instead of "
                                          "each distinct (source, prefix) once: the same gradient, slower "
                                          "(for comparison)")
+    # ---- issue 18 (Karel as Bunel et al.): RL from the best MLE validation, the reference among RL_beam's
+    # candidates, a second test beam
+    rl_from_best: bool = arg(False, "RL (and --compare-mle's control) start from the parameters and optimizer "
+                                    "state of the best MLE validation (checkpoint_best.pt), not from the last MLE "
+                                    "step (--task karel: on)")
+    include_reference: bool = arg(False, "--objective beam: add each source's references to its candidates, q "
+                                         "renormalised over candidates and references (a reference the beam already "
+                                         "holds counted once), as Bunel et al.'s RL_beam")
+    test_beam: int = arg(0, "also decode the test split with this beam width (its scores as key@K, e.g. "
+                            "generalization@64); 0: --eval-beam only (--task karel: 64, the paper's)", minimum=0)
     # ---- both phases
     clip_norm: float = arg(1.0, "clip the gradient norm to this (0: no clipping)", minimum=0.0)
     eval_every: int = arg(500, "validate every N steps (and at the end of each phase)", minimum=1)
@@ -222,6 +232,8 @@ class Config:
                                  "model's tokenizer splits it")
 
     def _validate_rl(self) -> None:
+        if self.include_reference and self.objective != "beam":
+            raise ValueError(f"--include-reference applies to --objective beam only, not --objective {self.objective}")
         if self.temperature != 1 and self.sampler != "sample":
             raise ValueError(f"--temperature applies to --sampler sample only, not --sampler {self.sampler}")
         if self.mrt_alpha != MRT_ALPHA and self.objective != "mrt":

@@ -29,6 +29,21 @@ def score(reward, hypotheses: list[str], examples: list[Example]) -> list[float]
 
 
 @torch.inference_mode()
+def nbest_hypotheses(model, task: Task, examples: list[Example], beam_size: int, max_len: int, device,
+                     batch_size: int) -> list[list[str]]:
+    """Every beam candidate of each example, best first, detokenised (at least one per example)."""
+    out = []
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start:start + batch_size]
+        s = beam_search(model, task.collate(batch, device), beam_size, max_len)
+        lists: list[list[str]] = [[] for _ in batch]
+        for row, owner in zip(s.tokens.tolist(), s.owner.tolist()):  # rows grouped by source, best first
+            lists[owner].append(task.detokenize(row))
+        out += lists
+    return out
+
+
+@torch.inference_mode()
 def best_hypotheses(model, task: Task, examples: list[Example], beam_size: int, max_len: int, device,
                     batch_size: int) -> list[str]:
     """The best beam candidate of each example, detokenised; validation and decoding both read these."""
@@ -43,11 +58,28 @@ def best_hypotheses(model, task: Task, examples: list[Example], beam_size: int, 
 @torch.inference_mode()
 def validate(model, task: Task, examples: list[Example], reward, beam_size: int, max_len: int,
              device: torch.device, limit: int = 0, batch_size: int = 256) -> dict:
-    """The task's scores, n and the mean reward of the best hypotheses of examples (the first `limit`)."""
+    """The task's scores (from each example's n-best list), n, and the mean reward of the best hypotheses of
+    examples (the first `limit`)."""
     n = min(limit, len(examples)) if limit else len(examples)
     share = [examples[i] for i in distributed.shard(list(range(n)))]
-    hyps = best_hypotheses(model, task, share, beam_size, max_len, device, batch_size)
-    sums = dict(task.metric_sums(hyps, share))
+    nbest = nbest_hypotheses(model, task, share, beam_size, max_len, device, batch_size)
+    hyps = [h[0] for h in nbest]
+    sums = dict(task.nbest_metric_sums(nbest, share))
     sums["reward"] = sum(score(reward, hyps, share)) if share else 0.0
     sums = distributed.reduce_sums(sums)
     return {**task.scores(sums), "reward": sums["reward"] / max(sums["n"], 1)}
+
+
+def test_beams(cfg) -> list[int]:
+    """The beam widths the test split is decoded with: --eval-beam, then --test-beam where it is another."""
+    return [cfg.eval_beam] + ([cfg.test_beam] if cfg.test_beam and cfg.test_beam != cfg.eval_beam else [])
+
+
+def test_scores(model, task: Task, examples: list[Example], reward, beams: list[int], max_len: int,
+                device: torch.device) -> dict:
+    """validate() at beams[0], then at each further width with its keys suffixed "@K" (generalization@64)."""
+    out = validate(model, task, examples, reward, beams[0], max_len, device)
+    for k in beams[1:]:
+        extra = validate(model, task, examples, reward, k, max_len, device)
+        out.update({f"{key}@{k}": value for key, value in extra.items() if key != "n"})
+    return out

@@ -1,6 +1,7 @@
 """What a run reports about itself: its scores' names, progress lines, peak memory and the closing table."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 import torch
@@ -24,6 +25,12 @@ OTHER_ROWS = [("reward_mean", "train reward (mean)", "{:.4f}"), ("steps", "train
 COLUMNS = (("mle", "end of MLE"), ("mle-continued", "MLE continued"), ("rl", "RL"))
 
 
+def with_beams(metrics, beams: list[int]) -> tuple:
+    """The task's metrics, then each again as scored at the further test beams (key@K, see --test-beam)."""
+    return tuple(metrics) + tuple(dataclasses.replace(m, key=f"{m.key}@{k}", label=f"{m.label} @{k}")
+                                  for k in beams[1:] for m in metrics)
+
+
 def summary_table(summary: dict, metrics=()) -> str:
     """One column per model: the end of the MLE warm start, MLE continued for RL's time (--compare-mle) and the
     end of RL; validation rows, then test rows (the test split scores each model the run compared, else the final
@@ -35,7 +42,8 @@ def summary_table(summary: dict, metrics=()) -> str:
     if tests:
         sections.append(("test ", tests, scored))
     sections.append(("", {c: summary[c] for c, _ in cols}, OTHER_ROWS))
-    lines = [f"{'':26}" + "".join(f"{title:>16}" for _, title in cols)]
+    width = max([26] + [len(prefix + label) + 1 for prefix, _, rows in sections for _, label, _ in rows])
+    lines = [f"{'':{width}}" + "".join(f"{title:>16}" for _, title in cols)]
     for prefix, table, rows in sections:
         for key, label, fmt in rows:
             cells = []
@@ -43,8 +51,8 @@ def summary_table(summary: dict, metrics=()) -> str:
                 v = table.get(c, {}).get(key, float("nan"))
                 cells.append(f"{'-' if v != v else fmt.format(v):>16}")
             if any(cell.strip() != "-" for cell in cells):
-                lines.append(f"{prefix + label:26}" + "".join(cells))
-    lines.append(f"{'peak memory':26}{summary.get('peak_memory_mb', float('nan')):>15.0f}M")
+                lines.append(f"{prefix + label:{width}}" + "".join(cells))
+    lines.append(f"{'peak memory':{width}}{summary.get('peak_memory_mb', float('nan')):>15.0f}M")
     return "\n".join(lines)
 
 

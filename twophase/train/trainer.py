@@ -27,6 +27,7 @@ from ..tasks.base import Example, Task
 from ..tasks.data import BatchSampler
 from .interrupt import Interrupted
 from .evaluation import score, validate
+from .beststart import BestStart
 from .compare import Comparison
 from .loop import RunLoop
 from ..onephase import one_phase_backward, one_phase_search
@@ -36,11 +37,12 @@ from .rundir import MetricsLog
 from .schedule import Plateau
 from ..rescoring import rescore_backward
 from ..samples import Samples
+from .references import with_references
 from ..search import beam_search, greedy, sample
 from ..vocab import pad_targets
 
 
-class Trainer(Resumable, RunLoop, Comparison):
+class Trainer(Resumable, RunLoop, Comparison, BestStart):
     def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device):
         self.cfg, self.task, self.model, self.device, self.reward = cfg, task, model, device, reward
         self.train, self.valid, self.test = task.train, task.valid, task.test or None
@@ -84,8 +86,9 @@ class Trainer(Resumable, RunLoop, Comparison):
         self.metrics = MetricsLog(self.save_dir / "metrics.jsonl", enabled=self.is_main)
 
     # ------------------------------------------------------------------ batches
-    def _sources(self, idx: list[int]):
-        return self.task.collate([self.train[i] for i in idx], self.device)
+    def _presented(self, idx: list[int]) -> list[Example]:
+        """The training examples idx as this step shows them (Task.present: Karel draws 5 of 6 pairs)."""
+        return self.task.present([self.train[i] for i in idx])
 
     def detokenize(self, tokens: torch.Tensor) -> list[str]:
         """Rows (N, T) -> the strings reward plug-ins see."""
@@ -101,7 +104,7 @@ class Trainer(Resumable, RunLoop, Comparison):
     def mle_step(self) -> dict:
         batch = next(self.mle_batches)  # the global batch: every process draws it, then takes its share
         pairs = [self.pairs[k] for k in distributed.shard(batch)]
-        source = self._sources([i for i, _ in pairs])
+        source = self.task.collate(self._presented([i for i, _ in pairs]), self.device)
         refs = self._target_rows([self.ref_ids[i][j] for i, j in pairs], list(range(len(pairs))))  # (B, T)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -112,8 +115,8 @@ class Trainer(Resumable, RunLoop, Comparison):
     def rl_step(self) -> dict:
         cfg, batch = self.cfg, next(self.rl_batches)
         B, idx = len(batch), distributed.shard(batch)  # B counts the global batch; idx is this process's share
-        source = self._sources(idx)
-        examples = [self.train[i] for i in idx]
+        examples = self._presented(idx)
+        source = self.task.collate(examples, self.device)
         self.model.eval()  # phase one and phase two must score with the same function: no dropout in either
 
         # 1. Phase one: K candidates per source and their log-probabilities, no graph.
@@ -130,11 +133,16 @@ class Trainer(Resumable, RunLoop, Comparison):
         with self.section("rewards"):
             rewards = self.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,)
         # 3. Coefficients: the objective's weight on each log p(candidate).
-        coef = self.coefficients(cand, rewards, source, examples, B)
-        rows = cand
+        rows, row_rewards = cand, rewards
+        if cfg.include_reference:  # RL_beam over candidates and references (the objective dedups the two)
+            refs = self._reference_rows(idx)
+            with self.section("references: score and reward"), self.autocast():
+                rows, row_rewards = with_references(self.model, source, cand, rewards, refs,
+                                                    self.rewards_of(refs.tokens, refs.owner.tolist(), examples))
+        coef = self.coefficients(rows, row_rewards, source, examples, B)
         if cfg.mle_weight > 0:  # the MLE term rides along as extra rows, chunked like the candidates
             refs = self._reference_rows(idx)
-            rows = Samples.cat([cand, refs], self.model.pad_id)
+            rows = Samples.cat([rows, refs], self.model.pad_id)
             coef = objectives.mix(coef, objectives.mle(refs.owner, B), cfg.mle_weight)
         # 4. Phase two: chunked teacher-forced re-decoding; .grad = d/dtheta sum_i c_i log p_i, exactly.
         self.optimizer.zero_grad(set_to_none=True)
