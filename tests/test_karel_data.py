@@ -81,8 +81,9 @@ def test_baselines_report_is_cached_and_the_command_prints_it(small, tmp_path, m
     assert baselines.main(["--splits", "nope"]) == 2 and "--splits" in capsys.readouterr().err
 
 
-def test_present_shows_a_random_5_of_6_pairs_and_the_reward_reads_them(small):
+def test_present_shows_a_random_5_of_6_pairs_and_the_reward_reads_all_6_or_those(small):
     task = Karel(Config(task="karel"))
+    shown_only = Karel(Config(task="karel", karel_reward_pairs="shown"))
     gen = small["train"][0]
     ex = as_example(gen, train=True)
     assert list(ex.source) == list(gen.spec) and ex.hidden["held_out"] == gen.held_out
@@ -91,11 +92,13 @@ def test_present_shows_a_random_5_of_6_pairs_and_the_reward_reads_them(small):
     held = {gen.pairs.index(v.hidden["held_out"]) for v in views}
     assert held == set(range(6))  # every pair is held out at some presentation
     for v in views:
-        assert len(v.source) == 5 and v.fields["spec"] is v.source and v.hidden["held_out"] not in v.source
+        assert len(v.source) == 5 and v.fields["spec"] == gen.pairs and v.hidden["held_out"] not in v.source
         assert set(v.source) | {v.hidden["held_out"]} == set(gen.pairs) and v.references == ex.references
         np.testing.assert_array_equal(v.source.grids, np.stack([pair_array(p) for p in v.source]))
     random.seed(0)
-    assert [task.present([ex])[0].source for _ in range(40)] == [v.source for v in views]  # reproducible
+    again = [shown_only.present([ex])[0] for _ in range(40)]
+    assert [v.source for v in again] == [v.source for v in views]  # reproducible
+    assert all(v.fields["spec"] is v.source for v in again)
     fixed = as_example(small["valid"][0])
     assert task.present([fixed]) == [fixed]  # validation and test keep their spec and held-out pair
 

@@ -151,6 +151,10 @@ class Config:
     include_reference: bool = arg(False, "--objective beam: add each source's references to its candidates, q "
                                          "renormalised over candidates and references (a reference the beam already "
                                          "holds counted once), as Bunel et al.'s RL_beam")
+    karel_reward_pairs: str = arg("all", "--task karel, RL on a training task shown 5 of its 6 pairs: the reward "
+                                         "checks all 6 (Bunel et al.'s released RL command, environment "
+                                         "BlackBoxGeneralization) or the 5 shown (their Consistency environment)",
+                                  choices=("all", "shown"))
     test_beam: int = arg(0, "also decode the test split with this beam width (its scores as key@K, e.g. "
                             "generalization@64); 0: --eval-beam only (--task karel: 64, the paper's)", minimum=0)
     # ---- both phases
@@ -201,6 +205,8 @@ class Config:
             raise ValueError("--preset g2p-long is a recipe for the built-in G2P data (no --train, --task g2p)")
         if self.task in (None, "tsv") and (self.train is None) != (self.valid is None):
             raise ValueError("--train and --valid go together")
+        if self.karel_reward_pairs != "all" and self.task != "karel":
+            raise ValueError("--karel-reward-pairs applies to --task karel only")
         if not 0 < self.lr_decay <= 1:
             raise ValueError(f"--lr-decay must be in (0, 1], got {self.lr_decay}")
         if self.mle_weight > 1:

@@ -11,8 +11,10 @@ validation ones (default 1,000), all three cut from one shuffled pool of distinc
 8x8, programs at most 30 tokens with control statements nested at most 3 deep (`GeneratorParams` defaults):
 small enough for a CPU, deep enough that several programs often fit a specification.
 
-Training shows each task a random 5 of its 6 pairs at every presentation (`present`, as Bunel et al.), and the
-reward reads the 5 shown; validation and test keep their fixed five specification pairs and held-out sixth.
+Training shows each task a random 5 of its 6 pairs at every presentation (`present`, as Bunel et al.); during RL
+the reward checks all six (--karel-reward-pairs all: what Bunel et al.'s released RL command rewards, see
+docs/karel.md) or the five shown (shown). Validation and test keep their fixed five specification pairs and
+held-out sixth, and their reward reads the five only.
 
 Validation metrics, on the best beam candidate: `generalization` (passes all six pairs: top-1 generalization of
 Bunel et al.), `exact_match` (the reference program, token for token), `spec_accuracy` (passes the five pairs the
@@ -124,7 +126,9 @@ class Karel(Task):
 
     def present(self, examples: list[Example]) -> list[Example]:
         """Each training task with a random 5 of its 6 pairs (Python's `random`, saved in every checkpoint): the
-        model and the reward see those five; the sixth is its held-out pair. Other examples pass unchanged."""
+        model sees those five; the reward checks all six (--karel-reward-pairs all, the default) or the five shown.
+        Validation and test examples pass unchanged."""
+        every = self.cfg.karel_reward_pairs == "all"
         out = []
         for ex in examples:
             pairs = ex.hidden.get("pairs")
@@ -133,7 +137,8 @@ class Karel(Task):
                 continue
             order = random.sample(range(len(pairs)), len(pairs))
             shown = pairs.subset(sorted(order[1:]))
-            out.append(Example(shown, ex.references, {"spec": shown}, hidden={"held_out": pairs[order[0]]}))
+            out.append(Example(shown, ex.references, {"spec": pairs if every else shown},
+                               hidden={"held_out": pairs[order[0]]}))
         return out
 
     # ---- model
