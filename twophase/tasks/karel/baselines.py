@@ -15,7 +15,7 @@
 Scores per split: `generalization`, `spec_accuracy` (a program was found), `exact_match` (the reference). Cost:
 retrieval runs up to every training program on a task's first pair (most fail there): ~1 minute for 1,500 tasks
 against 10,000 programs on one core. `cached_report` (the lines a `--task karel` run prints after its table)
-keeps its figures next to the dataset's cache file.
+keeps its figures next to the dataset's cache file (`cached_figures`, which the command shares).
 """
 from __future__ import annotations
 
@@ -124,13 +124,17 @@ def format_report(figures: dict, n_train: int) -> list[str]:
     return lines
 
 
-def cached_report(splits: dict, key: str, cache_dir: str | os.PathLike | None = None) -> list[str]:
-    """format_report of the valid and test splits, from `<cache>/<key>.baselines-v<VERSION>.json` when there."""
+def cached_figures(splits: dict, key: str, names=("valid", "test"), cache_dir=None) -> dict:
+    """{split: evaluate(train, split)} for `names`, from `<cache>/<key>.baselines-v<VERSION>.json` when there
+    (the `--task karel` run and the command share it); computed and written otherwise."""
     path = Path(cache_dir or dataset.default_cache_dir()) / f"{key}.baselines-v{VERSION}.json"
     try:
         figures = json.loads(path.read_text())
     except (OSError, ValueError):
-        figures = {s: evaluate(splits["train"], splits[s]) for s in ("valid", "test")}
+        figures = {}
+    missing = [s for s in names if s not in figures]
+    if missing:
+        figures.update({s: evaluate(splits["train"], splits[s]) for s in missing})
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +142,12 @@ def cached_report(splits: dict, key: str, cache_dir: str | os.PathLike | None = 
             os.replace(tmp, path)
         except OSError:
             pass  # a read-only cache only costs the next run the same minute
-    return format_report(figures, len(splits["train"]))
+    return {s: figures[s] for s in names}
+
+
+def cached_report(splits: dict, key: str, cache_dir=None) -> list[str]:
+    """format_report of the valid and test splits (cached, see `cached_figures`)."""
+    return format_report(cached_figures(splits, key, ("valid", "test"), cache_dir), len(splits["train"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,13 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog}: error: --splits: expected names among valid,test, got {args.splits!r}",
               file=sys.stderr)
         return 2
+    key = task.data_key(args.train_size, args.valid_size, task.DATA_SEED, GeneratorParams())
     try:
         splits = task.generated_splits(args.train_size, args.valid_size, task.DATA_SEED, GeneratorParams())
     except (ValueError, RuntimeError) as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
-    figures = {s: evaluate(splits["train"], splits[s]) for s in names}
-    print("\n".join(format_report(figures, len(splits["train"]))))
+    print("\n".join(format_report(cached_figures(splits, key, names), len(splits["train"]))))
     return 0
 
 

@@ -54,6 +54,12 @@ def dataset_counts(n_train: int, n_valid: int) -> dict:
     return dict(n_train=n_train, n_valid=n_valid, n_test=2 * n_valid)
 
 
+def data_key(n_train: int, n_valid: int, seed: int, params: GeneratorParams) -> str:
+    """The cache key of the dataset `generated_splits` returns."""
+    counts = dataset_counts(n_train, n_valid)
+    return dataset._header({s: counts[f"n_{s}"] for s in dataset.SPLITS}, seed, params)["key"]
+
+
 def generated_splits(n_train: int, n_valid: int, seed: int, params: GeneratorParams) -> dict:
     """The generated splits (`generate.Example`s) --task karel trains on, from the cache when there."""
     return dataset.generate_dataset(**dataset_counts(n_train, n_valid), seed=seed, **params.as_dict())
@@ -99,9 +105,8 @@ class Karel(Task):
     def load_data(self) -> None:
         cfg, p = self.cfg, self.params
         counts = dataset_counts(cfg.train_size or DEFAULT_TRAIN, cfg.valid_size or DEFAULT_VALID)
-        header = dataset._header({s: counts[f"n_{s}"] for s in dataset.SPLITS}, DATA_SEED, p)
-        self.data_key = header["key"]
-        path = dataset.default_cache_dir() / f"{header['key']}.jsonl"
+        self.data_key = data_key(counts["n_train"], counts["n_valid"], DATA_SEED, p)
+        path = dataset.default_cache_dir() / f"{self.data_key}.jsonl"
         cached, start = path.exists(), time.perf_counter()
         try:
             splits = dataset.generate_dataset(**counts, seed=DATA_SEED, **p.as_dict())
