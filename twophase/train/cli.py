@@ -14,9 +14,8 @@ from .. import rewards
 from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args
 from .. import tasks
 from ..tasks.data import DataError
-from .evaluation import score
 from .checkpoint import CheckpointError, load
-from .evaluation import test_beams
+from .evaluation import score, test_beams
 from .report import summary_table, with_beams
 from .interrupt import Interrupted
 from .trainer import Trainer

@@ -1,9 +1,9 @@
 """`--task karel`: program synthesis from input/output examples with an execution reward (Bunel et al., 2018).
 
-Each example is a generated Karel task: the model sees its five specification pairs (`Example.source`, also the
-`spec` field the reward reads) and writes a program; the sixth pair (`Example.hidden`, never offered to a
-reward) is read by validation metrics only. The data is generated once by `generate_dataset` (seed 0, whatever --seed: every training seed
-sees the same tasks) and cached under its default directory ($TWOPHASE_CACHE_DIR/karel, else
+Each example is a generated Karel task: the model sees five pairs (`Example.source`, also the `spec` field the
+reward reads) and writes a program; a validation or test task's sixth pair (`Example.hidden`, never offered to a
+reward) is read by its metrics only. The data is generated once by `generate_dataset` (seed 0, whatever --seed:
+every training seed sees the same tasks) and cached under its default directory ($TWOPHASE_CACHE_DIR/karel, else
 ~/.cache/twophase/karel), keyed by the sizes and the generator's parameters.
 
 Sizes: --train-size (default 10,000 programs), --valid-size (default 500) and twice as many test programs as
