@@ -107,6 +107,7 @@ def test_cached_grids_equal_rebuilt_ones(small):
     specs = [as_example(t).source for t in small["test"][:4]]
     got = batch_grids(specs)
     assert got.dtype == np.uint8 and got.shape == (4, 5, 32, 5, 5)
+    assert specs[0].packed.shape == (5, 4, 5, 5)  # kept 8 channels to a byte
     np.testing.assert_array_equal(got, np.stack([[pair_array(p) for p in s] for s in specs]))
     np.testing.assert_array_equal(batch_grids([tuple(s) for s in specs]), got)  # plain tuples too
     sub = PairSet(small["test"][0].pairs).subset([4, 1])
