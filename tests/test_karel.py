@@ -234,11 +234,17 @@ def test_generator_guarantees(small_dataset):
     assert {"REPEAT", "WHILE", "IF", "IFELSE", "not"} <= kinds and set(karel.ACTIONS) <= kinds
 
 
-def test_generator_is_deterministic_and_test_split_stable(small_dataset):
+def test_generator_is_deterministic_and_splits_are_one_shuffled_pool(small_dataset):
     assert generate_dataset(60, 15, 15, seed=11, cache_dir=None, **SMALL) == small_dataset
-    other = generate_dataset(20, 15, 10, seed=11, cache_dir=None, **SMALL)
-    assert other["test"] == small_dataset["test"][:10]
     assert generate_dataset(5, 0, 0, seed=12, cache_dir=None, **SMALL)["train"] != small_dataset["train"][:5]
+    # The pool: the first 90 tasks of one stream, whatever split each lands in.
+    rng, taken, p = random.Random("twophase-karel:11:pool"), set(), GeneratorParams(**SMALL)
+    drawn = [karel.sample_example(rng, p, taken).program for _ in range(90)]
+    order = {program: i for i, program in enumerate(drawn)}
+    where = {s: sorted(order[ex.program] for ex in small_dataset[s]) for s in ("train", "valid", "test")}
+    assert sorted(sum(where.values(), [])) == list(range(90))  # the splits partition the pool
+    for s in ("valid", "test"):  # each split reaches across the draw order, not its first or last tasks only
+        assert where[s][0] < 30 and where[s][-1] >= 60, (s, where[s])
 
 
 @pytest.mark.parametrize("body, canonical", [

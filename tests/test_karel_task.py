@@ -130,18 +130,22 @@ def test_tiny_end_to_end_run_and_decode(tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     argv = ["--task", "karel", "--train-size", "24", "--valid-size", "6", "--hidden-size", "16", "--embed-dim", "8",
             "--mle-steps", "3", "--rl-steps", "2", "--mle-batch-size", "8", "--batch-size", "4", "--beam-size", "3",
-            "--max-len", "31", "--rescore-chunk", "5", "--eval-beam", "2", "--no-compare-mle", "--save-dir", str(run)]
+            "--max-len", "31", "--rescore-chunk", "5", "--eval-beam", "2", "--no-compare-mle", "--save-dir", str(run),
+            "--include-reference", "--test-beam", "3"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "24 train / 6 valid / 12 test tasks generated" in out and "generalization (top-1)" in out
-    table = out[out.index("end of MLE") - 40:].splitlines()
-    table = table[next(i for i, line in enumerate(table) if "end of MLE" in line):]
+    table = out.splitlines()
+    table = table[next(i for i, line in enumerate(table) if line.rstrip().endswith("RL") and "end of MLE" in line):]
     rows = table[:next(i for i, line in enumerate(table) if line.startswith("peak memory"))]
     assert len({len(line) for line in rows}) == 1, rows  # the long labels ("valid passes the 5 spec pairs") fit
+    assert "test generalization (filtered) @3" in out and "baselines (24 training programs)" in out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["phase"] in ("eval", "test")]
     assert [r["phase"] for r in evals] == ["eval", "eval", "test"] and evals[-1]["n"] == 12
-    assert all({"generalization", "exact_match", "syntax_error_rate", "reward"} <= set(r) for r in evals)
+    assert all({"generalization", "exact_match", "syntax_error_rate", "reward", "filtered_generalization"} <= set(r)
+               for r in evals)
+    assert {"generalization@3", "spec_in_beam@3"} <= set(evals[-1])
     assert [r["step"] for r in rows if r["phase"] == "rl"] == [4, 5]
     assert (tmp_path / "cache" / "karel").is_dir()  # the data went to the cache it was told
     # decode: a JSON line of [input, output] pairs of the training grid size gives one program line

@@ -95,6 +95,12 @@ class Task:
         the checkpoints are the model)."""
         return None
 
+    def present(self, examples: list[Example]) -> list[Example]:
+        """The training examples as one training step shows them (model and reward): the examples themselves by
+        default; a task may show another view each time (Karel: a random 5 of a task's 6 pairs). Randomness from
+        Python's `random` module, which every checkpoint saves, keeps a resumed run exact."""
+        return examples
+
     def collate(self, examples: list[Example], device) -> Any:
         """The model's `source` for a batch of examples, on `device`."""
         raise NotImplementedError
@@ -136,6 +142,16 @@ class Task:
         must include "n", the number of examples."""
         return {"n": len(examples)}
 
+    def nbest_metric_sums(self, nbest: list[list[str]], examples: list[Example]) -> dict:
+        """Validation's additive statistics from each example's n-best list (best first, never empty): by default
+        `metric_sums` of the best ones; a task may also score a hypothesis it picks from the list (Karel: the
+        first that passes the specification, execution-filtered top-1)."""
+        return self.metric_sums([hyps[0] for hyps in nbest], examples)
+
     def scores(self, sums: dict) -> dict:
         """The metrics from summed `metric_sums`."""
         return {}
+
+    def closing_lines(self) -> list[str]:
+        """Lines printed after a run's closing table (Karel: its baselines' figures); none by default."""
+        return []

@@ -18,9 +18,9 @@ from .. import rewards, rewardsum
 from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args  # noqa: F401 (PRESETS)
 from .. import tasks
 from ..tasks.data import DataError
-from .evaluation import score
+from .evaluation import score, test_beams
 from .checkpoint import SaveError
-from .report import summary_table
+from .report import summary_table, with_beams
 from .interrupt import Interrupted
 from .trainer import Trainer
 from . import tensorboard
@@ -278,7 +278,9 @@ def _train(cfg: Config, start: dict | None = None, given: frozenset | None = Non
         return stop.code
     if not trainer.is_main:
         return 0
-    print(summary_table(summary, trainer.task.metrics))
+    print(summary_table(summary, with_beams(trainer.task.metrics, test_beams(trainer.cfg))))
+    for line in trainer.task.closing_lines():  # Karel: its baselines, beside the table
+        print(line)
     best = trainer.checkpoints
     if best.best is not None:
         print(f"best {trainer.best_key}: {best.best:.4f} at step {trainer.best_step}: {best.best_path}")

@@ -18,7 +18,7 @@ import time
 from . import distributed
 from .checkpoint import CheckpointError, load, rng_state, set_rng_state
 from .params import load_saved
-from .evaluation import validate
+from .evaluation import test_beams, test_scores
 from .interrupt import Interrupted
 from .report import fmt_scores
 
@@ -139,8 +139,8 @@ class Comparison:
         final = copy.deepcopy(self.model.state_dict())
         load_saved(self.model, state_dict)
         try:
-            return validate(self.model, self.task, self.test, self.reward, self.cfg.eval_beam, self.cfg.max_len,
-                            self.device)
+            return test_scores(self.model, self.task, self.test, self.reward, test_beams(self.cfg),
+                               self.cfg.max_len, self.device)
         finally:
             self.model.load_state_dict(final)
 

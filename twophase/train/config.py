@@ -197,6 +197,20 @@ class Config:
                                                 "peft's for the model type, e.g. q,v for T5, c_attn for GPT-2)")
     merge_lora: bool = arg(False, "with --lora-r: hf_final holds the model with the adapters merged into its "
                                   "weights (default: the adapters alone, for peft's PeftModel.from_pretrained)")
+    # ---- issue 18 (Karel as Bunel et al.): RL from the best MLE validation, the reference among RL_beam's
+    # candidates, a second test beam
+    rl_from_best: bool = arg(False, "RL (and --compare-mle's control) start from the parameters and optimizer "
+                                    "state of the best MLE validation (checkpoint_best.pt), not from the last MLE "
+                                    "step (--task karel: on)")
+    include_reference: bool = arg(False, "--objective beam: add each source's references to its candidates, q "
+                                         "renormalised over candidates and references (a reference the beam already "
+                                         "holds counted once), as Bunel et al.'s RL_beam")
+    karel_reward_pairs: str = arg("all", "--task karel, RL on a training task shown 5 of its 6 pairs: the reward "
+                                         "checks all 6 (Bunel et al.'s released RL command, environment "
+                                         "BlackBoxGeneralization) or the 5 shown (their Consistency environment)",
+                                  choices=("all", "shown"))
+    test_beam: int = arg(0, "also decode the test split with this beam width (its scores as key@K, e.g. "
+                            "generalization@64); 0: --eval-beam only (--task karel: 64, the paper's)", minimum=0)
     # ---- both phases
     clip_norm: float = arg(1.0, "clip the gradient norm to this (0: no clipping)", minimum=0.0)
     eval_every: int = arg(500, "validate every N steps (and at the end of each phase)", minimum=1)
@@ -261,6 +275,8 @@ class Config:
             raise ValueError("--preset g2p-long is a recipe for the built-in G2P data (no --train, --task g2p)")
         if self.task in (None, "tsv") and (self.train is None) != (self.valid is None):
             raise ValueError("--train and --valid go together")
+        if self.karel_reward_pairs != "all" and self.task != "karel":
+            raise ValueError("--karel-reward-pairs applies to --task karel only")
         if not 0 < self.lr_decay <= 1:
             raise ValueError(f"--lr-decay must be in (0, 1], got {self.lr_decay}")
         if self.mle_weight > 1:
@@ -347,6 +363,8 @@ class Config:
 
     def _validate_rl(self) -> None:
         self._validate_policy()
+        if self.include_reference and self.objective != "beam":
+            raise ValueError(f"--include-reference applies to --objective beam only, not --objective {self.objective}")
         if self.temperature != 1 and self.sampler != "sample":
             raise ValueError(f"--temperature applies to --sampler sample only, not --sampler {self.sampler}")
         if self.objective == "policy":

@@ -44,6 +44,23 @@ def completion_ids(tokens: torch.Tensor, pad_id: int, eos_id: int) -> list[list[
 
 
 @torch.inference_mode()
+def nbest_hypotheses(model, task: Task, examples: list[Example], beam_size: int, max_len: int, device,
+                     batch_size: int) -> tuple[list[list[str]], list[list[int]]]:
+    """Every beam candidate of each example, best first, detokenised (at least one per example), and the best
+    one's ids (up to and including eos: a TRL-style reward's completion_ids)."""
+    out, ids = [], []
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start:start + batch_size]
+        s = beam_search(model, task.collate(batch, device), beam_size, max_len)
+        lists: list[list[str]] = [[] for _ in batch]
+        for row, owner in zip(s.tokens.tolist(), s.owner.tolist()):  # rows grouped by source, best first
+            lists[owner].append(task.detokenize(row))
+        out += lists
+        ids += completion_ids(best_rows(s), model.pad_id, model.eos_id)  # best_rows: (B, T)
+    return out, ids
+
+
+@torch.inference_mode()
 def best_hypotheses(model, task: Task, examples: list[Example], beam_size: int, max_len: int, device,
                     batch_size: int) -> list[str]:
     """The best beam candidate of each example, detokenised; validation and decoding both read these."""
@@ -67,11 +84,13 @@ def best_candidates(model, task: Task, examples: list[Example], beam_size: int, 
 @torch.inference_mode()
 def validate(model, task: Task, examples: list[Example], reward, beam_size: int, max_len: int,
              device: torch.device, limit: int = 0, batch_size: int = 256) -> dict:
-    """The task's scores, n and the mean reward of the best hypotheses of examples (the first `limit`)."""
+    """The task's scores (from each example's n-best list), n, and the mean reward of the best hypotheses of
+    examples (the first `limit`)."""
     n = min(limit, len(examples)) if limit else len(examples)
     share = [examples[i] for i in distributed.shard(list(range(n)))]
-    hyps, ids = best_candidates(model, task, share, beam_size, max_len, device, batch_size)
-    sums = dict(task.metric_sums(hyps, share))
+    nbest, ids = nbest_hypotheses(model, task, share, beam_size, max_len, device, batch_size)
+    hyps = [h[0] for h in nbest]
+    sums = dict(task.nbest_metric_sums(nbest, share))
     values = [v for v in score(reward, hyps, share, ids) if not math.isnan(v)] if share else []
     sums["reward"], sums["rewarded"] = math.fsum(values), len(values)  # NaN: not scored, left out of the mean
     names = getattr(reward, "names", [])  # several rewards (rewardsum.WeightedSum): each one's mean and std
@@ -79,3 +98,18 @@ def validate(model, task: Task, examples: list[Example], reward, beam_size: int,
         sums.update(statistics(reward.last if share else {n: [] for n in names}))
     sums = distributed.reduce_sums(sums)
     return {**task.scores(sums), "reward": sums["reward"] / max(sums["rewarded"], 1), **mean_std(sums, names)}
+
+
+def test_beams(cfg) -> list[int]:
+    """The beam widths the test split is decoded with: --eval-beam, then --test-beam where it is another."""
+    return [cfg.eval_beam] + ([cfg.test_beam] if cfg.test_beam and cfg.test_beam != cfg.eval_beam else [])
+
+
+def test_scores(model, task: Task, examples: list[Example], reward, beams: list[int], max_len: int,
+                device: torch.device) -> dict:
+    """validate() at beams[0], then at each further width with its keys suffixed "@K" (generalization@64)."""
+    out = validate(model, task, examples, reward, beams[0], max_len, device)
+    for k in beams[1:]:
+        extra = validate(model, task, examples, reward, k, max_len, device)
+        out.update({f"{key}@{k}": value for key, value in extra.items() if key != "n"})
+    return out

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from . import distributed
 from ..protocol import ModelError
 from ..rewards import RewardError
-from .evaluation import validate
+from .evaluation import test_beams, test_scores
 from .interrupt import GracefulStop, Interrupted
 from .profiling import StepProfiler
 from .report import ProgressLines, fmt_scores, peak_memory_mb
@@ -155,8 +155,8 @@ class RunLoop:
         cfg = self.cfg
         final = "rl" if cfg.rl_steps > 0 else "mle"
         tests = {name: self.test_model(name, params) for name, params in self.compared_models().items()}
-        tests[final] = validate(self.model, self.task, self.test, self.reward, cfg.eval_beam, cfg.max_len,
-                                self.device)
+        tests[final] = test_scores(self.model, self.task, self.test, self.reward, test_beams(cfg), cfg.max_len,
+                                   self.device)
         self.summary["test"], self.summary["tests"] = tests[final], tests
         steps = {"mle": self.mle_end, final: self.step,  # each row carries its model's step
                  "mle-continued": self.mle_end + self.summary.get("mle-continued", {}).get("steps", 0)}
@@ -178,6 +178,8 @@ class RunLoop:
             self.save_best(scores)
             if phase == "mle":
                 self.schedule(scores, bar)
+        if self.step == self.mle_end and phase == "mle" and cfg.rl_from_best:
+            scores = self.restore_best_mle(scores, bar)
         phase_end = self.step in (self.mle_end, self.total)
         if phase_end:
             st = self.stats[phase]

@@ -1,6 +1,7 @@
 """What a run reports about itself: its scores' names, progress lines, peak memory and the closing table."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 import torch
@@ -22,6 +23,12 @@ OTHER_ROWS = [("reward_mean", "train reward (mean)", "{:.4f}"), ("steps", "train
               ("steps_per_s", "steps/s", "{:.2f}"),
               ("skipped", "skipped steps", "{:.0f}")]
 COLUMNS = (("mle", "end of MLE"), ("mle-continued", "MLE continued"), ("rl", "RL"))
+
+
+def with_beams(metrics, beams: list[int]) -> tuple:
+    """The task's metrics, then each again as scored at the further test beams (key@K, see --test-beam)."""
+    return tuple(metrics) + tuple(dataclasses.replace(m, key=f"{m.key}@{k}", label=f"{m.label} @{k}")
+                                  for k in beams[1:] for m in metrics)
 
 
 def summary_table(summary: dict, metrics=()) -> str:

@@ -27,7 +27,7 @@ class Resumable:
                 "stats": self.stats, "summary": self.summary, "bad_in_a_row": self.bad_in_a_row,
                 "best_step": self.best_step, "elapsed_s": self.metrics.elapsed,
                 "schedule": self.plateau.state_dict(), "mle_end": self.mle_end, "compared": self.compared,
-                "log_step": self.log_step,
+                "log_step": self.log_step, "best_scores": self.best_scores,
                 **({"policy": self.policy.state_dict()} if getattr(self, "policy", None) is not None else {}),
                 **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}  # floats and ints
 
@@ -37,6 +37,7 @@ class Resumable:
         metric = scores.get(self.best_key)
         if self.checkpoints.improves(metric):
             self.checkpoints.best, self.best_step = float(metric), self.step
+            self.best_scores = dict(scores)  # --rl-from-best reports them for the model it restores
             self.save(best=True)
 
     def save(self, best: bool = False, crash: bool = False, path=None, phase: str | None = None) -> None:
@@ -75,6 +76,7 @@ class Resumable:
         self.summary = dict(state["summary"])
         self.bad_in_a_row = int(state["bad_in_a_row"])
         self.checkpoints.best, self.best_step = state.get("best_metric"), state.get("best_step")
+        self.best_scores = state.get("best_scores")
         self.metrics.resume_at(state.get("elapsed_s", 0.0))
         if "schedule" in state:  # saved by a version without --lr-decay: the rate starts afresh
             self.plateau.load_state_dict(state["schedule"])

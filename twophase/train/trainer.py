@@ -28,6 +28,7 @@ from ..tasks.data import BatchSampler
 from .interrupt import Interrupted
 from .evaluation import completion_ids, score, validate
 from .rewardlog import reward_row
+from .beststart import BestStart
 from .compare import Comparison
 from .loop import RunLoop
 from ..onephase import one_phase_backward, one_phase_search
@@ -40,11 +41,12 @@ from .schedule import Plateau
 from ..rescoring import rescore_backward
 from ..samples import Samples
 from ..sbs import stochastic_beam_search
+from .references import with_references
 from ..search import beam_search, greedy, sample
 from ..vocab import pad_targets
 
 
-class Trainer(Resumable, RunLoop, Comparison):
+class Trainer(Resumable, RunLoop, Comparison, BestStart):
     def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device):
         self.cfg, self.task, self.model, self.device, self.reward = cfg, task, model, device, reward
         self.train, self.valid, self.test = task.train, task.valid, task.test or None
@@ -91,7 +93,13 @@ class Trainer(Resumable, RunLoop, Comparison):
 
     # ------------------------------------------------------------------ batches
     def _sources(self, idx: list[int]):
+        """The training examples idx as the model reads them, unpresented (--objective policy: its several
+        updates of a generation must see one source, so Karel's shows all six pairs)."""
         return self.task.collate([self.train[i] for i in idx], self.device)
+
+    def _presented(self, idx: list[int]) -> list[Example]:
+        """The training examples idx as this step shows them (Task.present: Karel draws 5 of 6 pairs)."""
+        return self.task.present([self.train[i] for i in idx])
 
     def detokenize(self, tokens: torch.Tensor) -> list[str]:
         """Rows (N, T) -> the strings reward plug-ins see."""
@@ -113,7 +121,7 @@ class Trainer(Resumable, RunLoop, Comparison):
         for _ in range(self.cfg.grad_accum):
             batch = next(self.mle_batches)  # the global batch: every process draws it, then takes its share
             pairs = [self.pairs[k] for k in distributed.shard(batch)]
-            source = self._sources([i for i, _ in pairs])
+            source = self.task.collate(self._presented([i for i, _ in pairs]), self.device)
             refs = self._target_rows([self.ref_ids[i][j] for i, j in pairs], list(range(len(pairs))))  # (B, T)
             coef = objectives.mle(refs.owner, len(batch) * self.cfg.grad_accum)
             loss += self.phase_two(source, refs, coef, keep_mode=True)
@@ -142,8 +150,8 @@ class Trainer(Resumable, RunLoop, Comparison):
         cfg = self.cfg
         B = len(batch) * cfg.grad_accum  # B counts every source of the update, across processes and batches
         idx = distributed.shard(batch)  # this process's share
-        source = self._sources(idx)
-        examples = [self.train[i] for i in idx]
+        examples = self._presented(idx)
+        source = self.task.collate(examples, self.device)
         self.model.eval()  # phase one and phase two must score with the same function: no dropout in either
 
         # 1. Phase one: K candidates per source and their log-probabilities, no graph.
@@ -165,11 +173,16 @@ class Trainer(Resumable, RunLoop, Comparison):
             rewards = self.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,)
             parts = getattr(self.reward, "last", None)  # several rewards: each one's values, for the log
         # 3. Coefficients: the objective's weight on each log p(candidate).
-        coef = self.coefficients(cand, rewards, source, examples, B)
-        rows = cand
+        rows, row_rewards = cand, rewards
+        if cfg.include_reference:  # RL_beam over candidates and references (the objective dedups the two)
+            refs = self._reference_rows(idx)
+            with self.section("references: score and reward"), self.autocast():
+                rows, row_rewards = with_references(self.model, source, cand, rewards, refs,
+                                                    self.rewards_of(refs.tokens, refs.owner.tolist(), examples))
+        coef = self.coefficients(rows, row_rewards, source, examples, B)
         if cfg.mle_weight > 0:  # the MLE term rides along as extra rows, chunked like the candidates
             refs = self._reference_rows(idx)
-            rows = Samples.cat([cand, refs], self.model.pad_id)
+            rows = Samples.cat([rows, refs], self.model.pad_id)
             coef = objectives.mix(coef, objectives.mle(refs.owner, B), cfg.mle_weight)
         # 4. Phase two: chunked teacher-forced re-decoding; .grad = d/dtheta sum_i c_i log p_i, exactly.
         if log_p is None:

@@ -9,6 +9,8 @@ Program Synthesis"): the DSL, worlds, an interpreter and a seeded task generator
 - `generate`: `GeneratorParams`, `Example` (program + pairs; `.spec`, `.held_out`), `sample_example`, ...
 - `dataset`: `generate_dataset(n_train, n_valid, n_test, seed, cache_dir=True, **params)`, cached as JSON
   lines; `load_dataset`, `save_dataset`.
+- `stats`: split statistics (`python -m twophase.tasks.karel.stats`); `baselines`: enumeration and retrieval
+  baselines (`python -m twophase.tasks.karel.baselines`); `grids`: `PairSet`, pairs with cached model input.
 - `reward`: the execution reward `karel(hypotheses, references, spec)` (1 if all specification pairs pass)
   and `outcome`; `task`: `--task karel` (`Karel`, model `twophase.models.karel.KarelModel`); see docs/karel.md.
 

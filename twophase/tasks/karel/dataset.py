@@ -1,9 +1,11 @@
 """Karel datasets: train/valid/test splits of generated tasks, cached on disk.
 
 `generate_dataset(n_train, n_valid, n_test, seed, **params)` returns {"train": [...], "valid": [...],
-"test": [...]} lists of `Example`. No program appears twice, within or across splits. The test split is
-drawn first, then valid, then train, each from its own stream seeded by (seed, split name), so the test
-set does not move when n_train changes, and a smaller n_test gives a prefix of a larger one.
+"test": [...]} lists of `Example`. No program appears twice, within or across splits. One stream seeded by
+`seed` draws a pool of n_train + n_valid + n_test distinct tasks, which a second stream shuffles and cuts into
+test, valid and train: every split is drawn from the same distribution (version 1 drew the test split first,
+and de-duplication then left the later splits without the short programs the test split had taken). The price:
+the splits move when any count changes (another --train-size is another dataset).
 
 The result is written once to `<cache_dir>/<key>.jsonl`, where the key hashes the counts, the seed, every
 generator parameter and `GENERATOR_VERSION` (bumped whenever the generator's output changes); a second
@@ -29,9 +31,12 @@ from .dsl import try_parse
 from .generate import Example, GeneratorParams, sample_example
 from .world import World
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: one pool, shuffled into the splits
 SPLITS = ("train", "valid", "test")
 _FORMAT = "twophase-karel"
+
+DEFAULT_TRAIN, DEFAULT_VALID = 10_000, 500  # --task karel's sizes (--train-size, --valid-size)
+DATA_SEED = 0  # every training seed sees the same tasks
 
 
 def default_cache_dir() -> Path:
@@ -73,12 +78,14 @@ def generate_dataset(n_train: int, n_valid: int, n_test: int, seed: int = 0,
 
 
 def _generate_splits(counts: dict, seed: int, p: GeneratorParams, patience: int = 20000) -> dict:
-    taken: set[str] = set()  # shared, so that no program is in two splits
-    splits = {}
+    taken: set[str] = set()  # no program twice in the pool, hence in no two splits
+    # A string seed goes through SHA-512 in random.seed: the same streams on every run and platform.
+    rng = random.Random(f"twophase-karel:{seed}:pool")
+    pool = [sample_example(rng, p, taken, patience) for _ in range(sum(counts.values()))]
+    random.Random(f"twophase-karel:{seed}:shuffle").shuffle(pool)
+    splits, start = {}, 0
     for split in ("test", "valid", "train"):
-        # A string seed goes through SHA-512 in random.seed: the same streams on every run and platform.
-        rng = random.Random(f"twophase-karel:{seed}:{split}")
-        splits[split] = [sample_example(rng, p, taken, patience) for _ in range(counts[split])]
+        splits[split], start = pool[start:start + counts[split]], start + counts[split]
     return {s: splits[s] for s in SPLITS}
 
 
@@ -135,3 +142,19 @@ def _json_line(path, n: int, line: str) -> dict:
     if not isinstance(rec, dict):
         raise ValueError(f"{path}:{n}: expected a JSON object")
     return rec
+
+
+def dataset_counts(n_train: int, n_valid: int) -> dict:
+    """generate_dataset's counts for --train-size / --valid-size: twice as many test tasks as validation ones."""
+    return dict(n_train=n_train, n_valid=n_valid, n_test=2 * n_valid)
+
+
+def data_key(n_train: int, n_valid: int, seed: int, params: GeneratorParams) -> str:
+    """The cache key of the dataset `generated_splits` returns."""
+    counts = dataset_counts(n_train, n_valid)
+    return _header({s: counts[f"n_{s}"] for s in SPLITS}, seed, params)["key"]
+
+
+def generated_splits(n_train: int, n_valid: int, seed: int, params: GeneratorParams) -> dict:
+    """The generated splits (`generate.Example`s) --task karel trains on, from the cache when there."""
+    return generate_dataset(**dataset_counts(n_train, n_valid), seed=seed, **params.as_dict())
