@@ -109,7 +109,8 @@ def resume_state(cfg: Config) -> dict | None:
         raise UsageError(f"--resume: {err}") from None
     saved = state["config"]
     for key in ("task", "train", "valid", "char_source", "char_target", "lowercase_source", "embed_dim",
-                "hidden_size", "bidirectional", "best_metric", "hf_model"):
+                "hidden_size", "bidirectional", "best_metric", "hf_model", "karel_model", "karel_channels",
+                "karel_blocks", "karel_pair_dim", "karel_layers"):
         if key in saved and saved[key] != getattr(cfg, key):
             raise UsageError(f"--resume: {path} was trained with --{key.replace('_', '-')} {saved[key]}, "
                              f"not {getattr(cfg, key)}")

@@ -26,12 +26,11 @@ import time
 import numpy as np
 import torch
 
-from ...models.karel import KarelModel
 from ...vocab import SPECIALS, Vocab
 from .. import TaskError
 from ..base import Example, Metric, Task
 from ..data import DataError
-from . import dataset
+from . import architecture, dataset
 from .dsl import VOCAB
 from .generate import GeneratorParams
 from .reward import OK, RUNTIME, SYNTAX, outcome
@@ -39,7 +38,6 @@ from .world import World
 
 DEFAULT_TRAIN, DEFAULT_VALID = 10_000, 500
 DATA_SEED = 0
-CHANNELS = (32, 32)
 
 
 def as_example(task) -> Example:
@@ -72,6 +70,9 @@ class Karel(Task):
         super().__init__()
         if cfg.train or cfg.valid or cfg.test:
             raise TaskError("--task karel generates its data; --train, --valid and --test are not used")
+        problem = architecture.check(cfg)  # --karel-model and its sizes
+        if problem:
+            raise TaskError(problem)
         self.cfg = cfg
         self.params = GeneratorParams()
         self.vocab = Vocab(list(SPECIALS) + list(VOCAB))
@@ -104,9 +105,8 @@ class Karel(Task):
         self.vocab, self.params = Vocab(state["vocab"]), GeneratorParams(**state["params"])
 
     # ---- model
-    def build_model(self) -> KarelModel:
-        cfg, p = self.cfg, self.params
-        return KarelModel(len(self.vocab), p.rows, p.cols, cfg.embed_dim, cfg.hidden_size, CHANNELS, cfg.dropout)
+    def build_model(self):
+        return architecture.build(self.cfg, len(self.vocab), self.params.rows, self.params.cols)
 
     def collate(self, batch: list[Example], device) -> torch.Tensor:
         grids = np.stack([np.stack([pair_array(pair) for pair in ex.source]) for ex in batch])  # (B, P, 32, R, C)
