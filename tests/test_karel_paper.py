@@ -8,6 +8,7 @@ import torch
 from conftest import take_grads
 from test_protocol import _all_sequences, _assert_same, _check_rows, _references
 from twophase import Samples, beam_search, objectives, protocol, rescore_backward, sample
+from twophase.bench import karel as bench_karel
 from twophase.models.karel import KarelModel
 from twophase.models.karel_paper import PAPER_SIZES, KarelPaperModel
 from twophase.tasks import TaskError
@@ -168,6 +169,10 @@ def test_preset_runs_saves_and_loads(tmp_path, monkeypatch, capsys):
              "--batch-size", "2", "--beam-size", "3", "--eval-beam", "2", "--train-size", "24", "--valid-size", "6"]
     assert cli.main(["--task", "karel", "--preset", "karel-paper", *small, "--no-compare-mle",
                      "--save-dir", str(run)]) == 0
+    # the step costs' bench runs the same recipe (its numbers are docs/karel.md's; here it only has to run)
+    rows = bench_karel.measure(["--preset", "karel-paper", *small], steps=1, rl_beams=[2], eval_tasks=3)
+    assert [(r["kind"], r.get("beam")) for r in rows] == [("mle", None), ("rl", 2), ("eval", 2)]
+    assert all(r["model"] == "paper" and r["cpu_s"] >= 0 for r in rows)
     path = run / "checkpoint_last.pt"
     model, task, saved = decode.load_model(str(path), torch.device("cpu"))
     assert isinstance(model, KarelPaperModel) and saved["karel_model"] == "paper"
