@@ -102,16 +102,19 @@ class Config:
     bidirectional: bool = arg(False, "bidirectional encoder")
     dropout: float = arg(0.0, "dropout during the MLE warm start (RL always runs without, so both phases score "
                               "with the same function)", minimum=0.0)
-    # ---- the Karel model (--task karel; docs/karel.md): --hidden-size, --embed-dim and --dropout apply to both
+    # ---- the Karel model (--task karel; docs/karel.md): --hidden-size, --embed-dim and --dropout apply to both;
+    # the defaults are CPU sizes, --preset karel-paper has the paper's
     karel_model: str = arg("pooled", "--task karel: 'pooled' (the pair embeddings max-pooled into one vector before "
                                      "one LSTM decodes) or 'paper' (Bunel et al.'s IOs2Seq: an LSTM per pair, "
                                      "max-pooled at every step; sized by the --karel-* flags)",
                            choices=("pooled", "paper"))
-    karel_channels: int = arg(64, "--karel-model paper: channels of the residual CNN (even: each world's first "
-                                  "convolution gives half)", minimum=2)
-    karel_blocks: int = arg(2, "--karel-model paper: residual blocks of three 3x3 convolutions", minimum=0)
-    karel_pair_dim: int = arg(512, "--karel-model paper: size of each I/O pair's embedding", minimum=1)
-    karel_layers: int = arg(2, "--karel-model paper: LSTM decoder layers", minimum=1)
+    karel_channels: int = arg(32, "--karel-model paper: channels of the residual CNN (even: each world's first "
+                                  "convolution gives half; the paper: 64)", minimum=2)
+    karel_blocks: int = arg(1, "--karel-model paper: residual blocks of three 3x3 convolutions (the paper: 2)",
+                            minimum=0)
+    karel_pair_dim: int = arg(128, "--karel-model paper: size of each I/O pair's embedding (the paper: 512)",
+                              minimum=1)
+    karel_layers: int = arg(2, "--karel-model paper: LSTM decoder layers (the paper: 2)", minimum=1)
     # ---- MLE warm start
     mle_steps: int = arg(4000, "teacher-forcing steps on the references before RL (a maximum with --lr-decay; "
                                "--task g2p: 10,000)", minimum=0)
