@@ -132,14 +132,23 @@ def test_flags_size_the_model_and_bad_ones_are_refused():
     task = Karel(cfg)
     model = task.build_model()
     assert isinstance(model, KarelPaperModel)
-    assert model.config == dict(vocab_size=len(task.vocab), rows=8, cols=8, embed_dim=7, hidden_size=12, channels=6, blocks=3,
-                                pair_dim=9, layers=1, dropout=0.1)
+    assert model.config == dict(vocab_size=len(task.vocab), rows=8, cols=8, embed_dim=7, hidden_size=12,
+                                channels=6, blocks=3, pair_dim=9, layers=1, dropout=0.1)
     assert model.lstm.num_layers == 1 and len(model.encoder.blocks) == 3 and model.init_h.shape == (1, 12)
     assert isinstance(Karel(Config(task="karel", hidden_size=12)).build_model(), KarelModel)  # pooled: the default
     with pytest.raises(TaskError, match="--karel-layers sizes --karel-model paper"):
         Karel(Config(task="karel", karel_layers=3))
     with pytest.raises(TaskError, match="--karel-channels must be even"):
         Karel(Config(task="karel", karel_model="paper", karel_channels=5))
+
+
+def test_bad_karel_flags_exit_2_in_one_line(tmp_path, capsys):
+    assert cli.main(["--task", "karel", "--karel-blocks", "3", "--save-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--karel-blocks sizes --karel-model paper" in err
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--task", "karel", "--karel-model", "transformer"])
+    assert stop.value.code == 2
 
 
 def test_paper_sizes_have_the_papers_parameter_count():

@@ -1,14 +1,14 @@
 """Step costs of a Karel model: CPU seconds of an MLE step, an RL step and a validation pass.
 
-    python -m twophase.bench.karel --steps 3 -- --karel-model paper --hidden-size 256 --embed-dim 256
-    python -m twophase.bench.karel --rl-beams 16,64 --eval-tasks 100 -- --hidden-size 128
+    python -m twophase.bench.karel --steps 3 --rl-beams 16,64 --eval-tasks 100      # the recipe's model
+    python -m twophase.bench.karel --steps 3 -- --karel-model paper --hidden-size 64 --embed-dim 64
 
 Everything after `--` is train.py's flags for `--task karel` (its recipe's defaults apply, as in a run); the data
 is the recipe's, from the cache (generated on first use). The model keeps its initial random weights, with EOS's
 output bias at -30 so that every candidate runs to --max-len (31): the worst case of a trained model's RL step
-and validation (whose candidates stop at ~15 tokens), the same for every model compared. Each measurement is process CPU time (immune to other jobs on the machine, but not to their contention
-for caches and memory bandwidth), after one untimed warm-up step, median over --steps; printed as one JSON line
-per measurement.
+and validation (whose candidates stop at ~15 tokens), the same for every model compared. Each measurement is
+process CPU time (immune to other jobs on the machine, but not to their contention for caches and memory
+bandwidth), after one untimed warm-up step, median over --steps; printed as one JSON line per measurement.
 """
 from __future__ import annotations
 
