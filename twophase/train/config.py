@@ -20,6 +20,14 @@ PRESETS = {
     # test WER 34.0% with stress, 28.7% without.
     "g2p-long": dict(bidirectional=True, dropout=0.3, mle_steps=16000, lr_decay=0.5, patience=1, min_lr=2.5e-4,
                      eval_every=500, save_every=500, rl_steps=500, rl_lr=1e-4),
+    # Bunel et al.'s Karel model and schedule, for a GPU (docs/karel.md; GandRL_for_NPS README): IOs2Seq at their
+    # sizes, MLE with Adam at 1e-4 on batches of 128 for 100 epochs of the 10,000 training programs (validated every
+    # 10) at a constant rate, RL from the best validation, then beam-RL with 64 candidates on batches of 16 at 1e-5
+    # for 5 epochs; validation and test beam 64.
+    "karel-paper": dict(karel_model="paper", hidden_size=256, embed_dim=256, karel_channels=64, karel_blocks=2,
+                        karel_pair_dim=512, karel_layers=2, lr=1e-4, mle_batch_size=128, mle_steps=7800,
+                        eval_every=780, save_every=780, rl_lr=1e-5, batch_size=16, beam_size=64, rl_steps=3125,
+                        eval_beam=64, test_beam=0, lr_decay=1.0, rl_from_best=True, save_dir="runs/karel-paper"),
 }
 
 WITHOUT_REPLACEMENT = ("priority", "unordered-set")  # the objectives that need --sampler sbs
@@ -65,7 +73,7 @@ def check_size(text: str) -> str:
 @dataclass
 class Config:
     preset: str | None = arg(None, "a named recipe that sets other defaults (the flags given still win): "
-                                   "g2p-long (docs/g2p.md)", choices=tuple(PRESETS))
+                                   "g2p-long (docs/g2p.md), karel-paper (docs/karel.md)", choices=tuple(PRESETS))
     # ---- data
     task: str | None = arg(None, "what to train on: g2p (CMUdict grapheme-to-phoneme, the default without --train), "
                                  "tsv (--train/--valid files, the default with --train), an installed "
@@ -101,6 +109,19 @@ class Config:
     bidirectional: bool = arg(False, "bidirectional encoder")
     dropout: float = arg(0.0, "dropout during the MLE warm start (RL always runs without, so both phases score "
                               "with the same function)", minimum=0.0)
+    # ---- the Karel model (--task karel; docs/karel.md): --hidden-size, --embed-dim and --dropout apply to both;
+    # the defaults are CPU sizes, --preset karel-paper has the paper's
+    karel_model: str = arg("pooled", "--task karel: 'pooled' (the pair embeddings max-pooled into one vector before "
+                                     "one LSTM decodes) or 'paper' (Bunel et al.'s IOs2Seq: an LSTM per pair, "
+                                     "max-pooled at every step; sized by the --karel-* flags)",
+                           choices=("pooled", "paper"))
+    karel_channels: int = arg(32, "--karel-model paper: channels of the residual CNN (even: each world's first "
+                                  "convolution gives half; the paper: 64)", minimum=2)
+    karel_blocks: int = arg(1, "--karel-model paper: residual blocks of three 3x3 convolutions (the paper: 2)",
+                            minimum=0)
+    karel_pair_dim: int = arg(128, "--karel-model paper: size of each I/O pair's embedding (the paper: 512)",
+                              minimum=1)
+    karel_layers: int = arg(2, "--karel-model paper: LSTM decoder layers (the paper: 2)", minimum=1)
     # ---- MLE warm start
     mle_steps: int = arg(4000, "teacher-forcing steps on the references before RL (a maximum with --lr-decay; "
                                "--task g2p: 10,000)", minimum=0)
@@ -273,6 +294,8 @@ class Config:
                              "--task g2p has its own data")
         if self.preset == "g2p-long" and (self.train or self.task not in (None, "g2p")):
             raise ValueError("--preset g2p-long is a recipe for the built-in G2P data (no --train, --task g2p)")
+        if self.preset == "karel-paper" and self.task != "karel":
+            raise ValueError("--preset karel-paper is a recipe for --task karel")
         if self.task in (None, "tsv") and (self.train is None) != (self.valid is None):
             raise ValueError("--train and --valid go together")
         if self.karel_reward_pairs != "all" and self.task != "karel":

@@ -12,7 +12,8 @@ Program Synthesis"): the DSL, worlds, an interpreter and a seeded task generator
 - `stats`: split statistics (`python -m twophase.tasks.karel.stats`); `baselines`: enumeration and retrieval
   baselines (`python -m twophase.tasks.karel.baselines`); `grids`: `PairSet`, pairs with cached model input.
 - `reward`: the execution reward `karel(hypotheses, references, spec)` (1 if all specification pairs pass)
-  and `outcome`; `task`: `--task karel` (`Karel`, model `twophase.models.karel.KarelModel`); see docs/karel.md.
+  and `outcome`; `task`: `--task karel` (`Karel`; `architecture`: the model `--karel-model` builds,
+  `twophase.models.karel.KarelModel` or `twophase.models.karel_paper.KarelPaperModel`); see docs/karel.md.
 
 Speed, measured on the development machine (2 cores shared with other jobs, Python 3.11; default
 parameters: 8x8 worlds, max depth 3, max 30 tokens, 200 ticks):

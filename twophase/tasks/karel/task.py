@@ -32,12 +32,11 @@ import time
 
 import torch
 
-from ...models.karel import KarelModel
 from ...vocab import SPECIALS, Vocab
 from .. import TaskError
 from ..base import Example, Metric, Task
 from ..data import DataError
-from . import dataset
+from . import architecture, dataset
 from .dataset import DATA_SEED, DEFAULT_TRAIN, DEFAULT_VALID, data_key, dataset_counts  # noqa: F401
 from .dsl import VOCAB
 from .generate import GeneratorParams
@@ -46,7 +45,6 @@ from .grids import PairSet, batch_grids, pair_array  # noqa: F401 (pair_array: t
 from .reward import OK, RUNTIME, SYNTAX, outcome
 from .world import World
 
-CHANNELS = (32, 32)
 
 
 def as_example(task, train: bool = False) -> Example:
@@ -83,6 +81,9 @@ class Karel(Task):
         super().__init__()
         if cfg.train or cfg.valid or cfg.test:
             raise TaskError("--task karel generates its data; --train, --valid and --test are not used")
+        problem = architecture.check(cfg)  # --karel-model and its sizes
+        if problem:
+            raise TaskError(problem)
         self.cfg = cfg
         self.params = GeneratorParams()
         self.vocab = Vocab(list(SPECIALS) + list(VOCAB))
@@ -133,9 +134,8 @@ class Karel(Task):
         return out
 
     # ---- model
-    def build_model(self) -> KarelModel:
-        cfg, p = self.cfg, self.params
-        return KarelModel(len(self.vocab), p.rows, p.cols, cfg.embed_dim, cfg.hidden_size, CHANNELS, cfg.dropout)
+    def build_model(self):
+        return architecture.build(self.cfg, len(self.vocab), self.params.rows, self.params.cols)
 
     def grammar(self, max_len: int) -> KarelGrammar:
         return karel_grammar(self.vocab, max_len)  # the DSL's pushdown automaton (grammar.py)
