@@ -21,7 +21,6 @@ from . import distributed
 from .. import protocol
 from ..policy import advantages, policy_loss, zero_std_groups
 from ..samples import Samples
-from ..search import beam_search, sample
 
 REF_CHUNK = 64  # rows per chunk of the reference's no-graph scoring when --rescore-chunk is auto
 
@@ -64,12 +63,7 @@ class PolicyStep:
         source, examples = t._sources(idx), [t.train[i] for i in idx]
         t.model.eval()
         with t.section("phase 1: search"), t.autocast():
-            if cfg.sampler == "beam":
-                cand = beam_search(t.model, source, cfg.beam_size, cfg.max_len)
-            else:
-                cand = sample(t.model, source, cfg.beam_size, cfg.max_len, cfg.temperature, t.sampling,
-                              top_k=cfg.top_k or None, top_p=cfg.top_p if cfg.top_p < 1 else None,
-                              min_len=cfg.min_len)
+            cand = t.search(source)
         with t.section("rewards"):
             rewards = t.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,)
         zero = zero_std_groups(rewards, cand.owner, len(idx))  # (B_local,)

@@ -160,14 +160,8 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
             if cfg.one_phase:
                 cand, log_p = one_phase_search(self.model, source, cfg.sampler, cfg.beam_size, cfg.max_len,
                                                cfg.temperature, self.sampling)
-            elif cfg.sampler == "beam":
-                cand = beam_search(self.model, source, cfg.beam_size, cfg.max_len)
-            elif cfg.sampler == "sbs":
-                cand = stochastic_beam_search(self.model, source, cfg.beam_size, cfg.max_len, self.sampling)
             else:
-                cand = sample(self.model, source, cfg.beam_size, cfg.max_len, cfg.temperature, self.sampling,
-                              top_k=cfg.top_k or None, top_p=cfg.top_p if cfg.top_p < 1 else None,
-                              min_len=cfg.min_len)
+                cand = self.search(source)
         # 2. Rewards of every candidate against all references of its source (and what else the reward asks).
         with self.section("rewards"):
             rewards = self.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,)
@@ -190,6 +184,16 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         else:
             loss = self.one_phase_backward(log_p, source, rows, coef)
         return loss, rewards, parts
+
+    def search(self, source) -> Samples:
+        """Phase one without a graph: K candidates per source by --sampler (beam, sample, sbs)."""
+        cfg = self.cfg
+        if cfg.sampler == "beam":
+            return beam_search(self.model, source, cfg.beam_size, cfg.max_len)
+        if cfg.sampler == "sbs":
+            return stochastic_beam_search(self.model, source, cfg.beam_size, cfg.max_len, self.sampling)
+        return sample(self.model, source, cfg.beam_size, cfg.max_len, cfg.temperature, self.sampling,
+                      top_k=cfg.top_k or None, top_p=cfg.top_p if cfg.top_p < 1 else None, min_len=cfg.min_len)
 
     def phase_two(self, source, rows: Samples, coef, keep_mode: bool = False, stats: dict | None = None) -> float:
         """rescore_backward with the configured chunk size, or the largest within --memory-budget, under the
