@@ -2,7 +2,7 @@
 
 Phase one searches (beam or sampling) without a graph; phase two re-decodes the candidates teacher-forced, in
 chunks, back-propagating per-sequence coefficients. Any model that follows `SequenceModel` (twophase.protocol)
-can be trained; the built-in LSTM is `twophase.Seq2Seq`. See README.md.
+can be trained; the built-in LSTM is `twophase.Seq2Seq`. See README.md and docs/library.md.
 """
 from . import estimators, objectives, policy, rewards, tree, vocab
 from .modelcheck import check_model
