@@ -233,6 +233,19 @@ def truncate(logits: Tensor, eos_id: int, t: int, top_k: int | None, top_p: floa
     return logits
 
 
+def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """(N,) one token per row of probs (N, V) (non-negative, each row's mass positive, not necessarily 1), by
+    inverting the row's cumulative distribution at one uniform draw. `torch.multinomial` draws V exponential
+    variates per row for one sample: on CPU that was a quarter of a sampling step's time with a small model (14
+    of 60 ms at N = 32, V = 8000). The sums are in float64, so each token's probability is kept to about 1e-16
+    of its row's mass, and a token of probability 0 is never drawn (u < the row's mass, strictly)."""
+    cdf = probs.double().cumsum(dim=1)  # (N, V)
+    total = cdf[:, -1:]  # (N, 1)
+    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=generator) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # rounding never reaches the mass
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)  # first token whose cumulative mass exceeds u
+
+
 def _sample(model, source, num_samples: int, max_len: int, temperature: float, generator,
             top_k: int | None = None, top_p: float | None = None, min_len: int = 0):
     """The sampling loop under the caller's grad mode (see `_beam_search`)."""
@@ -255,7 +268,7 @@ def _sample(model, source, num_samples: int, max_len: int, temperature: float, g
                 probs = torch.softmax(truncate(logp / temperature, model.eos_id, t, top_k, top_p, min_len), dim=-1)
             else:
                 probs = torch.softmax(logp / temperature, dim=-1) if temperature != 1.0 else logp.exp()
-        drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B*K,)
+        drawn = draw(probs, generator)  # (B*K,)
         prev = drawn.masked_fill(done, model.pad_id)
         scores = scores + logp.gather(1, drawn[:, None]).squeeze(1).masked_fill(done, 0.0)
         tokens[:, t] = prev

@@ -80,7 +80,29 @@ def _dynamic(pairs: list):
     from transformers import DynamicCache
     if hasattr(DynamicCache, "from_legacy_cache"):  # 4.x
         return DynamicCache.from_legacy_cache(tuple(pairs) if pairs else None)
-    return DynamicCache(_drain(pairs)) if pairs else DynamicCache()
+    if not pairs:
+        return DynamicCache()
+    return _wrapped(pairs) or DynamicCache(_drain(pairs))
+
+
+def _wrapped(pairs: list):
+    """A `DynamicCache` whose layers hold the pairs' tensors themselves (no copy), the list emptied; None where
+    this transformers' cache is not a list of `DynamicLayer`s built by `Cache(layers=...)` (then the constructor
+    copies them)."""
+    from transformers.cache_utils import Cache, DynamicCache
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:  # before 4.56: no layer objects
+        return None
+    layers = []
+    for keys, values in _drain(pairs):
+        layer = DynamicLayer()
+        layer.lazy_initialization(keys, values)  # device, dtype, is_initialized (and empty tensors, replaced)
+        layer.keys, layer.values = keys, values
+        layers.append(layer)
+    out = DynamicCache.__new__(DynamicCache)
+    Cache.__init__(out, layers=layers)  # what DynamicCache(pairs) ends with, less the copies
+    return out
 
 
 def _drain(pairs: list):
