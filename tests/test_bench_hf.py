@@ -47,3 +47,20 @@ def test_bad_flags_are_one_line_errors(capsys):
             hf.parse_args(argv)
         assert exit_.value.code == 2
         assert "error: --" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", hf.MODELS)
+def test_phase_one_against_generate_reports_whole_and_per_step(model, one_thread):
+    from twophase.bench import decode
+    wrapper, source = hf.build(dict(TOY, model=model))
+    K, T = TOY["samples"], 6
+    with torch.inference_mode():  # the same work: B*K rows of T new tokens each (eos after the first is rare)
+        ours = decode.twophase(wrapper, source, K, T, 0)
+        theirs = decode.generate(wrapper, source, K, T, 0)
+    assert ours.tokens.shape[0] == TOY["batch"] * K == theirs.shape[0]
+    assert theirs.shape[1] - (source["input_ids"].shape[1] if model == "causal" else 1) == T
+    out = decode.compare(dict(TOY, model=model, completion=T), rounds=1)
+    for name in decode.METHODS:
+        assert out[name]["whole_s"] > 0
+    assert set(out["ratio"]) == {"whole_s", "step_ms"}
+    assert "twophase / generate" in decode.table([out], dict(TOY, completion=T))
