@@ -170,3 +170,5 @@ def test_draw_follows_unnormalised_probs_and_never_draws_zeros():
         freq = torch.bincount(drawn[0], minlength=6).double() / n
         assert bool(((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-9).all()), (block, freq)
         assert drawn[1].eq(5).all() and drawn[2].eq(0).all()
+    with pytest.raises(ValueError, match="no positive mass"):
+        search.draw(torch.tensor([[0.5, 0.5], [0.0, 0.0]]))

@@ -245,6 +245,8 @@ def draw(probs: Tensor, generator: torch.Generator | None = None, block: int = 6
     p = torch.nn.functional.pad(probs, (0, (-V) % block)).double().reshape(N, -1, block)  # (N, V / block, block)
     mass = p.sum(dim=2)  # (N, V / block) each block's
     cdf = mass.cumsum(dim=1)
+    if not bool((cdf[:, -1] > 0).all()):  # also NaN: as torch.multinomial, refuse rather than draw anything
+        raise ValueError("draw: a row of probabilities has no positive mass (or holds NaN)")
     u = torch.rand((N, 1), dtype=torch.float64, device=probs.device, generator=generator) * cdf[:, -1:]  # (N, 1)
     u = torch.minimum(u, torch.nextafter(cdf[:, -1:], torch.zeros_like(u)))
     j = torch.searchsorted(cdf, u, right=True)  # (N, 1) the first block whose cumulative mass exceeds u
