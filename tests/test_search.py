@@ -155,3 +155,20 @@ def test_beam_search_in_source_blocks_finds_the_same_beams(monkeypatch):
     blocked = beam_search(model, (src, lens), beam_size=4, max_len=6)
     assert torch.equal(blocked.tokens, whole.tokens) and torch.equal(blocked.owner, whole.owner)
     torch.testing.assert_close(blocked.scores, whole.scores, rtol=1e-12, atol=1e-12)  # not bitwise: see test_fast_paths
+
+
+def test_draw_follows_unnormalised_probs_and_never_draws_zeros():
+    """`search.draw` (inverse CDF at one uniform per row, by blocks) against the probabilities it is given: frequencies
+    within 5 binomial standard deviations, tokens of probability 0 never drawn (first, middle and last ones)."""
+    probs = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 3.0], [5.0, 0, 0, 0, 0, 0]])
+    n = 20000
+    rows = probs.repeat_interleave(n, dim=0)  # (3n, V)
+    for block in (64, 2, 4):  # one block; whole blocks; a padded last block (V = 6)
+        drawn = search.draw(rows, torch.Generator().manual_seed(block), block=block).reshape(3, n)
+        assert not bool((probs.gather(1, drawn) == 0).any())
+        p = probs[0] / probs[0].sum()
+        freq = torch.bincount(drawn[0], minlength=6).double() / n
+        assert bool(((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-9).all()), (block, freq)
+        assert drawn[1].eq(5).all() and drawn[2].eq(0).all()
+    with pytest.raises(ValueError, match="no positive mass"):
+        search.draw(torch.tensor([[0.5, 0.5], [0.0, 0.0]]))

@@ -295,6 +295,29 @@ def truncate(logits: Tensor, eos_id: int, t: int, top_k: int | None, top_p: floa
     return logits
 
 
+def draw(probs: Tensor, generator: torch.Generator | None = None, block: int = 64) -> Tensor:
+    """(N,) one token per row of probs (N, V) (non-negative, each row's mass positive, not necessarily 1), by
+    inverting the row's cumulative distribution at one uniform draw: first among blocks of `block` tokens, then
+    within the chosen block. `torch.multinomial` draws V exponential variates per row for one sample: on CPU a
+    quarter of a sampling step's time with a small model (14 of 60 ms at N = 32, V = 8000); one cumulative sum
+    over V still took 3 ms there, the blocks' sums 0.5. The sums are in float64, so each token's probability is
+    kept to about 1e-16 of its row's mass, and a token (a block) of probability 0 is never drawn: the uniform
+    stays strictly below the mass it is compared with."""
+    N, V = probs.shape
+    p = torch.nn.functional.pad(probs, (0, (-V) % block)).double().reshape(N, -1, block)  # (N, V / block, block)
+    mass = p.sum(dim=2)  # (N, V / block) each block's
+    cdf = mass.cumsum(dim=1)
+    if not bool((cdf[:, -1] > 0).all()):  # also NaN: as torch.multinomial, refuse rather than draw anything
+        raise ValueError("draw: a row of probabilities has no positive mass (or holds NaN)")
+    u = torch.rand((N, 1), dtype=torch.float64, device=probs.device, generator=generator) * cdf[:, -1:]  # (N, 1)
+    u = torch.minimum(u, torch.nextafter(cdf[:, -1:], torch.zeros_like(u)))
+    j = torch.searchsorted(cdf, u, right=True)  # (N, 1) the first block whose cumulative mass exceeds u
+    u = u - (cdf.gather(1, j) - mass.gather(1, j))  # (N, 1) what is left of u past the blocks before
+    inner = p[torch.arange(N, device=probs.device), j.squeeze(1)].cumsum(dim=1)  # (N, block)
+    u = torch.minimum(u.clamp_min(0), torch.nextafter(inner[:, -1:], torch.zeros_like(u)))
+    return (j * block + torch.searchsorted(inner, u, right=True)).squeeze(1)
+
+
 def _sample(model, source, num_samples: int, max_len: int, temperature: float, generator,
             top_k: int | None = None, top_p: float | None = None, min_len: int = 0):
     """The sampling loop under the caller's grad mode (see `_beam_search`)."""
@@ -327,7 +350,7 @@ def _sample(model, source, num_samples: int, max_len: int, temperature: float, g
             # at log p = -inf: it ends, impossible, and `_finish` drops it.
             stuck = torch.isneginf(logp).all(1, keepdim=True)  # (B*K, 1)
             probs = torch.where(stuck, _finished_row(logp.shape[-1], probs, model.eos_id).exp(), probs)
-        drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B*K,)
+        drawn = draw(probs, generator)  # (B*K,)
         prev = drawn.masked_fill(done, model.pad_id)
         picked = logp.gather(1, drawn[:, None]).squeeze(1).masked_fill(done, 0.0)  # (B*K,)
         scores = scores + picked

@@ -2,6 +2,7 @@
 
     python -m twophase.bench.hf                     # a T5 and a Llama-style causal LM, random weights (~15 min)
     python -m twophase.bench.hf --config batch=8 samples=16 prompt=128 completion=64
+    python -m twophase.bench.hf --methods two-phase --vs-generate 3   # and phase one against `generate`
 
 A step = K samples per source (`twophase.sample`), a REINFORCE coefficient per row (random rewards, mean
 baseline, the GRPO shape), and the gradient of sum_i c_i log p(y_i | x_i). Methods:
@@ -283,6 +284,16 @@ def table(cells: list[dict]) -> str:
     return "\n".join(lines + ratios)
 
 
+def vs_generate(args) -> str:
+    """`twophase.bench.decode`'s table for the same sizes and models, run in its own process."""
+    cmd = [sys.executable, "-m", "twophase.bench.decode", "--models", ",".join(args.models),
+           "--rounds", str(args.vs_generate)] + (["--config", *args.config] if args.config else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        return "error: " + (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    return proc.stdout.strip()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m twophase.bench.hf", description=__doc__.split("\n")[0])
     p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE",
@@ -296,6 +307,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(memory linearly, times in proportion to the batch), marked * (default 32)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per method")
     p.add_argument("--out", help="also write the table (Markdown) and the cells (JSON) to OUT.md / OUT.json")
+    p.add_argument("--vs-generate", type=int, default=0, metavar="ROUNDS",
+                   help="also time phase one against transformers' generate (twophase.bench.decode: whole and per "
+                        "decode step), ROUNDS alternated rounds, in a subprocess (default 0: not run)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name, allowed in (("models", MODELS), ("methods", METHODS + CAUSAL_ONLY)):
@@ -334,6 +348,8 @@ def main(argv=None) -> int:
         text += "\n\n`*` one-phase measured at smaller batches (B = " + ", ".join(
             "/".join(map(str, c["extrapolated_from"])) for c in cells if "extrapolated_from" in c) + \
             "): memory extrapolated linearly in B, times in proportion to B."
+    if args.vs_generate > 0:
+        text += "\n\nPhase one against `generate` (`python -m twophase.bench.decode`):\n\n" + vs_generate(args)
     print("\n" + text)
     if args.out:
         with open(args.out + ".md", "w") as f:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 Layers = tuple  # ((keys, values), ...) one pair per layer
 
 
@@ -25,7 +27,12 @@ class Caches:
         self.keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.objects = getattr(model, "_supports_cache_class", True)  # the attribute is gone in 5.x: all do
 
-    def argument(self, self_pairs: list, cross_pairs: list | None = None) -> dict:
+    def buffered(self) -> bool:
+        """Whether a search step keeps the self-attention cache in `growing.BufferedLayer`s (written in place,
+        no copy per step): where the model takes layered Cache objects and no graph is being built."""
+        return self.objects and _layered() and not torch.is_grad_enabled()
+
+    def argument(self, self_pairs: list, cross_pairs: list | None = None, length: int | None = None) -> dict:
         """The forward's cache keyword argument for a decoder-only cache (cross_pairs None) or an encoder-decoder
         one. Cross-attention pairs, when present, are read instead of projecting the encoder output again.
 
@@ -39,10 +46,19 @@ class Caches:
             if cross_pairs is None:
                 return {self.keyword: tuple(self_pairs)}
             return {self.keyword: tuple(s + c for s, c in zip(self_pairs, cross_pairs))}
+        own = _dynamic(self_pairs) if length is None else _buffered(self_pairs, length)
         if cross_pairs is None:
-            return {self.keyword: _dynamic(self_pairs)}
+            return {self.keyword: own}
         from transformers import EncoderDecoderCache
-        return {self.keyword: EncoderDecoderCache(_dynamic(self_pairs), _dynamic(cross_pairs))}
+        return {self.keyword: EncoderDecoderCache(own, _dynamic(cross_pairs))}
+
+    @staticmethod
+    def buffers(output, encoder_decoder: bool = False) -> tuple[Layers, int]:
+        """The self-attention buffers a forward given `argument(..., length=...)` returned, and their filled
+        length."""
+        found = _returned(output)
+        layers = (found.self_attention_cache if encoder_decoder else found).layers
+        return tuple(layer.buffers for layer in layers), layers[0].get_seq_length()
 
     @staticmethod
     def layers(output) -> Layers:
@@ -80,7 +96,49 @@ def _dynamic(pairs: list):
     from transformers import DynamicCache
     if hasattr(DynamicCache, "from_legacy_cache"):  # 4.x
         return DynamicCache.from_legacy_cache(tuple(pairs) if pairs else None)
-    return DynamicCache(_drain(pairs)) if pairs else DynamicCache()
+    if not pairs:
+        return DynamicCache()
+    return _wrapped(pairs) or DynamicCache(_drain(pairs))
+
+
+def _wrapped(pairs: list):
+    """A `DynamicCache` whose layers hold the pairs' tensors themselves (no copy), the list emptied; None where
+    this transformers' cache is not a list of `DynamicLayer`s built by `Cache(layers=...)` (then the constructor
+    copies them)."""
+    from transformers.cache_utils import Cache, DynamicCache
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:  # before 4.56: no layer objects
+        return None
+    layers = []
+    for keys, values in _drain(pairs):
+        layer = DynamicLayer()
+        layer.lazy_initialization(keys, values)  # device, dtype, is_initialized (and empty tensors, replaced)
+        layer.keys, layer.values = keys, values
+        layers.append(layer)
+    out = DynamicCache.__new__(DynamicCache)
+    Cache.__init__(out, layers=layers)  # what DynamicCache(pairs) ends with, less the copies
+    return out
+
+
+def _layered() -> bool:
+    try:
+        from transformers.cache_utils import DynamicLayer  # noqa: F401  (4.56+: caches are lists of layers)
+    except ImportError:
+        return False
+    return True
+
+
+def _buffered(buffers: list, length: int):
+    """A cache of `growing.BufferedLayer`s over the buffers (made at the first update where there are none)."""
+    from transformers.cache_utils import Cache, DynamicCache
+    from .growing import BufferedLayer
+    out = DynamicCache.__new__(DynamicCache)
+    if buffers:
+        Cache.__init__(out, layers=[BufferedLayer(pair, length) for pair in _drain(buffers)])
+    else:
+        Cache.__init__(out, layer_class_to_replicate=BufferedLayer)
+    return out
 
 
 def _drain(pairs: list):

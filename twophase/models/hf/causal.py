@@ -85,14 +85,24 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         return self._caches.layers(out), out.logits[torch.arange(len(ids), device=ids.device), at]
 
     def init_state(self, enc: dict, owner: Tensor) -> dict:
-        return {"kv": ()}  # the first step reads the prompts' logits and copies their cache to the rows
+        return {"kv": (), "length": None}  # the first step reads the prompts' logits, copies their cache to the rows
 
     def step(self, enc: dict, owner: Tensor, prev: Tensor, state: dict):
+        """Without a graph the rows' cache is kept in buffers with room (`growing`): "length" is how much of
+        them is filled; with one (one-phase), in tensors that each step's forward concatenates onto."""
+        P = enc["mask"].shape[1]
         if not state["kv"]:  # prev is bos_id: the prompt's last token was fed by encode
-            return {"kv": tree.select_rows(enc["kv"], owner)}, log_softmax(enc["last"].index_select(0, owner))
-        fed = state["kv"][0][0].shape[2] - enc["mask"].shape[1]  # completion tokens already in the cache
-        out = self._continue(enc, owner, prev[:, None], fed, self.model, list(state.pop("kv")))  # state consumed
-        return {"kv": self._caches.layers(out)}, log_softmax(out.logits[:, -1])  # (N, V)
+            length = P if self._caches.buffered() else None
+            rows = tree.select_rows(enc["kv"], owner)  # (N, heads, P, head_dim) per layer
+            return {"kv": rows, "length": length}, log_softmax(enc["last"].index_select(0, owner))
+        length = state.pop("length")
+        fed = (state["kv"][0][0].shape[2] if length is None else length) - P  # completion tokens in the cache
+        out = self._continue(enc, owner, prev[:, None], fed, self.model, list(state.pop("kv")), length)  # consumed
+        logp = log_softmax(out.logits[:, -1])  # (N, V)
+        if length is None:
+            return {"kv": self._caches.layers(out), "length": None}, logp
+        kv, length = self._caches.buffers(out)
+        return {"kv": kv, "length": length}, logp
 
     def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
         """(N,) teacher-forced log p(tokens | prompt): the first token from the prompts' logits, the rest from
@@ -143,10 +153,12 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         tok = token_log_probs(enc["last"].index_select(0, owner)[:, None], tokens[:, :1])  # (N, 1)
         return masked_sum(tok, mask[:, :1])
 
-    def _continue(self, enc: dict, owner: Tensor, inputs: Tensor, fed: int, module, kv: list | None = None):
+    def _continue(self, enc: dict, owner: Tensor, inputs: Tensor, fed: int, module, kv: list | None = None,
+                  length: int | None = None):
         """module's forward (the model, or its base model for the hidden states) of `inputs` (N, L), the
         completion's tokens fed..fed+L-1, after rows whose cache kv holds their prompt and `fed` completion
-        tokens (kv is emptied: see `cache.Caches.argument`); kv None: the rows' copy of the prompts' cache."""
+        tokens (kv is emptied: see `cache.Caches.argument`; `length`: kv are buffers filled that far); kv None:
+        the rows' copy of the prompts' cache."""
         N, L = inputs.shape
         if kv is None:
             kv = list(tree.select_rows(enc["kv"], owner))
@@ -155,7 +167,7 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         steps = torch.arange(fed, fed + L, device=inputs.device)
         positions = enc["next"].index_select(0, owner)[:, None] + steps  # (N, L)
         return module(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True,
-                      **self._caches.argument(kv))
+                      **self._caches.argument(kv, length=length))
 
     def _checked_head(self):
         """`heads.find`'s head if it maps the base model's states to the model's own logits on two tokens."""

@@ -53,13 +53,18 @@ class HFSeq2Seq(heads.FastPath, torch.nn.Module):
         return self.model.get_encoder()(input_ids=ids, attention_mask=mask).last_hidden_state
 
     def init_state(self, enc: dict, owner: Tensor) -> dict:
-        return {"self": (), "cross": ()}  # nothing decoded yet: the first step fills both caches
+        """Nothing decoded yet: the first step fills both caches. Without a graph the self-attention cache is
+        kept in buffers with room (`growing`), "length" of them filled; with one (one-phase), in tensors."""
+        return {"self": (), "cross": (), "length": 0 if self._caches.buffered() else None}
 
     def step(self, enc: dict, owner: Tensor, prev: Tensor, state: dict):
-        past = self._caches.argument(list(state.pop("self")), list(state.pop("cross")))  # state consumed
+        length = state.pop("length")
+        past = self._caches.argument(list(state.pop("self")), list(state.pop("cross")), length)  # state consumed
         out = self._forward(enc, owner, prev[:, None], {**past, "use_cache": True})
         self_pairs, cross_pairs = self._caches.layers2(out)
-        return {"self": self_pairs, "cross": cross_pairs}, log_softmax(out.logits[:, -1])  # (N, V)
+        if length is not None:
+            self_pairs, length = self._caches.buffers(out, encoder_decoder=True)
+        return {"self": self_pairs, "cross": cross_pairs, "length": length}, log_softmax(out.logits[:, -1])
 
     def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
         """(N,) teacher-forced log p(tokens | source): one decoder forward over the whole rows."""

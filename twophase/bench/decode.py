@@ -1,0 +1,107 @@
+"""Benchmark: twophase's phase one (`twophase.sample`) against Hugging Face `generate` on the same model, whole
+and per decode step.
+
+    python -m twophase.bench.decode                        # the HF bench's T5 and causal LM (twophase.bench.hf)
+    python -m twophase.bench.decode --config batch=4 samples=8 completion=32 --rounds 5
+
+Both sample K completions per prompt from the full distribution (temperature 1, no top-k / top-p) for a fixed
+number of new tokens: random weights over V words end a row with eos about once in V draws, and both run every
+row through every step anyway. `generate` gets `num_return_sequences=K`, so it prefills (causal) the B*K rows
+where twophase prefills the B prompts once; both encode (T5) B sources. A decode step's cost is the slope
+between a short and a long run, (time(T) - time(T0)) / (T - T0); what is left at T0 is the prefill.
+
+Timing on a shared machine: one process, one thread, the methods alternated within each round (order swapped
+every round), the median of the rounds; the ratios twophase / generate are the figures to read.
+
+Letters: B prompts, K samples per prompt, N = B*K rows, P prompt length, T new tokens, T0 the short run's.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from ..search import sample
+from . import hf
+
+SHORT = 4  # T0: new tokens of the short run
+
+
+def generate(wrapper, source: dict, K: int, T: int, seed: int):
+    """`generate`'s sampling of K completions per prompt, T new tokens (no early stop on eos)."""
+    torch.manual_seed(seed)
+    return wrapper.model.generate(
+        input_ids=source["input_ids"], attention_mask=source["attention_mask"], do_sample=True, top_k=0, top_p=1.0,
+        temperature=1.0, num_return_sequences=K, max_new_tokens=T, eos_token_id=wrapper.eos_id,
+        pad_token_id=wrapper.pad_id)
+
+
+def twophase(wrapper, source: dict, K: int, T: int, seed: int):
+    return sample(wrapper, source, K, T, generator=torch.Generator().manual_seed(seed))
+
+
+METHODS = {"twophase": twophase, "generate": generate}
+
+
+def compare(cell: dict, rounds: int) -> dict:
+    """Median seconds per method at T0 and T new tokens, alternated round by round, and their per-step slope."""
+    torch.set_num_threads(cell["threads"])
+    wrapper, source = hf.build(cell)
+    K, T = cell["samples"], cell["completion"]
+    times = {(m, n): [] for m in METHODS for n in (SHORT, T)}
+    with torch.inference_mode():
+        for name, fn in METHODS.items():  # warm-up: allocator, lazy imports
+            fn(wrapper, source, K, SHORT, 0)
+        for r in range(rounds):
+            order = list(METHODS) if r % 2 == 0 else list(METHODS)[::-1]
+            for n in (SHORT, T):
+                for name in order:
+                    start = time.perf_counter()
+                    METHODS[name](wrapper, source, K, n, r)
+                    times[name, n].append(time.perf_counter() - start)
+    out = {"model": cell["model"]}
+    for name in METHODS:
+        short, whole = (statistics.median(times[name, n]) for n in (SHORT, T))
+        out[name] = {"whole_s": whole, "step_ms": 1e3 * (whole - short) / (T - SHORT),
+                     "prefill_s": short - SHORT * (whole - short) / (T - SHORT)}
+    out["ratio"] = {k: out["twophase"][k] / out["generate"][k] for k in ("whole_s", "step_ms")}
+    return out
+
+
+def table(results: list[dict], cell: dict) -> str:
+    lines = [f"B={cell['batch']} K={cell['samples']} P={cell['prompt']} T={cell['completion']} H={cell['width']} "
+             f"L={cell['layers']} V={cell['vocab']}, {cell['threads']} thread(s), sampling, {SHORT} and "
+             f"{cell['completion']} new tokens",
+             "", "| model | method | whole s | per decode step ms | prefill + rest s |", "|---|---|---|---|---|"]
+    for r in results:
+        for name in METHODS:
+            m = r[name]
+            lines.append(f"| {r['model']} | {name} | {m['whole_s']:.2f} | {m['step_ms']:.1f} | {m['prefill_s']:.2f} |")
+        lines.append(f"| {r['model']} | twophase / generate | {r['ratio']['whole_s']:.2f} | "
+                     f"{r['ratio']['step_ms']:.2f} | |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m twophase.bench.decode", description=__doc__.split("\n")[0])
+    p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help=f"override sizes: "
+                   f"{', '.join(hf.DEFAULTS)}")
+    p.add_argument("--models", default=",".join(hf.MODELS), help="comma-separated subset of t5,causal")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per method (default 3)")
+    args = p.parse_args(argv)
+    cell = hf.parse_args(["--config", *args.config] if args.config else []).sizes
+    models = args.models.split(",")
+    if not models or any(m not in hf.MODELS for m in models):
+        p.error(f"--models: expected a comma-separated subset of {','.join(hf.MODELS)}, got {args.models!r}")
+    if args.rounds < 1:
+        p.error(f"--rounds: expected at least 1, got {args.rounds}")
+    results = [compare(dict(cell, model=m), args.rounds) for m in models]
+    print(table(results, cell))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
