@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from . import amp, distributed, rundir, runs
+from . import amp, distributed, fsdp, rundir, runs
 from .start import evaluate, init_state, recipe_defaults, resume_state, start_defaults, start_run_dir
 from .. import rewards, rewardsum
 from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args  # noqa: F401 (PRESETS)
@@ -127,6 +127,7 @@ def build(cfg: Config, start: dict | None = None) -> Trainer:
     device = distributed.local_device(pick_device(cfg.device))  # under torchrun: cuda:LOCAL_RANK
     try:
         amp.check_device(cfg.amp, device)
+        fsdp.check(cfg)
     except ValueError as err:
         raise UsageError(str(err)) from None
     distributed.init(device)  # a no-op without torchrun
@@ -160,6 +161,8 @@ def build(cfg: Config, start: dict | None = None) -> Trainer:
     if init is not None:  # --init-from: its weights; step 0 and a fresh optimizer (the Trainer's)
         model.load_state_dict(init["model"])
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
+    if cfg.fsdp:  # before the optimizer: it is built on the shards
+        fsdp.shard_model(model)
     if distributed.rank() > 0:  # its own dropout masks; rank 0 goes on as a single process would
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
     if distributed.rank() == 0:
@@ -276,10 +279,11 @@ def trainable(model) -> str:
 def save_final(trainer: Trainer):
     """The task's own export of the final model (--hf-model: save_pretrained into <save-dir>/hf_final), once,
     by the main process; None where the task has none."""
+    plain = fsdp.plain_copy(trainer.model, trainer.task.build_model) if fsdp.is_sharded(trainer.model) else None
     if not trainer.is_main:
         return None
     try:
-        return trainer.task.save_final(runs.export_model(trainer), trainer.save_dir)
+        return trainer.task.save_final(plain or runs.export_model(trainer), trainer.save_dir)
     except OSError as err:
         raise UsageError(f"cannot write the final model into {trainer.save_dir}: {err.strerror or err} "
                          f"({trainer.checkpoints.last_path} holds it)") from None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import time
 
-from . import distributed
+from . import distributed, fsdp
 from .checkpoint import CheckpointError, load, rng_state, set_rng_state
 from .params import load_saved
 from .evaluation import validate
@@ -139,8 +139,9 @@ class Comparison:
         final = copy.deepcopy(self.model.state_dict())
         load_saved(self.model, state_dict)
         try:
-            return validate(self.model, self.task, self.test, self.reward, self.cfg.eval_beam, self.cfg.max_len,
-                            self.device)
+            with fsdp.gathered(self.model):
+                return validate(self.model, self.task, self.test, self.reward, self.cfg.eval_beam, self.cfg.max_len,
+                                self.device)
         finally:
             self.model.load_state_dict(final)
 

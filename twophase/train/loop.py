@@ -12,7 +12,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from . import distributed
+from . import distributed, fsdp
 from ..rewards import RewardError
 from .evaluation import validate
 from .interrupt import GracefulStop, Interrupted
@@ -152,8 +152,9 @@ class RunLoop:
         cfg = self.cfg
         final = "rl" if cfg.rl_steps > 0 else "mle"
         tests = {name: self.test_model(name, params) for name, params in self.compared_models().items()}
-        tests[final] = validate(self.model, self.task, self.test, self.reward, cfg.eval_beam, cfg.max_len,
-                                self.device)
+        with fsdp.gathered(self.model):
+            tests[final] = validate(self.model, self.task, self.test, self.reward, cfg.eval_beam, cfg.max_len,
+                                    self.device)
         self.summary["test"], self.summary["tests"] = tests[final], tests
         for name, scores in tests.items():
             self.log({"step": self.log_step, "phase": "test", "model": name, **scores})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from . import distributed
+from . import distributed, fsdp
 from .checkpoint import rng_state, save_atomic, set_rng_state
 from .params import load_saved, saved_state
 
@@ -17,8 +17,10 @@ from .params import load_saved, saved_state
 class Resumable:
     """The checkpointing half of `Trainer` (it provides model, optimizer, scaler, step, samplers, stats, paths)."""
 
-    def state(self) -> dict:
-        return {"model": saved_state(self.model), "optimizer": self.optimizer.state_dict(), "step": self.step,
+    def state(self, whole: tuple | None = None) -> dict:
+        """whole: --fsdp's (model, optimizer) states with whole tensors (`fsdp.full_*`, gathered by every process)."""
+        model, optimizer = whole or (saved_state(self.model), self.optimizer.state_dict())
+        return {"model": model, "optimizer": optimizer, "step": self.step,
                 "phase": self.phase_at(self.step - 1) if self.step else "mle", "config": asdict(self.cfg),
                 "task": {"spec": self.task.spec, "state": self.task.state_dict()},
                 "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
@@ -43,9 +45,12 @@ class Resumable:
         Every process calls this at the same step: rank 0's checkpoint gathers every process's RNG streams, so a
         resumed multi-process run continues exactly too."""
         rank_rngs = distributed.gather_objects({"rng": rng_state(), "sampling_rng": self.sampling.get_state()})
+        whole = None
+        if fsdp.is_sharded(self.model):  # a single process's layout, gathered by every process, saved by rank 0
+            whole = fsdp.full_model_state(self.model), fsdp.full_optimizer_state(self.optimizer)
         if not self.is_main:
             return
-        state = self.state()
+        state = self.state(whole)
         if len(rank_rngs) > 1:
             state.update(world_size=len(rank_rngs), rank_rngs=rank_rngs)
         if phase is not None:
@@ -61,8 +66,12 @@ class Resumable:
 
     def load_state(self, state: dict) -> None:
         """Continue exactly where `state` was saved: parameters, optimizer, data order and every RNG."""
-        load_saved(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if fsdp.is_sharded(self.model):  # whole tensors in the file: each process keeps its slice
+            fsdp.load_model_state(self.model, state["model"])
+            fsdp.load_optimizer_state(self.optimizer, state["optimizer"])
+        else:
+            load_saved(self.model, state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and "scaler" in state:  # a run saved without --amp fp16 starts a fresh scale
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])

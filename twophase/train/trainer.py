@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import amp, distributed
+from . import amp, distributed, fsdp
 from .. import objectives
 from .checkpoint import CheckpointManager
 from .config import Config, parse_size
@@ -106,13 +106,14 @@ class Trainer(Resumable, RunLoop, Comparison):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss = 0.0
-        for _ in range(self.cfg.grad_accum):
-            batch = next(self.mle_batches)  # the global batch: every process draws it, then takes its share
-            pairs = [self.pairs[k] for k in distributed.shard(batch)]
-            source = self._sources([i for i, _ in pairs])
-            refs = self._target_rows([self.ref_ids[i][j] for i, j in pairs], list(range(len(pairs))))  # (B, T)
-            coef = objectives.mle(refs.owner, len(batch) * self.cfg.grad_accum)
-            loss += self.phase_two(source, refs, coef, keep_mode=True)
+        with fsdp.gathered(self.model, reduce=True):  # --fsdp: whole parameters for the step, one reduction after
+            for _ in range(self.cfg.grad_accum):
+                batch = next(self.mle_batches)  # the global batch: every process draws it, then takes its share
+                pairs = [self.pairs[k] for k in distributed.shard(batch)]
+                source = self._sources([i for i, _ in pairs])
+                refs = self._target_rows([self.ref_ids[i][j] for i, j in pairs], list(range(len(pairs))))  # (B, T)
+                coef = objectives.mle(refs.owner, len(batch) * self.cfg.grad_accum)
+                loss += self.phase_two(source, refs, coef, keep_mode=True)
         loss = distributed.reduce_sums({"loss": loss})["loss"]
         return {"loss": loss, **self._update(loss)}
 
@@ -120,12 +121,13 @@ class Trainer(Resumable, RunLoop, Comparison):
         """One update from --grad-accum batches of B sources, every loss averaged over all N*B of them."""
         self.optimizer.zero_grad(set_to_none=True)
         loss, rewards, parts = 0.0, [], {}
-        for _ in range(self.cfg.grad_accum):
-            part, batch_rewards, batch_parts = self.rl_batch(next(self.rl_batches))
-            loss += part
-            rewards.append(batch_rewards)
-            for name, values in (batch_parts or {}).items():  # several rewards: each one's values, for the log
-                parts.setdefault(name, []).extend(values)
+        with fsdp.gathered(self.model, reduce=True):  # --fsdp: whole parameters for the step, one reduction after
+            for _ in range(self.cfg.grad_accum):
+                part, batch_rewards, batch_parts = self.rl_batch(next(self.rl_batches))
+                loss += part
+                rewards.append(batch_rewards)
+                for name, values in (batch_parts or {}).items():  # several rewards: each one's values, for the log
+                    parts.setdefault(name, []).extend(values)
         # 5. Update (several processes: statistics summed here, gradients in _update).
         total = distributed.reduce_sums({"loss": loss})
         return {"loss": total["loss"], **reward_row(torch.cat(rewards), parts), **self._update(total["loss"])}
@@ -232,11 +234,12 @@ class Trainer(Resumable, RunLoop, Comparison):
         # Sum over processes first: clipping and the skip decision then see the global gradient, so every
         # process takes the same decision and the parameters stay identical.
         with self.section("gradient all-reduce and clipping"):
-            distributed.all_reduce_grads(list(self.model.parameters()))
+            if not fsdp.is_sharded(self.model):  # --fsdp: summed into the shards' .grad already
+                distributed.all_reduce_grads(list(self.model.parameters()))
             params = [p for p in self.model.parameters() if p.grad is not None]
             amp.unscale(self.scaler, self.optimizer, params)  # clipping and the check below see true gradients
             clip = self.cfg.clip_norm if self.cfg.clip_norm > 0 else math.inf
-            norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if params else 0.0
+            norm = float(fsdp.whole(torch.nn.utils.clip_grad_norm_(params, clip))) if params else 0.0
         scale = amp.update(self.scaler, params)  # backs the scale off after inf/nan gradients, else may grow it
         if math.isfinite(loss) and math.isfinite(norm):
             with self.section("optimizer step"):
@@ -253,5 +256,6 @@ class Trainer(Resumable, RunLoop, Comparison):
 
     def validate(self) -> dict:
         cfg = self.cfg
-        return validate(self.model, self.task, self.valid, self.reward, cfg.eval_beam, cfg.max_len, self.device,
-                        limit=cfg.valid_size)
+        with fsdp.gathered(self.model):
+            return validate(self.model, self.task, self.valid, self.reward, cfg.eval_beam, cfg.max_len, self.device,
+                            limit=cfg.valid_size)
