@@ -11,12 +11,12 @@ A step runs on gathered parameters, inside `gathered(model, reduce=True)`:
     layers (`weighted_tree_backward` writes into `.grad`) included, exactly as in one process;
   - every chunk's gradient accumulates, unreduced, into the gathered parameters' `.grad` (the deferred
     reduction FSDP2's `set_requires_gradient_sync(False)` would give);
-  - on exit, ONE all-reduce of a flat buffer (`distributed.all_reduce_grads`, as DDP-style training does) sums
-    the step's gradient over the processes; each keeps its own Shard(0) slice as the DTensor `.grad` of its
-    shard, and `reshard()` frees the gathered copy.
+  - on exit, a fixed number of all-reduces of flat buffers (8 buckets, as DDP-style training's one in
+    `distributed.all_reduce_grads`) sums the step's gradient over the processes; each keeps its own Shard(0)
+    slice as the DTensor `.grad` of its shard, and `reshard()` frees the gathered copy.
 So the step's gradient is the one-process gradient of the same global batch whatever the chunking, the
-communication is one gather and one reduction per step, and clipping (`clip_grad_norm_` on the DTensor grads:
-the global norm over shards) and the non-finite skip see identical numbers on every process.
+communication is one gather and one (bucketed) reduction per step, and clipping (`clip_grad_norm_` on the
+DTensor grads: the global norm over shards) and the non-finite skip see identical numbers on every process.
 
 Why not FSDP2's own forward hooks: twophase calls `encode` / `step` / `score` (and by-hand backward paths), not
 `forward`, and runs many backwards per step; the hooks would gather and free at every decoding step. The cost:
@@ -25,7 +25,8 @@ between steps, and for Adam's moments always, 1/W. Every model is therefore shar
 
 Checkpoints hold whole tensors (`full_model_state`, `full_optimizer_state`: collectives, every process calls
 them), in a single process's layout: a plain run, `twophase-decode` and `--resume` on the same number of
-processes all load them; `hf_final` is written once, by rank 0, from a plain copy. Letters: W processes, r this process's rank.
+processes all load them; `hf_final` is written once, by rank 0, from a plain copy.
+Letters: W processes, r this process's rank, P parameter elements.
 """
 from __future__ import annotations
 
@@ -99,21 +100,54 @@ def gathered(model, reduce: bool = False):
             _set_shard_grads(model, grads)
 
 
-def _sum_gathered_grads(model) -> dict:
-    """{name: summed whole gradient} of the gathered parameters (one all-reduce; None kept where no process had
-    one, as in a single process)."""
+def _sum_gathered_grads(model, buckets: int = 8) -> dict:
+    """{name: this process's Shard(0) slice of the summed gradient} of the gathered parameters (absent where no
+    process had one, as .grad None in a single process: a flag per parameter travels along).
+
+    The parameters are reduced in `buckets` all-reduces of a flat buffer each (a fixed number per step, whatever
+    the chunking), and each gathered gradient is freed once copied in, and each summed one once its slice is
+    kept: the reduction adds about 1/buckets of a whole gradient to the step's peak, not a second copy."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    distributed.all_reduce_grads([p for _, p in named])
-    return {n: p.grad for n, p in named if p.grad is not None}
+    total = sum(p.numel() for _, p in named)
+    out, bucket, size = {}, [], 0
+    for i, (name, p) in enumerate(named):
+        bucket.append((name, p))
+        size += p.numel()
+        if size * buckets >= total or i == len(named) - 1:
+            out.update(_reduce_bucket(bucket))
+            bucket, size = [], 0
+    return out
+
+
+def _reduce_bucket(named: list) -> dict:
+    dtype, device, sizes = named[0][1].dtype, named[0][1].device, [p.numel() for _, p in named]
+    flat = torch.zeros(sum(sizes) + len(named), dtype=dtype, device=device)  # (bucket's P + its parameters,)
+    offset = 0
+    for i, ((_, p), n) in enumerate(zip(named, sizes)):
+        if p.grad is not None:
+            flat[offset:offset + n] = p.grad.reshape(-1)
+            flat[sum(sizes) + i] = 1
+            p.grad = None
+        offset += n
+    torch.distributed.all_reduce(flat)
+    out, offset, present = {}, 0, flat[sum(sizes):].tolist()
+    W, r = distributed.world(), distributed.rank()
+    for (name, p), n, has in zip(named, sizes, present):
+        if has > 0:
+            whole_grad = flat[offset:offset + n].view(p.shape)
+            chunks = list(torch.chunk(whole_grad, W, dim=0))  # Shard(0)'s split: torch.chunk, empty past the end
+            chunks += [whole_grad.new_empty((0, *p.shape[1:]))] * (W - len(chunks))
+            out[name] = chunks[r].to(p.dtype, copy=True)  # its own memory: the bucket is freed
+        offset += n
+    return out
 
 
 def _set_shard_grads(model, grads: dict) -> None:
+    """Each kept slice becomes the .grad (a DTensor placed as its shard) of this process's shard."""
     for name, shard in model.named_parameters():
-        g = grads.get(name)
-        if g is None:
+        local = grads.get(name)
+        if local is None:
             continue
-        mine = distribute_tensor(g, shard.device_mesh, shard.placements, src_data_rank=None)  # this slice
-        local = mine.to_local().clone()  # its own memory: the flat buffer of the reduction is freed
         if local.shape != shard.to_local().shape:
             raise RuntimeError(f"{name}: gradient slice {tuple(local.shape)} != shard {tuple(shard.to_local().shape)}")
         mine = DTensor.from_local(local, shard.device_mesh, shard.placements, shape=shard.shape,
@@ -169,3 +203,8 @@ def load_optimizer_state(optimizer, state: dict) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sliced = {i: {k: _like(v, params[int(i)]) for k, v in s.items()} for i, s in state["state"].items()}
     optimizer.load_state_dict({**state, "state": sliced})
+
+
+def local(t):
+    """This process's own part of a tensor: a DTensor's local shard, anything else whole."""
+    return t.to_local() if isinstance(t, DTensor) else t
