@@ -1,22 +1,22 @@
 """--fsdp (FSDP2 sharding under torchrun): 2 gloo processes train the same parameters as 1 process on the same
-global batches (the LSTM with and without prefix sharing, a tiny GPT-2 and T5, chunks smaller than a rank's
+global batches (the LSTM with and without prefix sharing, the Karel model, a tiny GPT-2 and T5, chunks smaller than a rank's
 rows, MLE and RL steps, --compare-mle), their checkpoints hold a single process's layout, --resume on 2
 processes continues bit-exactly, hf_final is written once; and the one-line refusals."""
-import json
 import os
-import subprocess
+import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
-from twophase.train import cli
+from twophase.train import cli, distributed
 
 import hf_tiny
 from tasks import write_task
 
-ROOT = Path(__file__).resolve().parents[1]
 LSTM = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "5", "--mle-batch-size", "9", "--beam-size", "3",
         "--max-len", "8", "--dropout", "0", "--sampler", "beam", "--objective", "beam", "--mle-weight", "0.3",
         "--lr", "0.05", "--rl-lr", "0.01", "--eval-every", "100", "--save-every", "100"]
@@ -31,9 +31,13 @@ def _cases(d: Path) -> dict:
     hf = ["--train", str(d / "htrain.tsv"), "--valid", str(d / "hvalid.tsv"), *HF]
     return {
         # 5 sources x 3 beams + references split 3+2: a rank's 9+ rows in chunks of 4 / 2
-        "tree": [*lstm, "--rescore-chunk", "4", "--mle-steps", "3", "--rl-steps", "3"],  # --compare-mle on
+        "tree": [*lstm, "--rescore-chunk", "4", "--mle-steps", "2", "--rl-steps", "2"],  # --compare-mle on
         "rows": [*lstm, "--rescore-chunk", "2", "--no-prefix-sharing", "--mle-steps", "2", "--rl-steps", "2",
                  "--no-compare-mle"],
+        "karel": ["--task", "karel", "--train-size", "8", "--valid-size", "2", "--hidden-size", "16", "--embed-dim",
+                  "8", "--mle-steps", "1", "--rl-steps", "1", "--mle-batch-size", "6", "--batch-size", "3",
+                  "--beam-size", "2", "--max-len", "31", "--rescore-chunk", "2", "--eval-beam", "2",
+                  "--no-compare-mle", "--eval-every", "100"],
         "gpt2": [*hf, "--hf-model", str(d / "gpt2")],
         "t5": [*hf, "--hf-model", str(d / "t5")],
     }
@@ -46,6 +50,27 @@ def _relative(a: dict, b: dict) -> float:
 
 def _load(run: Path) -> dict:
     return torch.load(run / "checkpoint_last.pt", weights_only=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _two(rank: int, port: int, runs: list, out: str) -> None:
+    """A torchrun worker's environment, then every command of `runs` in the one process group."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    finish, distributed.finish = distributed.finish, lambda: None  # the group outlives each command
+    sys.stdout = open(out % rank, "w")
+    try:
+        for argv in runs:
+            assert cli.main(argv) == 0, argv
+    finally:
+        sys.stdout.close()
+        finish()
 
 
 def test_fsdp_on_two_processes_equals_one_and_resumes_exactly(tmp_path, monkeypatch):
@@ -63,16 +88,20 @@ def test_fsdp_on_two_processes_equals_one_and_resumes_exactly(tmp_path, monkeypa
     rows = cases["rows"]
     runs.append([*rows[:-3], "--rl-steps", "1", "--no-compare-mle", "--fsdp", "--save-dir", str(tmp_path / "cut")])
     runs.append(["--resume", "--rl-steps", "2", "--fsdp", "--save-dir", str(tmp_path / "cut")])
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
-    two = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                            str(ROOT / "tests" / "fsdp_runs.py"), json.dumps(runs)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    port = _free_port()
+    # fork: the children need no fresh import of torch and transformers (seconds on a busy machine)
+    ctx = mp.start_processes(_two, args=(port, runs, str(tmp_path / "out%d.txt")), nprocs=2, join=False,
+                             start_method="fork")
     for name, argv in cases.items():  # meanwhile, one process each
         assert cli.main([*argv, "--save-dir", str(tmp_path / f"one_{name}")]) == 0, name
-    out, err = two.communicate(timeout=300)
-    assert two.returncode == 0, err[-3000:]
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=2) and time.monotonic() < deadline:  # join raises if a child failed
+        pass
+    if any(process.is_alive() for process in ctx.processes):
+        for process in ctx.processes:
+            process.kill()
+        pytest.fail("the two processes did not finish within 240 s")
+    out = (tmp_path / "out0.txt").read_text() + (tmp_path / "out1.txt").read_text()
 
     for name in cases:
         one, both = _load(tmp_path / f"one_{name}"), _load(tmp_path / f"two_{name}")
