@@ -27,7 +27,7 @@ RULES = {
     # what this command does with the run
     "save_dir": FREE, "resume": FREE, "resume_from": FREE, "overwrite": FREE, "eval_only": FREE,
 }
-NOT_INHERITED = ("save_dir", "device", "resume", "resume_from", "overwrite", "eval_only")  # this command's own
+NOT_INHERITED = ("save_dir", "device", "resume", "resume_from", "overwrite", "eval_only", "fsdp")  # this command's own
 PATHS = ("train", "valid", "test", "hf_model", "init_from")  # compared as files, not strings
 
 
