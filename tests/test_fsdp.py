@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from twophase.train import cli, distributed
+from twophase.train import cli, distributed, fsdp
+from twophase.train.config import Config
 
 import hf_tiny
 from tasks import write_task
@@ -135,3 +136,26 @@ def test_fsdp_without_torchrun_is_refused_in_one_line(flags, match, tmp_path, ca
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert match in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags, match", [
+    (dict(amp="fp16"), "--fsdp with --amp fp16"),
+    (dict(export="best"), "--fsdp with --export best"),
+    (dict(eval_only=True), "--eval-only trains nothing"),
+])
+def test_flags_fsdp_does_not_shard_are_refused_under_torchrun(flags, match, monkeypatch):
+    monkeypatch.setattr(distributed, "launched", lambda: True)
+    fsdp.check(Config(fsdp=True))  # nothing to refuse
+    fsdp.check(Config(**flags))  # without --fsdp: nothing to check
+    with pytest.raises(ValueError, match=match):
+        fsdp.check(Config(fsdp=True, **flags))
+
+
+def test_without_sharding_gathered_is_a_no_op_and_whole_the_identity():
+    model = torch.nn.Linear(2, 1)
+    with fsdp.gathered(model, reduce=True) as inside:
+        assert inside is model and not fsdp.is_sharded(model)
+        model(torch.ones(1, 2)).sum().backward()
+    assert model.weight.grad is not None  # a plain model's gradient stays where autograd put it
+    t = torch.ones(3)
+    assert fsdp.whole(t) is t and fsdp.local(t) is t
