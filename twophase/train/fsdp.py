@@ -185,8 +185,9 @@ def plain_copy(model, build):
 
 def _like(full: torch.Tensor, shard):
     """`full` distributed as `shard` is (this process's slice, no communication), or as it is."""
-    if not isinstance(shard, DTensor) or not isinstance(full, torch.Tensor) or full.shape != shard.shape:
-        return full
+    if not isinstance(shard, DTensor) or not isinstance(full, torch.Tensor) or isinstance(full, DTensor) \
+            or full.shape != shard.shape:
+        return full  # not sharded, or already a shard (an in-memory snapshot)
     return distribute_tensor(full.to(shard.device, shard.dtype), shard.device_mesh, shard.placements,
                              src_data_rank=None)
 
@@ -208,3 +209,16 @@ def load_optimizer_state(optimizer, state: dict) -> None:
 def local(t):
     """This process's own part of a tensor: a DTensor's local shard, anything else whole."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def load_model(model, state: dict) -> None:
+    """`params.load_saved`, into the shards where the model is sharded (a file's whole tensors or a snapshot's
+    shards)."""
+    (load_model_state if is_sharded(model) else load_saved)(model, state)
+
+
+def load_optimizer(model, optimizer, state: dict) -> None:
+    if is_sharded(model):
+        load_optimizer_state(optimizer, state)
+    else:
+        optimizer.load_state_dict(state)

@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 from . import distributed, fsdp
 from .checkpoint import rng_state, save_atomic, set_rng_state
-from .params import load_saved, saved_state
+from .params import saved_state
 
 
 class Resumable:
@@ -66,12 +66,8 @@ class Resumable:
 
     def load_state(self, state: dict) -> None:
         """Continue exactly where `state` was saved: parameters, optimizer, data order and every RNG."""
-        if fsdp.is_sharded(self.model):  # whole tensors in the file: each process keeps its slice
-            fsdp.load_model_state(self.model, state["model"])
-            fsdp.load_optimizer_state(self.optimizer, state["optimizer"])
-        else:
-            load_saved(self.model, state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+        fsdp.load_model(self.model, state["model"])  # --fsdp: each process keeps its slice of the whole tensors
+        fsdp.load_optimizer(self.model, self.optimizer, state["optimizer"])
         if self.scaler is not None and "scaler" in state:  # a run saved without --amp fp16 starts a fresh scale
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
