@@ -12,6 +12,8 @@ returns a `Task`; it should be cheap: data is read by `load_data`, which runs af
 """
 from __future__ import annotations
 
+import random
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,10 +97,12 @@ class Task:
         the checkpoints are the model)."""
         return None
 
-    def present(self, examples: list[Example]) -> list[Example]:
+    def present(self, examples: list[Example], rng=random) -> list[Example]:
         """The training examples as one training step shows them (model and reward): the examples themselves by
         default; a task may show another view each time (Karel: a random 5 of a task's 6 pairs). Randomness from
-        Python's `random` module, which every checkpoint saves, keeps a resumed run exact."""
+        `rng` (a `random.Random`: the trainer's, seeded by --seed, drawn alike on every process over the global
+        batch and saved in every checkpoint, so a run is reproducible, resumes exactly and does not depend on the
+        number of processes)."""
         return examples
 
     def collate(self, examples: list[Example], device) -> Any:

@@ -9,6 +9,7 @@ torchrun every process reads checkpoint_best.pt, so the save directory must be s
 """
 from __future__ import annotations
 
+from . import fsdp
 from .checkpoint import load
 
 
@@ -23,8 +24,8 @@ class BestStart:
         if self.best_step is None or self.best_step >= self.step:
             return scores
         state = load(self.checkpoints.best_path, map_location=self.device)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        fsdp.load_model(self.model, state["model"])  # LoRA adapters alone, or into --fsdp's shards
+        fsdp.load_optimizer(self.model, self.optimizer, state["optimizer"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
         self.log({"step": self.step, "phase": "schedule", "action": "restore_best", "from_step": self.best_step})

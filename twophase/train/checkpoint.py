@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["CheckpointError", "SaveError", "save_atomic", "load", "rng_state", "set_rng_state", "CheckpointManager"]
+__all__ = ["CheckpointError", "SaveError", "save_atomic", "load", "rng_state", "set_rng_state", "python_rng_state",
+           "set_python_rng_state", "CheckpointManager"]
 
 _STEP_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
 
@@ -137,13 +138,22 @@ def load(path, map_location="cpu") -> dict:
     return obj
 
 
+def python_rng_state(rng=random) -> dict:
+    """A `random.Random`'s state (or the `random` module's) as the weights-only unpickler accepts it."""
+    version, internal, gauss = rng.getstate()
+    return {"version": int(version), "state": [int(x) for x in internal], "gauss_next": gauss}
+
+
+def set_python_rng_state(state: dict, rng=random) -> None:
+    rng.setstate((state["version"], tuple(state["state"]), state["gauss_next"]))
+
+
 def rng_state() -> dict:
     """Every RNG state training touches, in a form that survives torch.load(weights_only=True)."""
-    py_version, py_internal, py_gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
     state = {
         # Tuples become lists and numpy scalars become Python numbers: the weights-only unpickler accepts those.
-        "python": {"version": int(py_version), "state": [int(x) for x in py_internal], "gauss_next": py_gauss},
+        "python": python_rng_state(),
         "numpy": {"kind": str(np_kind), "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
                   "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_cached)},
         "torch": torch.get_rng_state(),
@@ -155,8 +165,7 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     """Inverse of rng_state(); CUDA states are restored only where CUDA is available."""
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    set_python_rng_state(state["python"])
     nps = state["numpy"]
     keys = nps["keys"].cpu().numpy().astype(np.uint32)
     np.random.set_state((nps["kind"], keys, nps["pos"], nps["has_gauss"], nps["cached_gaussian"]))

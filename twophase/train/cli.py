@@ -11,7 +11,7 @@ from dataclasses import fields
 
 import torch
 
-from . import amp, distributed, grammar, rundir, runs, startup
+from . import amp, distributed, fsdp, grammar, rundir, runs, startup
 from .start import evaluate, init_state, recipe_defaults, resume_state, start_defaults, start_run_dir
 from ..protocol import ModelError
 from .. import rewards, rewardsum
@@ -117,6 +117,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     device = distributed.local_device(pick_device(cfg.device))  # under torchrun: cuda:LOCAL_RANK
     try:
         amp.check_device(cfg.amp, device)
+        fsdp.check(cfg)
     except ValueError as err:
         raise UsageError(str(err)) from None
     distributed.init(device)  # a no-op without torchrun
@@ -153,6 +154,8 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         model.load_state_dict(init["model"])
     startup.check_model_on_a_batch(task, model, device)  # a broken model named now, not trained silently
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
+    if cfg.fsdp:  # before the optimizer: it is built on the shards
+        fsdp.shard_model(model)
     try:  # --grammar on: the task's grammar around the model, for every search, score and gradient
         model = grammar.constrain(model, task, cfg.grammar, cfg.max_len)
         grammar.check_references(model, task, device)
@@ -298,10 +301,11 @@ def trainable(model) -> str:
 def save_final(trainer: Trainer):
     """The task's own export of the final model (--hf-model: save_pretrained into <save-dir>/hf_final), once,
     by the main process; None where the task has none."""
+    plain = fsdp.plain_copy(trainer.model, trainer.task.build_model) if fsdp.is_sharded(trainer.model) else None
     if not trainer.is_main:
         return None
     try:
-        return trainer.task.save_final(runs.export_model(trainer), trainer.save_dir)
+        return trainer.task.save_final(plain or runs.export_model(trainer), trainer.save_dir)
     except OSError as err:
         raise UsageError(f"cannot write the final model into {trainer.save_dir}: {err.strerror or err} "
                          f"({trainer.checkpoints.last_path} holds it)") from None

@@ -15,9 +15,8 @@ from __future__ import annotations
 import copy
 import time
 
-from . import distributed
+from . import distributed, fsdp
 from .checkpoint import CheckpointError, load, rng_state, set_rng_state
-from .params import load_saved
 from .evaluation import test_beams, test_scores
 from .interrupt import Interrupted
 from .report import fmt_scores
@@ -45,8 +44,8 @@ class Comparison:
         return copy.deepcopy(state)
 
     def restore(self, snap: dict) -> None:
-        load_saved(self.model, snap["model"])  # a checkpoint of LoRA adapters holds them alone
-        self.optimizer.load_state_dict(snap["optimizer"])
+        fsdp.load_model(self.model, snap["model"])  # a checkpoint of LoRA adapters holds them alone
+        fsdp.load_optimizer(self.model, self.optimizer, snap["optimizer"])
         if self.scaler is not None and "scaler" in snap:
             self.scaler.load_state_dict(snap["scaler"])
         self.mle_batches.load_state_dict(snap["mle_batches"])
@@ -137,10 +136,11 @@ class Comparison:
     def test_model(self, name: str, state_dict) -> dict:
         """Test scores of a compared model (its parameters loaded for the evaluation, then the final ones back)."""
         final = copy.deepcopy(self.model.state_dict())
-        load_saved(self.model, state_dict)
+        fsdp.load_model(self.model, state_dict)
         try:
-            return test_scores(self.model, self.task, self.test, self.reward, test_beams(self.cfg),
-                               self.cfg.max_len, self.device)
+            with fsdp.gathered(self.model):
+                return test_scores(self.model, self.task, self.test, self.reward, test_beams(self.cfg),
+                                   self.cfg.max_len, self.device)
         finally:
             self.model.load_state_dict(final)
 

@@ -277,6 +277,8 @@ class Config:
                               "last, or its checkpoint_best.pt", choices=("last", "best"))
     grad_accum: int = arg(1, "batches whose gradients are accumulated before one optimizer step: N batches of B "
                              "give the gradient of one batch of N*B exactly", minimum=1)
+    fsdp: bool = arg(False, "under torchrun: shard parameters, gradients and Adam's moments over the processes "
+                            "(PyTorch FSDP2); a step gathers the parameters once; docs/distributed.md")
     amp: str = arg("off", "automatic mixed precision of both phases and the MLE steps: matmuls in bf16 or fp16 "
                           "under torch.autocast, parameters, gradients and log-softmax in float32; fp16 (with "
                           "loss scaling) needs CUDA, bf16 runs on CPU and CUDA", choices=("off", "bf16", "fp16"))

@@ -12,7 +12,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from . import distributed
+from . import distributed, fsdp
 from ..protocol import ModelError
 from ..rewards import RewardError
 from .evaluation import test_beams, test_scores
@@ -155,8 +155,9 @@ class RunLoop:
         cfg = self.cfg
         final = "rl" if cfg.rl_steps > 0 else "mle"
         tests = {name: self.test_model(name, params) for name, params in self.compared_models().items()}
-        tests[final] = test_scores(self.model, self.task, self.test, self.reward, test_beams(cfg), cfg.max_len,
-                                   self.device)
+        with fsdp.gathered(self.model):
+            tests[final] = test_scores(self.model, self.task, self.test, self.reward, test_beams(cfg), cfg.max_len,
+                                       self.device)
         self.summary["test"], self.summary["tests"] = tests[final], tests
         steps = {"mle": self.mle_end, final: self.step,  # each row carries its model's step
                  "mle-continued": self.mle_end + self.summary.get("mle-continued", {}).get("steps", 0)}

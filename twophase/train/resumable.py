@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from . import distributed
-from .checkpoint import rng_state, save_atomic, set_rng_state
-from .params import load_saved, saved_state
+from . import distributed, fsdp
+from .checkpoint import python_rng_state, rng_state, save_atomic, set_python_rng_state, set_rng_state
+from .params import saved_state
 
 
 class Resumable:
     """The checkpointing half of `Trainer` (it provides model, optimizer, scaler, step, samplers, stats, paths)."""
 
-    def state(self) -> dict:
-        return {"model": saved_state(self.model), "optimizer": self.optimizer.state_dict(), "step": self.step,
+    def state(self, whole: tuple | None = None) -> dict:
+        """whole: --fsdp's (model, optimizer) states with whole tensors (`fsdp.full_*`, gathered by every process)."""
+        model, optimizer = whole or (saved_state(self.model), self.optimizer.state_dict())
+        return {"model": model, "optimizer": optimizer, "step": self.step,
                 "phase": self.phase_at(self.step - 1) if self.step else "mle", "config": asdict(self.cfg),
                 "task": {"spec": self.task.spec, "state": self.task.state_dict(),
                          "origin": getattr(self.task, "origin", None)},  # where a plug-in was imported from
@@ -28,6 +30,7 @@ class Resumable:
                 "best_step": self.best_step, "elapsed_s": self.metrics.elapsed,
                 "schedule": self.plateau.state_dict(), "mle_end": self.mle_end, "compared": self.compared,
                 "log_step": self.log_step, "best_scores": self.best_scores,
+                "presenting": python_rng_state(self.presenting),
                 **({"policy": self.policy.state_dict()} if getattr(self, "policy", None) is not None else {}),
                 **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}  # floats and ints
 
@@ -46,9 +49,12 @@ class Resumable:
         Every process calls this at the same step: rank 0's checkpoint gathers every process's RNG streams, so a
         resumed multi-process run continues exactly too."""
         rank_rngs = distributed.gather_objects({"rng": rng_state(), "sampling_rng": self.sampling.get_state()})
+        whole = None
+        if fsdp.is_sharded(self.model):  # a single process's layout, gathered by every process, saved by rank 0
+            whole = fsdp.full_model_state(self.model), fsdp.full_optimizer_state(self.optimizer)
         if not self.is_main:
             return
-        state = self.state()
+        state = self.state(whole)
         if len(rank_rngs) > 1:
             state.update(world_size=len(rank_rngs), rank_rngs=rank_rngs)
         if phase is not None:
@@ -64,8 +70,8 @@ class Resumable:
 
     def load_state(self, state: dict) -> None:
         """Continue exactly where `state` was saved: parameters, optimizer, data order and every RNG."""
-        load_saved(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        fsdp.load_model(self.model, state["model"])  # --fsdp: each process keeps its slice of the whole tensors
+        fsdp.load_optimizer(self.model, self.optimizer, state["optimizer"])
         if self.scaler is not None and "scaler" in state:  # a run saved without --amp fp16 starts a fresh scale
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
@@ -90,6 +96,8 @@ class Resumable:
         self.log_step = int(state.get("log_step", self.step))
         if self.step < self.total:  # more steps asked for: a comparison after the shorter run no longer applies
             self.compared, self.log_step = False, self.step
+        if "presenting" in state:  # the same on every process (Task.present's stream)
+            set_python_rng_state(state["presenting"], self.presenting)
         saved = state.get("rank_rngs") or [{"rng": state["rng"], "sampling_rng": state["sampling_rng"]}]
         if len(saved) != distributed.world() and distributed.rank() > 0:
             return  # resumed on another number of processes: continues, though not bit-identically

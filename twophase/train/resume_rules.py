@@ -23,11 +23,11 @@ RULES = {
     "profile_memory": FREE, "compare_mle": FREE, "test": FREE, "export": FREE,
     # resources: the same gradient computed with other memory, speed or precision
     "threads": FREE, "device": FREE, "rescore_chunk": FREE, "memory_budget": FREE, "no_prefix_sharing": FREE,
-    "one_phase": FREE, "amp": FREE, "max_bad_steps": FREE,
+    "one_phase": FREE, "amp": FREE, "max_bad_steps": FREE, "fsdp": FREE,
     # what this command does with the run
     "save_dir": FREE, "resume": FREE, "resume_from": FREE, "overwrite": FREE, "eval_only": FREE,
 }
-NOT_INHERITED = ("save_dir", "device", "resume", "resume_from", "overwrite", "eval_only")  # this command's own
+NOT_INHERITED = ("save_dir", "device", "resume", "resume_from", "overwrite", "eval_only", "fsdp")  # this command's own
 PATHS = ("train", "valid", "test", "hf_model", "init_from")  # compared as files, not strings
 
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import random
 from pathlib import Path
 
 import torch
 
-from . import amp, distributed
+from . import amp, distributed, fsdp
 from .. import estimators, objectives
 from .checkpoint import CheckpointManager
 from .config import Config, parse_size
@@ -57,6 +58,7 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         self.rl_batches = BatchSampler(len(self.train), cfg.batch_size, cfg.seed + 1)
         # Each process samples candidates for its own sources, from its own stream (rank 0's is a single process's).
         self.sampling = torch.Generator(device=device).manual_seed(cfg.seed + 1000 * distributed.rank())
+        self.presenting = random.Random(f"present {cfg.seed}")  # Task.present's draws: one stream, on every process
         self.optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)  # LoRA: adapters
         # --amp: autocast around every model run of a training step (validation runs in full precision), and
         # fp16's loss scale (None otherwise)
@@ -97,9 +99,11 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         updates of a generation must see one source, so Karel's shows all six pairs)."""
         return self.task.collate([self.train[i] for i in idx], self.device)
 
-    def _presented(self, idx: list[int]) -> list[Example]:
-        """The training examples idx as this step shows them (Task.present: Karel draws 5 of 6 pairs)."""
-        return self.task.present([self.train[i] for i in idx])
+    def _presented(self, batch: list[int]) -> list[Example]:
+        """This process's share of the global batch's training examples as this step shows them (Task.present:
+        Karel draws 5 of 6 pairs): every process presents the whole global batch from the same stream, so the
+        examples shown do not depend on the number of processes."""
+        return distributed.shard(self.task.present([self.train[i] for i in batch], self.presenting))
 
     def detokenize(self, tokens: torch.Tensor) -> list[str]:
         """Rows (N, T) -> the strings reward plug-ins see."""
@@ -118,13 +122,15 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss = 0.0
-        for _ in range(self.cfg.grad_accum):
-            batch = next(self.mle_batches)  # the global batch: every process draws it, then takes its share
-            pairs = [self.pairs[k] for k in distributed.shard(batch)]
-            source = self.task.collate(self._presented([i for i, _ in pairs]), self.device)
-            refs = self._target_rows([self.ref_ids[i][j] for i, j in pairs], list(range(len(pairs))))  # (B, T)
-            coef = objectives.mle(refs.owner, len(batch) * self.cfg.grad_accum)
-            loss += self.phase_two(source, refs, coef, keep_mode=True)
+        with fsdp.gathered(self.model, reduce=True):  # --fsdp: whole parameters for the step, one reduction after
+            for _ in range(self.cfg.grad_accum):
+                batch = next(self.mle_batches)  # the global batch: every process draws it, then takes its share
+                shown = self._presented([self.pairs[k][0] for k in batch])
+                pairs = [self.pairs[k] for k in distributed.shard(batch)]
+                source = self.task.collate(shown, self.device)
+                refs = self._target_rows([self.ref_ids[i][j] for i, j in pairs], list(range(len(pairs))))  # (B, T)
+                coef = objectives.mle(refs.owner, len(batch) * self.cfg.grad_accum)
+                loss += self.phase_two(source, refs, coef, keep_mode=True)
         loss = distributed.reduce_sums({"loss": loss})["loss"]
         return {"loss": loss, **self._update(loss)}
 
@@ -134,12 +140,13 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
             return self.policy.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss, rewards, parts = 0.0, [], {}
-        for _ in range(self.cfg.grad_accum):
-            part, batch_rewards, batch_parts = self.rl_batch(next(self.rl_batches))
-            loss += part
-            rewards.append(batch_rewards)
-            for name, values in (batch_parts or {}).items():  # several rewards: each one's values, for the log
-                parts.setdefault(name, []).extend(values)
+        with fsdp.gathered(self.model, reduce=True):  # --fsdp: whole parameters for the step, one reduction after
+            for _ in range(self.cfg.grad_accum):
+                part, batch_rewards, batch_parts = self.rl_batch(next(self.rl_batches))
+                loss += part
+                rewards.append(batch_rewards)
+                for name, values in (batch_parts or {}).items():  # several rewards: each one's values, for the log
+                    parts.setdefault(name, []).extend(values)
         # 5. Update (several processes: statistics summed here, gradients in _update).
         total = distributed.reduce_sums({"loss": loss})
         return {"loss": total["loss"], **reward_row(torch.cat(rewards), parts), **self._update(total["loss"])}
@@ -150,7 +157,7 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         cfg = self.cfg
         B = len(batch) * cfg.grad_accum  # B counts every source of the update, across processes and batches
         idx = distributed.shard(batch)  # this process's share
-        examples = self._presented(idx)
+        examples = self._presented(batch)
         source = self.task.collate(examples, self.device)
         self.model.eval()  # phase one and phase two must score with the same function: no dropout in either
 
@@ -261,11 +268,12 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         # Sum over processes first: clipping and the skip decision then see the global gradient, so every
         # process takes the same decision and the parameters stay identical.
         with self.section("gradient all-reduce and clipping"):
-            distributed.all_reduce_grads(list(self.model.parameters()))
+            if not fsdp.is_sharded(self.model):  # --fsdp: summed into the shards' .grad already
+                distributed.all_reduce_grads(list(self.model.parameters()))
             params = [p for p in self.model.parameters() if p.grad is not None]
             amp.unscale(self.scaler, self.optimizer, params)  # clipping and the check below see true gradients
             clip = self.cfg.clip_norm if self.cfg.clip_norm > 0 else math.inf
-            norm = float(torch.nn.utils.clip_grad_norm_(params, clip)) if params else 0.0
+            norm = float(fsdp.whole(torch.nn.utils.clip_grad_norm_(params, clip))) if params else 0.0
         scale = amp.update(self.scaler, params)  # backs the scale off after inf/nan gradients, else may grow it
         if math.isfinite(loss) and math.isfinite(norm):
             with self.section("optimizer step"):
@@ -283,7 +291,8 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
     def validate(self) -> dict:
         cfg = self.cfg
         try:
-            return validate(self.model, self.task, self.valid, self.reward, cfg.eval_beam, cfg.max_len,
-                            self.device, limit=cfg.valid_size)
+            with fsdp.gathered(self.model):
+                return validate(self.model, self.task, self.valid, self.reward, cfg.eval_beam, cfg.max_len,
+                                self.device, limit=cfg.valid_size)
         except ModelError as err:
             raise ModelError(f"validation after step {self.step}: {err}") from None

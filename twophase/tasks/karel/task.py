@@ -116,8 +116,8 @@ class Karel(Task):
     def load_state_dict(self, state: dict) -> None:
         self.vocab, self.params = Vocab(state["vocab"]), GeneratorParams(**state["params"])
 
-    def present(self, examples: list[Example]) -> list[Example]:
-        """Each training task with a random 5 of its 6 pairs (Python's `random`, saved in every checkpoint): the
+    def present(self, examples: list[Example], rng=random) -> list[Example]:
+        """Each training task with a random 5 of its 6 pairs (drawn from `rng`, see `Task.present`): the
         model sees those five; the reward checks all six (--karel-reward-pairs all, the default) or the five shown.
         Validation and test examples pass unchanged."""
         every = self.cfg.karel_reward_pairs == "all"
@@ -127,7 +127,7 @@ class Karel(Task):
             if pairs is None:
                 out.append(ex)
                 continue
-            order = random.sample(range(len(pairs)), len(pairs))
+            order = rng.sample(range(len(pairs)), len(pairs))
             shown = pairs.subset(sorted(order[1:]))
             out.append(Example(shown, ex.references, {"spec": pairs if every else shown},
                                hidden={"held_out": pairs[order[0]]}))

@@ -1,0 +1,161 @@
+"""--fsdp (FSDP2 sharding under torchrun): 2 gloo processes train the same parameters as 1 process on the same
+global batches (the LSTM with and without prefix sharing, the Karel model, a tiny GPT-2 and T5, chunks smaller than a rank's
+rows, MLE and RL steps, --compare-mle), their checkpoints hold a single process's layout, --resume on 2
+processes continues bit-exactly, hf_final is written once; and the one-line refusals."""
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from twophase.train import cli, distributed, fsdp
+from twophase.train.config import Config
+
+import hf_tiny
+from tasks import write_task
+
+LSTM = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "5", "--mle-batch-size", "9", "--beam-size", "3",
+        "--max-len", "8", "--dropout", "0", "--sampler", "beam", "--objective", "beam", "--mle-weight", "0.3",
+        "--lr", "0.05", "--rl-lr", "0.01", "--eval-every", "100", "--save-every", "100"]
+HF = ["--batch-size", "3", "--mle-batch-size", "6", "--beam-size", "2", "--max-len", "6", "--max-src-len", "8",
+      "--mle-steps", "2", "--rl-steps", "2", "--eval-every", "100", "--rescore-chunk", "2", "--no-compare-mle",
+      "--sampler", "beam", "--objective", "beam"]
+
+
+def _cases(d: Path) -> dict:
+    """name -> argv, each run once on 2 processes with --fsdp and once in one process without."""
+    lstm = ["--train", str(d / "train.tsv"), "--valid", str(d / "valid.tsv"), *LSTM]
+    hf = ["--train", str(d / "htrain.tsv"), "--valid", str(d / "hvalid.tsv"), *HF]
+    return {
+        # 5 sources x 3 beams + references split 3+2: a rank's 9+ rows in chunks of 4 / 2
+        "tree": [*lstm, "--rescore-chunk", "4", "--mle-steps", "2", "--rl-steps", "2"],  # --compare-mle on
+        "rows": [*lstm, "--rescore-chunk", "2", "--no-prefix-sharing", "--mle-steps", "2", "--rl-steps", "2",
+                 "--no-compare-mle"],
+        "karel": ["--task", "karel", "--train-size", "8", "--valid-size", "2", "--hidden-size", "16", "--embed-dim",
+                  "8", "--mle-steps", "1", "--rl-steps", "1", "--mle-batch-size", "6", "--batch-size", "3",
+                  "--beam-size", "2", "--max-len", "31", "--rescore-chunk", "2", "--eval-beam", "2",
+                  "--no-compare-mle", "--eval-every", "100", "--grammar", "off"],
+        "gpt2": [*hf, "--hf-model", str(d / "gpt2")],
+        "t5": [*hf, "--hf-model", str(d / "t5")],
+    }
+
+
+def _relative(a: dict, b: dict) -> float:
+    diff = sum(float((a[k] - b[k]).double().norm() ** 2) for k in a) ** 0.5
+    return diff / sum(float(v.double().norm() ** 2) for v in a.values()) ** 0.5
+
+
+def _load(run: Path) -> dict:
+    return torch.load(run / "checkpoint_last.pt", weights_only=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _two(rank: int, port: int, runs: list, out: str) -> None:
+    """A torchrun worker's environment, then every command of `runs` in the one process group."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    finish, distributed.finish = distributed.finish, lambda: None  # the group outlives each command
+    sys.stdout = open(out % rank, "w")
+    try:
+        for argv in runs:
+            assert cli.main(argv) == 0, argv
+    finally:
+        sys.stdout.close()
+        finish()
+
+
+def test_fsdp_on_two_processes_equals_one_and_resumes_exactly(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_task(tmp_path / "train.tsv", "reverse", 60, seed=0)
+    write_task(tmp_path / "valid.tsv", "reverse", 7, seed=1)
+    words = ["a b c", "d e", "f", "g h a", "b d", "c e g", "h", "a f", "e b c", "g d"]
+    (tmp_path / "htrain.tsv").write_text("".join(f"{s}\t{' '.join(reversed(s.split()))}\n" for s in words))
+    (tmp_path / "hvalid.tsv").write_text("b a\ta b\nc d e\te d c\n")
+    hf_tiny.save(tmp_path / "gpt2", "gpt2")
+    hf_tiny.save(tmp_path / "t5", "t5", seed=1)
+    cases = _cases(tmp_path)
+    runs = [[*argv, "--fsdp", "--save-dir", str(tmp_path / f"two_{name}")] for name, argv in cases.items()]
+    # --resume on 2 processes: "rows" stopped after its first RL step, then continued to the end
+    rows = cases["rows"]
+    runs.append([*rows[:-3], "--rl-steps", "1", "--no-compare-mle", "--fsdp", "--save-dir", str(tmp_path / "cut")])
+    runs.append(["--resume", "--rl-steps", "2", "--fsdp", "--save-dir", str(tmp_path / "cut")])
+    port = _free_port()
+    # fork: the children need no fresh import of torch and transformers (seconds on a busy machine)
+    ctx = mp.start_processes(_two, args=(port, runs, str(tmp_path / "out%d.txt")), nprocs=2, join=False,
+                             start_method="fork")
+    for name, argv in cases.items():  # meanwhile, one process each
+        assert cli.main([*argv, "--save-dir", str(tmp_path / f"one_{name}")]) == 0, name
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=2) and time.monotonic() < deadline:  # join raises if a child failed
+        pass
+    if any(process.is_alive() for process in ctx.processes):
+        for process in ctx.processes:
+            process.kill()
+        pytest.fail("the two processes did not finish within 240 s")
+    out = (tmp_path / "out0.txt").read_text() + (tmp_path / "out1.txt").read_text()
+
+    for name in cases:
+        one, both = _load(tmp_path / f"one_{name}"), _load(tmp_path / f"two_{name}")
+        assert _relative(one["model"], both["model"]) < 1e-5, name
+        # a single process's layout: plain whole tensors, the same keys and shapes, optimizer state included
+        assert {k: v.shape for k, v in one["model"].items()} == {k: v.shape for k, v in both["model"].items()}
+        assert all(type(v) is torch.Tensor for v in both["model"].values())
+        mine, theirs = one["optimizer"]["state"], both["optimizer"]["state"]
+        assert mine.keys() == theirs.keys() and all(theirs[i]["exp_avg"].shape == mine[i]["exp_avg"].shape
+                                                    for i in mine)
+        assert both["world_size"] == 2
+    for kind in ("gpt2", "t5"):  # written once, by rank 0, whole
+        assert out.count(str(tmp_path / f"two_{kind}" / "hf_final")) == 1
+        assert (tmp_path / f"two_{kind}" / "hf_final" / "model.safetensors").is_file()
+    # bit-exact --resume with the same number of processes
+    resumed, straight = _load(tmp_path / "cut"), _load(tmp_path / "two_rows")
+    assert resumed["step"] == straight["step"] == 4
+    for k in straight["model"]:
+        assert torch.equal(resumed["model"][k], straight["model"][k]), k
+    for i, s in straight["optimizer"]["state"].items():
+        assert all(torch.equal(resumed["optimizer"]["state"][i][key], v) for key, v in s.items()), i
+
+
+@pytest.mark.parametrize("flags, match", [
+    ([], "--fsdp shards the model over the processes torchrun starts"),
+])
+def test_fsdp_without_torchrun_is_refused_in_one_line(flags, match, tmp_path, capsys):
+    write_task(tmp_path / "train.tsv", "reverse", 10, seed=0)
+    argv = ["--train", str(tmp_path / "train.tsv"), "--valid", str(tmp_path / "train.tsv"), "--fsdp",
+            "--save-dir", str(tmp_path / "run"), *flags]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags, match", [
+    (dict(amp="fp16"), "--fsdp with --amp fp16"),
+    (dict(export="best"), "--fsdp with --export best"),
+    (dict(eval_only=True), "--eval-only trains nothing"),
+])
+def test_flags_fsdp_does_not_shard_are_refused_under_torchrun(flags, match, monkeypatch):
+    monkeypatch.setattr(distributed, "launched", lambda: True)
+    fsdp.check(Config(fsdp=True))  # nothing to refuse
+    fsdp.check(Config(**flags))  # without --fsdp: nothing to check
+    with pytest.raises(ValueError, match=match):
+        fsdp.check(Config(fsdp=True, **flags))
+
+
+def test_without_sharding_gathered_is_a_no_op_and_whole_the_identity():
+    model = torch.nn.Linear(2, 1)
+    with fsdp.gathered(model, reduce=True) as inside:
+        assert inside is model and not fsdp.is_sharded(model)
+        model(torch.ones(1, 2)).sum().backward()
+    assert model.weight.grad is not None  # a plain model's gradient stays where autograd put it
+    t = torch.ones(3)
+    assert fsdp.whole(t) is t and fsdp.local(t) is t

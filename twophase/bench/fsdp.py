@@ -1,0 +1,96 @@
+"""Measure --fsdp against DDP-style training: per-process training state, tensor peak and time of an RL step.
+
+    torchrun --standalone --nproc_per_node 2 -m twophase.bench.fsdp            # DDP-style (every rank whole)
+    torchrun --standalone --nproc_per_node 2 -m twophase.bench.fsdp --fsdp     # FSDP2 shards
+    ... --config width=256 layers=4 vocab=8000 batch=4 samples=4 prompt=32 completion=16 chunk=4
+
+A step is the trainer's: each process samples K completions for its share of the B prompts (the Llama-style
+causal LM of `twophase.bench.hf`, random weights), REINFORCE coefficients normalised by the global B,
+`rescore_backward` in chunks of C rows, the gradient summed over processes (DDP-style: one all-reduce of the
+whole gradient; FSDP: inside `fsdp.gathered`, each process keeping its slice), global-norm clipping, Adam.
+Reported by rank 0 for each process: `state` = bytes of the parameters and Adam's moments it holds between steps,
+`peak` = that plus the peak of bytes held by tensors during a step above it (`memstats.AllocationPeak`, on a step
+after the first, whose Adam moments already exist), and the median wall seconds of the timed steps.
+
+Letters: B prompts per step (all processes), K samples per prompt, C rows per chunk, W processes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from ..rescoring import rescore_backward
+from ..search import sample
+from ..train import distributed, fsdp
+from ..train.memstats import AllocationPeak
+from .hf import DEFAULTS, build, coefficients
+
+SMALL = dict(DEFAULTS, batch=4, samples=4, prompt=32, completion=16, chunk=4, steps=2, model="causal",
+             method="two-phase")
+
+
+def held_bytes(model, optimizer) -> int:
+    """Bytes of this process's parameters (its shards under FSDP) and optimizer state."""
+    local = [fsdp.local(p) for p in model.parameters()]
+    local += [fsdp.local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def step(cell: dict, model, optimizer, source: dict, seed: int) -> None:
+    """One RL step on this process's share of the B prompts (see the module docstring)."""
+    B, K, T = cell["batch"], cell["samples"], cell["completion"]
+    mine = distributed.shard(list(range(B)))
+    share = {k: v[mine[0]:mine[-1] + 1] for k, v in source.items()}  # (B/W, P)
+    optimizer.zero_grad(set_to_none=True)
+    with fsdp.gathered(model, reduce=True):
+        g = torch.Generator().manual_seed(seed + distributed.rank())
+        samples = sample(model, share, K, T, generator=g)
+        c = coefficients(samples, B, seed)  # normalised by the global B
+        rescore_backward(model, share, samples, c, cell["chunk"])
+    if not fsdp.is_sharded(model):
+        distributed.all_reduce_grads(list(model.parameters()))
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+    optimizer.step()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m twophase.bench.fsdp", description=__doc__.split("\n")[0])
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (twophase.train.fsdp)")
+    p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="override a setting of SMALL")
+    args = p.parse_args(argv)
+    cell = dict(SMALL, **{k: int(v) for k, v in (kv.split("=", 1) for kv in args.config)})
+    torch.set_num_threads(cell["threads"])
+    distributed.init(torch.device("cpu"))
+    try:
+        model, source = build(cell)
+        if args.fsdp:
+            fsdp.shard_model(model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        step(cell, model, optimizer, source, 0)  # warm-up: Adam's moments exist from here on
+        seconds = []
+        for i in range(cell["steps"]):
+            start = time.perf_counter()
+            step(cell, model, optimizer, source, i + 1)
+            seconds.append(time.perf_counter() - start)
+        optimizer.zero_grad(set_to_none=True)  # freed before the window: it records no frees of older tensors
+        state = held_bytes(model, optimizer)
+        with AllocationPeak() as peak:
+            step(cell, model, optimizer, source, 99)
+        rows = distributed.gather_objects({"rank": distributed.rank(), "state_mb": state / 2**20,
+                                           "peak_mb": (state + peak.peak_bytes) / 2**20,
+                                           "step_s": statistics.median(seconds)})
+        if distributed.rank() == 0:
+            params = sum(p.numel() for p in model.parameters())
+            print(json.dumps({"mode": "fsdp" if args.fsdp else "ddp", "processes": distributed.world(),
+                              "parameters": params, "cell": cell, "ranks": rows}))
+    finally:
+        distributed.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
