@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import tree
+from .draw import draw, truncate
 from .protocol import ModelError, model_name, num_sources, scoring_mode, target_mask
 from .samples import Samples, best_rows  # noqa: F401  (best_rows: re-exported, validation and decode use it)
 
@@ -274,48 +275,6 @@ def sample(model, source, num_samples: int, max_len: int, temperature: float = 1
     with scoring_mode(model), torch.inference_mode():
         found = _sample(model, source, num_samples, max_len, temperature, generator, top_k, top_p, min_len)
     return _finish(model, *found)
-
-
-def truncate(logits: Tensor, eos_id: int, t: int, top_k: int | None, top_p: float | None,
-             min_len: int) -> Tensor:
-    """(N, V) the draw's logits at step t (0-based): -inf on eos while t < min_len, then outside each row's
-    top_k, then outside its nucleus (the most probable tokens whose mass, before the last of them, is below
-    top_p; at least one token). Ties at the k-th logit are all kept, as `generate`'s TopKLogitsWarper keeps them."""
-    if t < min_len:
-        logits = logits.index_fill(1, torch.tensor([eos_id], device=logits.device), float("-inf"))
-    if top_k is not None and top_k < logits.shape[1]:
-        kth = logits.topk(top_k, dim=1).values[:, -1:]  # (N, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = logits.sort(dim=1, descending=True)  # (N, V)
-        probs = torch.softmax(sorted_logits, dim=1)
-        before = probs.cumsum(dim=1) - probs  # (N, V) mass of the more probable tokens
-        drop = torch.zeros_like(before, dtype=torch.bool).scatter(1, order, before >= top_p)  # vocabulary order
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def draw(probs: Tensor, generator: torch.Generator | None = None, block: int = 64) -> Tensor:
-    """(N,) one token per row of probs (N, V) (non-negative, each row's mass positive, not necessarily 1), by
-    inverting the row's cumulative distribution at one uniform draw: first among blocks of `block` tokens, then
-    within the chosen block. `torch.multinomial` draws V exponential variates per row for one sample: on CPU a
-    quarter of a sampling step's time with a small model (14 of 60 ms at N = 32, V = 8000); one cumulative sum
-    over V still took 3 ms there, the blocks' sums 0.5. The sums are in float64, so each token's probability is
-    kept to about 1e-16 of its row's mass, and a token (a block) of probability 0 is never drawn: the uniform
-    stays strictly below the mass it is compared with."""
-    N, V = probs.shape
-    p = torch.nn.functional.pad(probs, (0, (-V) % block)).double().reshape(N, -1, block)  # (N, V / block, block)
-    mass = p.sum(dim=2)  # (N, V / block) each block's
-    cdf = mass.cumsum(dim=1)
-    if not bool((cdf[:, -1] > 0).all()):  # also NaN: as torch.multinomial, refuse rather than draw anything
-        raise ValueError("draw: a row of probabilities has no positive mass (or holds NaN)")
-    u = torch.rand((N, 1), dtype=torch.float64, device=probs.device, generator=generator) * cdf[:, -1:]  # (N, 1)
-    u = torch.minimum(u, torch.nextafter(cdf[:, -1:], torch.zeros_like(u)))
-    j = torch.searchsorted(cdf, u, right=True)  # (N, 1) the first block whose cumulative mass exceeds u
-    u = u - (cdf.gather(1, j) - mass.gather(1, j))  # (N, 1) what is left of u past the blocks before
-    inner = p[torch.arange(N, device=probs.device), j.squeeze(1)].cumsum(dim=1)  # (N, block)
-    u = torch.minimum(u.clamp_min(0), torch.nextafter(inner[:, -1:], torch.zeros_like(u)))
-    return (j * block + torch.searchsorted(inner, u, right=True)).squeeze(1)
 
 
 def _sample(model, source, num_samples: int, max_len: int, temperature: float, generator,
