@@ -21,7 +21,40 @@ from ..vocab import BOS, EOS, PAD
 IN_CHANNELS = 32  # two worlds of 16 channels each
 
 
-class KarelModel(nn.Module):
+class KarelDecoding:
+    """What both Karel models share (this one and `karel_paper.KarelPaperModel`): PAD and BOS banned from the
+    output, the log-softmax search sums, `step` as `advance` then `log_probs`, and teacher forcing read from the
+    model's one-pass `position_log_probs` (N, T, V) (which `twophase.constraints` also renormalises)."""
+
+    def _ban_specials(self, vocab_size: int) -> None:
+        # PAD and BOS are never generated: probability zero keeps search and scoring consistent.
+        banned = torch.zeros(vocab_size, dtype=torch.bool)
+        banned[[PAD, BOS]] = True
+        self.register_buffer("banned", banned, persistent=False)
+
+    def _log_softmax(self, logits: Tensor) -> Tensor:
+        # Normalised in at least float32 under autocast, as search sums the scores.
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.log_softmax(logits.masked_fill(self.banned, float("-inf")), dim=-1)
+
+    def step(self, enc: dict, owner: Tensor, prev: Tensor, state):
+        state = self.advance(enc, owner, prev, state)
+        return state, self.log_probs(state)
+
+    def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
+        """(N,) log p(tokens[i] | source owner[i]) of rows tokens (N, T): tokens, EOS, PAD..., with gradients."""
+        return self.token_scores(enc, tokens, owner).sum(1)
+
+    def token_scores(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
+        """(N, T) the per-token log-probabilities `score` sums, 0 past each row's end."""
+        log_p = self.position_log_probs(enc, tokens, owner)  # (N, T, V)
+        tok = log_p.gather(2, tokens[:, :, None]).squeeze(2)  # (N, T)
+        mask = target_mask(tokens, self.pad_id, self.eos_id)
+        # where, not a product: a PAD position gathers -inf, and -inf * 0 is NaN
+        return torch.where(mask, tok, torch.zeros_like(tok))
+
+
+class KarelModel(KarelDecoding, nn.Module):
     """A `twophase.SequenceModel` from specification grids to program tokens (see the module docstring), with
     `advance`/`log_probs` for search and a one-pass `score` (one nn.LSTM call over the whole target) for phase
     two; `step` runs the same nn.LSTM one position at a time, so both compute the same function."""
@@ -45,10 +78,7 @@ class KarelModel(nn.Module):
         self.lstm = nn.LSTM(E + H, H, batch_first=True)
         self.out = nn.Linear(H, vocab_size)
         self.drop = nn.Dropout(dropout)
-        # PAD and BOS are never generated: probability zero keeps search and scoring consistent.
-        banned = torch.zeros(vocab_size, dtype=torch.bool)
-        banned[[PAD, BOS]] = True
-        self.register_buffer("banned", banned, persistent=False)
+        self._ban_specials(vocab_size)
 
     @property
     def vocab_size(self) -> int:
@@ -79,28 +109,7 @@ class KarelModel(nn.Module):
     def log_probs(self, state: tuple[Tensor, Tensor]) -> Tensor:
         return self._log_softmax(self.out(self.drop(state[0])))  # (N, V)
 
-    def step(self, enc: dict, owner: Tensor, prev: Tensor, state):
-        state = self.advance(enc, owner, prev, state)
-        return state, self.log_probs(state)
-
-    def _log_softmax(self, logits: Tensor) -> Tensor:
-        # Normalised in at least float32 under autocast, as search sums the scores.
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.log_softmax(logits.masked_fill(self.banned, float("-inf")), dim=-1)
-
     # ---------------------------------------------------------------- teacher forcing, one pass
-    def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
-        """(N,) log p(tokens[i] | source owner[i]) of rows tokens (N, T): tokens, EOS, PAD..., with gradients."""
-        return self.token_scores(enc, tokens, owner).sum(1)
-
-    def token_scores(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
-        """(N, T) the per-token log-probabilities `score` sums, 0 past each row's end."""
-        log_p = self.position_log_probs(enc, tokens, owner)  # (N, T, V)
-        tok = log_p.gather(2, tokens[:, :, None]).squeeze(2)  # (N, T)
-        mask = target_mask(tokens, self.pad_id, self.eos_id)
-        # where, not a product: a PAD position gathers -inf, and -inf * 0 is NaN
-        return torch.where(mask, tok, torch.zeros_like(tok))
-
     def position_log_probs(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
         """(N, T, V) the next-token log-probabilities at every position of rows tokens (N, T), one nn.LSTM pass."""
         N, T = tokens.shape

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..protocol import target_mask, teacher_forced_inputs
+from ..protocol import teacher_forced_inputs
 from ..vocab import BOS, EOS, PAD
-from .karel import IN_CHANNELS
+from .karel import IN_CHANNELS, KarelDecoding
 
 WORLD_CHANNELS = IN_CHANNELS // 2  # one world's channels: hero facing N/E/S/W, wall, 0..10 markers
 # The paper's sizes (GandRL_for_NPS README: --conv_stack 64,64,64 --fc_stack 512 --tgt_embedding_size 256
@@ -69,7 +69,7 @@ class PairEncoder(nn.Module):
         return self.fc(x.flatten(1)).view(B, P, -1)  # (B*P, c*R*C) -> (B, P, D)
 
 
-class KarelPaperModel(nn.Module):
+class KarelPaperModel(KarelDecoding, nn.Module):
     """A `twophase.SequenceModel` from specification grids (B, P, F, R, C) to program tokens (see the module
     docstring). State: (h, c), each (N, P, L, H): every row's L-layer LSTM state for each of its P pairs."""
 
@@ -94,10 +94,7 @@ class KarelPaperModel(nn.Module):
         for p in (self.init_h, self.init_c):
             nn.init.uniform_(p, -0.1, 0.1)
         nn.init.zeros_(self.out.bias)
-        # PAD and BOS are never generated: probability zero keeps search and scoring consistent.
-        banned = torch.zeros(vocab_size, dtype=torch.bool)
-        banned[[PAD, BOS]] = True
-        self.register_buffer("banned", banned, persistent=False)
+        self._ban_specials(vocab_size)
 
     @property
     def vocab_size(self) -> int:
@@ -125,18 +122,10 @@ class KarelPaperModel(nn.Module):
     def log_probs(self, state: tuple[Tensor, Tensor]) -> Tensor:
         return self._log_softmax(self.out(self.drop(state[0][:, :, -1].amax(dim=1))))  # top layer, max over pairs
 
-    def step(self, enc: dict, owner: Tensor, prev: Tensor, state):
-        state = self.advance(enc, owner, prev, state)
-        return state, self.log_probs(state)
-
-    def _log_softmax(self, logits: Tensor) -> Tensor:
-        # Normalised in at least float32 under autocast, as search sums the scores.
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.log_softmax(logits.masked_fill(self.banned, float("-inf")), dim=-1)
-
     # ---------------------------------------------------------------- teacher forcing, one pass
-    def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
-        """(N,) log p(tokens[i] | source owner[i]) of rows tokens (N, T): tokens, EOS, PAD..., with gradients."""
+    def position_log_probs(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
+        """(N, T, V) the next-token log-probabilities at every position of rows tokens (N, T): one nn.LSTM pass
+        over every pair's decoder, max-pooled per position (`score` and `token_scores` read it, KarelDecoding)."""
         N, T = tokens.shape
         pairs = enc["pairs"].index_select(0, owner)  # (N, P, D)
         P = pairs.shape[1]
@@ -145,11 +134,7 @@ class KarelPaperModel(nn.Module):
         h0, c0 = (_to_lstm(s) for s in self.init_state(enc, owner))  # (L, N*P, H)
         hs, _ = self.lstm(x.view(N * P, T, -1), (h0, c0))  # (N*P, T, E + D) -> (N*P, T, H)
         pooled = hs.view(N, P, T, -1).amax(dim=1)  # (N, T, H): late pooling, at every position
-        log_p = self._log_softmax(self.out(self.drop(pooled)))  # (N, T, V)
-        tok = log_p.gather(2, tokens[:, :, None]).squeeze(2)  # (N, T)
-        mask = target_mask(tokens, self.pad_id, self.eos_id)
-        # where, not a product: a PAD position gathers -inf, and -inf * 0 is NaN
-        return torch.where(mask, tok, torch.zeros_like(tok)).sum(1)
+        return self._log_softmax(self.out(self.drop(pooled)))  # (N, T, V)
 
 
 def _to_lstm(s: Tensor) -> Tensor:
