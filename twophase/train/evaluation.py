@@ -61,27 +61,6 @@ def nbest_hypotheses(model, task: Task, examples: list[Example], beam_size: int,
 
 
 @torch.inference_mode()
-def best_hypotheses(model, task: Task, examples: list[Example], beam_size: int, max_len: int, device,
-                    batch_size: int) -> list[str]:
-    """The best beam candidate of each example, detokenised; validation and decoding both read these."""
-    return best_candidates(model, task, examples, beam_size, max_len, device, batch_size)[0]
-
-
-@torch.inference_mode()
-def best_candidates(model, task: Task, examples: list[Example], beam_size: int, max_len: int, device,
-                    batch_size: int) -> tuple[list[str], list[list[int]]]:
-    """`best_hypotheses` and their ids (up to and including eos)."""
-    hyps, ids = [], []
-    for start in range(0, len(examples), batch_size):
-        batch = examples[start:start + batch_size]
-        s = beam_search(model, task.collate(batch, device), beam_size, max_len)
-        best = best_rows(s)  # (B, T)
-        hyps += [task.detokenize(row) for row in best.tolist()]
-        ids += completion_ids(best, model.pad_id, model.eos_id)
-    return hyps, ids
-
-
-@torch.inference_mode()
 def validate(model, task: Task, examples: list[Example], reward, beam_size: int, max_len: int,
              device: torch.device, limit: int = 0, batch_size: int = 256) -> dict:
     """The task's scores (from each example's n-best list), n, and the mean reward of the best hypotheses of
