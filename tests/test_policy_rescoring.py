@@ -15,9 +15,9 @@ from twophase.policy import LOSS_TYPES, advantages, policy_loss, zero_std_groups
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _candidates(model, source, B):
-    s = sample(model, source, 4, 6, generator=torch.Generator().manual_seed(3))
-    b = beam_search(model, source, 3, 6)
+def _candidates(model, source, B, max_len=6):
+    s = sample(model, source, 4, max_len, generator=torch.Generator().manual_seed(3))
+    b = beam_search(model, source, 3, max_len)
     from twophase.samples import Samples
     both = Samples.cat([s, b], model.pad_id)  # repeated prefixes, so the tree shares nodes
     order = torch.sort(both.owner, stable=True).indices
@@ -52,8 +52,8 @@ def _one_backward(model, source, s, obj):
     return loss.item(), take_grads(model), obj.derivative(tok[row, col].detach(), row, col)[2]
 
 
-def _check(model, source, B, chunks=(1, 3, 1000), trees=(True, False), atol=1e-12, **kw):
-    s = _candidates(model, source, B)
+def _check(model, source, B, chunks=(1, 3, 1000), trees=(True, False), atol=1e-12, max_len=6, **kw):
+    s = _candidates(model, source, B, max_len)
     _moved(model)
     obj = _objective(model, s, B, **kw)
     want_loss, want, want_sums = _one_backward(model, source, s, obj)
@@ -181,3 +181,21 @@ def test_advantages_and_zero_std_groups():
     assert zero_std_groups(r, owner, 3).tolist() == [False, True, False]
     with pytest.raises(ValueError, match="loss_type"):
         policy_loss(a, torch.zeros(7, 2), lengths=torch.ones(7), loss_type="ppo")
+
+
+def test_karel_model_under_its_grammar():
+    """`--grammar on`: the constrained Karel model's one-pass per-token log-probs carry the exact gradient."""
+    from test_karel_task import C, R, grids
+    from twophase.constraints import Constrained
+    from twophase.models.karel import KarelModel
+    from twophase.tasks.karel.dsl import VOCAB
+    from twophase.tasks.karel.grammar import karel_grammar
+    from twophase.vocab import SPECIALS, Vocab
+    voc = Vocab(list(SPECIALS) + list(VOCAB))
+    torch.manual_seed(0)
+    inner = KarelModel(len(voc), R, C, embed_dim=6, hidden_size=12, channels=(4, 5)).double()
+    with torch.no_grad():
+        for p in inner.parameters():
+            p.mul_(3.0)  # peaked, varied distributions, as test_karel_task's model
+    _check(Constrained(inner, karel_grammar(voc, 12)), grids(), 3, chunks=(2, 1000), trees=(True,), max_len=12,
+           loss_type="dapo")

@@ -88,3 +88,32 @@ def test_select_cat_and_targets_carry_them():
     assert ref.token_scores.shape == a.tokens.shape and (ref.token_scores == 0).all()
     bare = Samples(a.tokens, a.lengths, a.owner, a.scores)  # hand-made, without token scores
     assert bare.select(rows[1:]).token_scores is None and Samples.cat([bare, a], 0).token_scores is None
+
+
+@pytest.mark.parametrize("kind", ["dfa", "brackets"])
+def test_constrained_one_pass_equals_its_step_loop(kind):
+    """`Constrained` over a model with per-position distributions gives its per-token log-probs in one pass
+    (the policy objectives' phase two), equal to running its own `step` row by row and to what search summed."""
+    import grammars
+    from twophase.constraints import Constrained
+    inner = foreign_models.make("scored-transformer")
+    model = Constrained(inner, grammars.make(kind, inner, inner.out.out_features))
+    assert callable(getattr(model, "token_scores", None))
+    for s in _searches(model, foreign_models.sources("scored-transformer")):
+        _check(model, foreign_models.sources("scored-transformer"), s)
+
+
+def test_constrained_karel_model():
+    from test_karel_task import C, R, grids
+    from twophase.constraints import Constrained
+    from twophase.models.karel import KarelModel
+    from twophase.tasks.karel.dsl import VOCAB
+    from twophase.tasks.karel.grammar import karel_grammar
+    from twophase.vocab import SPECIALS, Vocab
+    voc = Vocab(list(SPECIALS) + list(VOCAB))
+    torch.manual_seed(0)
+    model = Constrained(KarelModel(len(voc), R, C, embed_dim=6, hidden_size=12, channels=(4, 5)).double(),
+                        karel_grammar(voc, 8))
+    g = torch.Generator().manual_seed(0)
+    for s in (beam_search(model, grids(), 5, 8), sample(model, grids(), 4, 8, generator=g)):
+        _check(model, grids(), s)

@@ -64,6 +64,7 @@ class Constrained(nn.Module):
             self.vocab_size = model.vocab_size
         if callable(getattr(model, "position_log_probs", None)):
             self.score, self.position_log_probs = self._score, self._position_log_probs
+            self.token_scores = self._token_scores  # the policy objectives' one pass, not a step loop
 
     # ---- checkpoints hold the model's parameters only
     def state_dict(self, *args, **kwargs):
@@ -126,11 +127,16 @@ class Constrained(nn.Module):
         allowed, phase = self.masks(tokens, owner)
         return renormalise(logp, allowed, phase)
 
-    def _score(self, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:
-        """(N,) constrained teacher-forced log-probabilities, with gradients: what search sums."""
+    def _token_scores(self, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:
+        """(N, T) constrained teacher-forced per-token log-probabilities, with gradients, 0 past each row's end:
+        what search adds up, position by position."""
         logp = self._position_log_probs(enc, tokens, owner)  # (N, T, V)
         tok = logp.gather(2, tokens[:, :, None]).squeeze(2)  # (N, T)
-        return torch.where(target_mask(tokens, self.pad_id, self.eos_id), tok, torch.zeros_like(tok)).sum(1)
+        return torch.where(target_mask(tokens, self.pad_id, self.eos_id), tok, torch.zeros_like(tok))
+
+    def _score(self, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:
+        """(N,) constrained teacher-forced log-probabilities, with gradients: what search sums."""
+        return self._token_scores(enc, tokens, owner).sum(1)
 
 
 def next_phase(phase: Tensor, allowed: Tensor, tokens: Tensor, eos_id: int) -> Tensor:
