@@ -1,6 +1,7 @@
 """--objective policy end to end: phase one once per generation and --updates-per-generation updates on it, the
 frozen reference's KL, the metrics in metrics.jsonl, resume between two updates of a generation bit-identical,
-two processes equal to one, and its flags refused where they would do nothing."""
+two processes equal to one, --grad-accum's batches equal to one big batch in float64, and its flags refused where
+they would do nothing."""
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import torch
 from tasks import write_task
 from test_cli import _fails_with_one_line
 from twophase.train import cli
+from twophase.train.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "5", "--mle-batch-size", "8", "--beam-size", "3",
@@ -61,7 +63,7 @@ def test_end_to_end_with_two_updates_per_generation_and_kl(data, tmp_path, one_t
 
 def test_resume_between_two_updates_is_bit_identical(data, tmp_path, one_thread):
     flags = [*data, *TINY, *POLICY, "--loss-type", "grpo", "--advantage-scale", "batch", "--drop-zero-std",
-             "--baseline", "loo", "--mle-steps", "3"]
+             "--baseline", "loo", "--mle-steps", "3", "--grad-accum", "2"]  # generations of two batches
     assert cli.main([*flags, "--rl-steps", "5", "--save-dir", str(tmp_path / "full")]) == 0
     part = tmp_path / "part"
     assert cli.main([*flags, "--rl-steps", "3", "--save-dir", str(part)]) == 0  # stops inside generation 2
@@ -70,7 +72,7 @@ def test_resume_between_two_updates_is_bit_identical(data, tmp_path, one_thread)
     full, resumed = _params(tmp_path / "full"), _params(part)
     assert all(torch.equal(full[k], resumed[k]) for k in full)
     rl = [r for r in _rows(tmp_path / "full") if r["phase"] == "rl"]
-    assert all("dropped_groups" in r for r in rl)
+    assert all("dropped_groups" in r for r in rl) and all(r["candidates"] == 2 * 5 * 3 for r in rl)
 
 
 def test_two_processes_train_the_same_parameters_as_one(data, tmp_path):
@@ -97,6 +99,58 @@ def test_two_processes_train_the_same_parameters_as_one(data, tmp_path):
                     "completion_length_mean", "completion_length_min", "frac_reward_zero_std"):
             # the loss at the old policy is a sum of advantages that cancel: 0 to rounding
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6 if key == "loss" else 1e-9), (a["step"], key)
+
+
+@pytest.mark.parametrize("loss_type, flags", [
+    ("dapo", dict(advantage_scale="batch", drop_zero_std=True, baseline="loo")),  # tokens, batch std, drops
+    ("grpo", dict(kl_importance_weighted=False)),  # rows
+    ("sequence", dict(advantage_scale="none")),  # sources
+])
+def test_grad_accum_equals_one_big_batch_over_several_updates(data, tmp_path, one_thread, loss_type, flags):
+    """--grad-accum 2 of 3 sources trains the parameters --grad-accum 1 of 6 trains, in float64, over the two
+    updates of a generation (Adam steps between them) and into the next generation: every normaliser is the
+    whole generation's. Beam candidates: the same whichever batches search them."""
+    first, second, third, fourth = [0, 5, 7], [2, 9, 11], [1, 4, 6], [3, 8, 10]
+    params, rows = [], []
+    for accum, plan in ((2, [first, second, third, fourth]), (1, [first + second, third + fourth])):
+        cfg = Config(train=data[1], valid=data[3], hidden_size=8, embed_dim=4, beam_size=3, max_len=9,
+                     rescore_chunk=4, save_dir=str(tmp_path / str(accum)), objective="policy", sampler="beam",
+                     updates_per_generation=2, kl_beta=0.3, loss_type=loss_type, grad_accum=accum,
+                     batch_size=6 // accum, compare_mle=False, lr=0.05, clip_epsilon=0.01, **flags)
+        tr = cli.build(cfg)
+        tr.model.double()
+        tr.step_counts = {}  # set by train_step, which this test goes around
+        tr.cfg.grad_accum = 1  # a few MLE steps, the same in both runs: some reward for the candidates
+        tr.mle_batches = iter([list(range(k, len(tr.pairs), 4)) for k in range(4)])
+        for _ in range(4):
+            tr.mle_step()
+        tr.cfg.grad_accum, tr.rl_batches = accum, iter(plan)
+        tr.optimizer.param_groups[0]["lr"] = 0.05
+        rows.append([tr.rl_step() for _ in range(3)])
+        params.append([p.detach().clone() for p in tr.model.parameters()])
+    assert all(r["grad_norm"] > 0 and r["skipped"] == 0 for r in rows[0])
+    assert rows[0][1]["clip_ratio_low"] + rows[0][1]["clip_ratio_high"] > 0  # the second update clips
+    assert rows[0][1]["kl"] > 0 and rows[0][0]["candidates"] == rows[1][0]["candidates"] == 18
+    for a, b in zip(*rows):
+        for key in ("loss", "grad_norm", "kl", "clip_ratio_low", "clip_ratio_high", "reward_mean",
+                    "frac_reward_zero_std", "completion_length_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-10, abs=1e-13), key
+    for a, b in zip(*params):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+
+
+def test_a_generation_saved_before_grad_accum_loads_as_one_batch():
+    from types import SimpleNamespace
+    from twophase.train.policy_step import FIELDS, PolicyStep
+    part = {"idx": [0, 1], **{k: torch.arange(2) + i for i, k in enumerate(FIELDS)}, "advantages": torch.ones(2),
+            "ref": None}
+    step = PolicyStep(SimpleNamespace(device=torch.device("cpu"), model=None))
+    step.load_state_dict({"generation": {"num_sources": 2, "used": 1, "metrics": {"reward_mean": 0.5}, **part},
+                          "reference": None})
+    gen = step.generation
+    assert (gen["num_sources"], gen["used"], gen["metrics"], len(gen["parts"])) == (2, 1, {"reward_mean": 0.5}, 1)
+    assert gen["parts"][0].keys() == part.keys() and all(
+        torch.equal(gen["parts"][0][k], part[k]) for k in FIELDS) and step.reference is None
 
 
 @pytest.mark.parametrize("argv,match", [

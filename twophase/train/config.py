@@ -379,8 +379,6 @@ class Config:
         if self.sampler == "sbs":
             raise ValueError("--objective policy takes --sampler sample or beam, not sbs (its candidates are not "
                              "independent draws)")
-        if self.grad_accum != 1:
-            raise ValueError("--objective policy does not take --grad-accum (a generation is one batch)")
         if self.ref_checkpoint is not None and self.kl_beta == 0:
             raise ValueError("--ref-checkpoint needs --kl-beta > 0")
         if self.ref_checkpoint is not None and not Path(self.ref_checkpoint).is_file():

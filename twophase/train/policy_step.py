@@ -1,28 +1,31 @@
 """--objective policy: phase one once per generation, then --updates-per-generation optimizer steps on it.
 
-A generation is one batch of sources, its candidates with phase one's per-token log-probabilities (the old
-policy, `Samples.token_scores`), their rewards and advantages, and, with --kl-beta, the frozen reference's
-per-token log-probabilities (no graph, chunked, once). Each RL step is one update: a phase two over the same
-candidates with the token-level objective of `twophase.policy` (importance ratio to phase one, clipped; k3 KL),
-so the first update's ratio is exactly 1. The generation lives in the checkpoint, so a run resumed between two
-of its updates continues bit-identically. Several processes: each holds its sources' groups; the normalisers
-(rows, tokens, the batch's reward std) are the global batch's, so the summed gradient is one process's.
+A generation is --grad-accum batches of sources (one by default), each batch's candidates with phase one's
+per-token log-probabilities (the old policy, `Samples.token_scores`), their rewards and advantages, and, with
+--kl-beta, the frozen reference's per-token log-probabilities (`reference`: no graph, chunked, once). Phase one
+of every batch comes first: the normalisers (rows, tokens, the reward std of --advantage-scale batch) are the
+whole generation's, so N batches of B give the gradient of one batch of N*B exactly. Each RL step is one update:
+a phase two over each batch's candidates in turn, gradients accumulated, with the token-level objective of
+`twophase.policy` (importance ratio to phase one, clipped; k3 KL), so the first update's ratio is exactly 1. The
+generation lives in the checkpoint, so a run resumed between two of its updates continues bit-identically.
+Several processes: each holds its share of every batch; the normalisers are global, so the summed gradient is
+one process's.
 
-Letters: B sources (global), K candidates per source, N rows (this process), T positions.
+Letters: B sources (global, all batches), K candidates per source, N rows (this process), T positions.
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 
 from . import distributed
-from .. import protocol
 from ..policy import advantages, policy_loss, zero_std_groups
 from ..samples import Samples
+from .reference import Reference
 
 REF_CHUNK = 64  # rows per chunk of the reference's no-graph scoring when --rescore-chunk is auto
+FIELDS = ("tokens", "lengths", "owner", "scores", "token_scores")  # a batch's candidates, as Samples holds them
 
 
 class PolicyStep:
@@ -31,89 +34,101 @@ class PolicyStep:
     def __init__(self, trainer):
         self.t = trainer
         self.generation: dict | None = None  # the current generation (see the module docstring)
-        self.reference = None  # the frozen reference model, made at the first RL step (or loaded)
+        self.reference: Reference | None = None  # the frozen reference, made at the first RL step (or loaded)
 
     # ------------------------------------------------------------------ reference
     def ensure_reference(self) -> None:
         cfg = self.t.cfg
-        if cfg.kl_beta == 0 or self.reference is not None:
-            return
-        self.reference = copy.deepcopy(self.t.model)  # the end-of-MLE model (this is the first RL step)
-        if cfg.ref_checkpoint is not None:
-            state = torch.load(cfg.ref_checkpoint, map_location=self.t.device, weights_only=True)
-            self.reference.load_state_dict(state["model"] if "model" in state else state)
-        self.reference.eval().requires_grad_(False)
+        if cfg.kl_beta != 0 and self.reference is None:  # this is the first RL step: the end-of-MLE model
+            self.reference = Reference.of(self.t.model, cfg.ref_checkpoint, self.t.device)
 
-    @torch.no_grad()
     def reference_log_probs(self, source, cand: Samples) -> torch.Tensor:
         """(N, T) the reference's per-token log-probabilities of the candidates, a chunk of rows at a time."""
         chunk = self.t.cfg.rescore_chunk if self.t.cfg.rescore_chunk != "auto" else REF_CHUNK
-        with protocol.scoring_mode(self.reference), self.t.autocast():
-            enc = self.reference.encode(source)
-            parts = [protocol.token_scores(self.reference, enc, cand.tokens[i:i + chunk], cand.owner[i:i + chunk])
-                     for i in range(0, len(cand), chunk)]
-        return torch.cat(parts).to(torch.float64) if parts else cand.tokens.new_zeros(0, 0, dtype=torch.float64)
+        return self.reference.log_probs(self.t.model, source, cand, chunk, self.t.autocast)
 
     # ------------------------------------------------------------------ generation
-    def new_generation(self) -> dict:
-        """Phase one, rewards, advantages (and dropped groups), the reference's log-probs: one generation."""
-        t, cfg = self.t, self.t.cfg
-        batch = next(t.rl_batches)
-        B, idx = len(batch), distributed.shard(batch)
+    def search(self, batch: list[int]) -> dict:
+        """Phase one and rewards of one batch (this process's share of it)."""
+        t = self.t
+        idx = distributed.shard(batch)
         source, examples = t._sources(idx), [t.train[i] for i in idx]
         t.model.eval()
         with t.section("phase 1: search"), t.autocast():
             cand = t.search(source)
         with t.section("rewards"):
             rewards = t.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,)
-        zero = zero_std_groups(rewards, cand.owner, len(idx))  # (B_local,)
-        ended = (cand.tokens == t.model.eos_id).any(dim=1)  # (N,) rows that produced eos_id
+        return {"idx": idx, "source": source, "cand": cand, "rewards": rewards,
+                "zero": zero_std_groups(rewards, cand.owner, len(idx))}  # (B_local,)
+
+    def new_generation(self) -> dict:
+        """Phase one and rewards of every batch, then advantages (and dropped groups) and the reference's
+        log-probs with the whole generation's statistics: one generation."""
+        t, cfg = self.t, self.t.cfg
+        batches = [next(t.rl_batches) for _ in range(cfg.grad_accum)]
+        found = [self.search(batch) for batch in batches]
+        cands, rewards = [f["cand"] for f in found], torch.cat([f["rewards"] for f in found])  # (N,) all batches
+        lengths = torch.cat([c.lengths for c in cands])
+        ended = sum(int((c.tokens == t.model.eos_id).any(dim=1).sum()) for c in cands)  # rows that produced eos
+        B = sum(len(batch) for batch in batches)
         sums = distributed.reduce_sums({"reward": float(rewards.sum()), "reward_sq": float((rewards ** 2).sum()),
-                                        "rows": len(cand), "zero_std": int(zero.sum()),
-                                        "length": int(cand.lengths.sum()), "ended": int(ended.sum())})
+                                        "rows": len(rewards), "zero_std": sum(int(f["zero"].sum()) for f in found),
+                                        "length": int(lengths.sum()), "ended": ended})
         n = sums["rows"]
         var = (sums["reward_sq"] - sums["reward"] ** 2 / n) / max(n - 1, 1)
-        adv = advantages(rewards, cand.owner, len(idx), cfg.baseline or "mean", cfg.advantage_scale,
-                         batch_std=math.sqrt(max(var, 0.0)))
-        gen = {"idx": idx, "num_sources": B, "used": 0, "metrics": {
-            "reward_mean": sums["reward"] / n, "reward_max": distributed.reduce_max(float(rewards.max())),
-            "candidates": int(n), "frac_reward_zero_std": sums["zero_std"] / B,
-            "completion_length_mean": sums["length"] / n, "terminated": sums["ended"] / n,
-            "completion_length_min": -distributed.reduce_max(-float(cand.lengths.min())),
-            "completion_length_max": distributed.reduce_max(float(cand.lengths.max()))}}
-        if cfg.drop_zero_std:  # DAPO's dynamic sampling: groups without signal leave phase two (and its normalisers)
-            keep = (~zero[cand.owner]).nonzero().squeeze(1)
-            cand, adv = cand.select(keep), adv[keep]
+        metrics = {"reward_mean": sums["reward"] / n, "reward_max": distributed.reduce_max(float(rewards.max())),
+                   "candidates": int(n), "frac_reward_zero_std": sums["zero_std"] / B,
+                   "completion_length_mean": sums["length"] / n, "terminated": sums["ended"] / n,
+                   "completion_length_min": -distributed.reduce_max(-float(lengths.min())),
+                   "completion_length_max": distributed.reduce_max(float(lengths.max()))}
+        gen = {"num_sources": B, "used": 0, "metrics": metrics,
+               "parts": [self.part(f, math.sqrt(max(var, 0.0))) for f in found]}
+        if cfg.drop_zero_std:
             gen["metrics"]["dropped_groups"] = int(sums["zero_std"])
-        gen.update(tokens=cand.tokens, lengths=cand.lengths, owner=cand.owner, scores=cand.scores,
-                   token_scores=cand.token_scores, advantages=adv,
-                   ref=self.reference_log_probs(source, cand) if self.reference is not None else None)
         return gen
 
-    def objective(self, gen: dict):
+    def part(self, found: dict, batch_std: float) -> dict:
+        """One batch of the generation: its candidates, advantages and reference log-probs."""
+        cfg, cand, idx = self.t.cfg, found["cand"], found["idx"]
+        adv = advantages(found["rewards"], cand.owner, len(idx), cfg.baseline or "mean", cfg.advantage_scale,
+                         batch_std=batch_std)
+        if cfg.drop_zero_std:  # DAPO's dynamic sampling: groups without signal leave phase two (and its normalisers)
+            keep = (~found["zero"][cand.owner]).nonzero().squeeze(1)
+            cand, adv = cand.select(keep), adv[keep]
+        ref = self.reference_log_probs(found["source"], cand) if self.reference is not None else None
+        return {"idx": idx, **{k: getattr(cand, k) for k in FIELDS}, "advantages": adv, "ref": ref}
+
+    def objective(self, gen: dict, part: dict, counts: dict):
+        """The token-level objective of one batch, normalised by the whole generation's counts."""
         cfg = self.t.cfg
-        n = distributed.reduce_sums({"rows": len(gen["lengths"]), "tokens": int(gen["lengths"].sum())})
-        return policy_loss(gen["advantages"], gen["token_scores"].to(torch.float64), lengths=gen["lengths"],
+        return policy_loss(part["advantages"], part["token_scores"].to(torch.float64), lengths=part["lengths"],
                            loss_type=cfg.loss_type, epsilon=cfg.clip_epsilon, epsilon_high=cfg.clip_epsilon_high,
-                           beta=cfg.kl_beta, ref_token_logps=gen["ref"],
+                           beta=cfg.kl_beta, ref_token_logps=part["ref"],
                            kl_importance_weighted=cfg.kl_importance_weighted, max_len=cfg.max_len,
-                           num_sources=gen["num_sources"], owner=gen["owner"], num_items=n["tokens"],
-                           num_rows=int(n["rows"]))
+                           num_sources=gen["num_sources"], owner=part["owner"], num_items=counts["tokens"],
+                           num_rows=int(counts["rows"]))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict:
-        """One update; a new generation first when the last one has had its --updates-per-generation."""
+        """One update (a phase two per batch of the generation, gradients accumulated); a new generation first
+        when the last one has had its --updates-per-generation."""
         t, cfg = self.t, self.t.cfg
         self.ensure_reference()
         if self.generation is None or self.generation["used"] >= cfg.updates_per_generation:
             self.generation = self.new_generation()
         gen = self.generation
-        rows = Samples(gen["tokens"], gen["lengths"], gen["owner"], gen["scores"], gen["token_scores"])
-        source = t._sources(gen["idx"])
+        counts = distributed.reduce_sums({"rows": sum(len(p["lengths"]) for p in gen["parts"]),
+                                          "tokens": sum(int(p["lengths"].sum()) for p in gen["parts"])})
         t.model.eval()
         t.optimizer.zero_grad(set_to_none=True)
-        stats = {}
-        loss = t.phase_two(source, rows, self.objective(gen), stats=stats) if len(rows) else 0.0
+        loss, stats = 0.0, {}
+        for part in gen["parts"]:
+            rows = Samples(*(part[k] for k in FIELDS))
+            if len(rows):
+                got = {}  # phase_two counts this call's positions: its own dict
+                loss += t.phase_two(t._sources(part["idx"]), rows, self.objective(gen, part, counts), stats=got)
+                for key in ("tokens", "clip_low", "clip_high", "kl"):
+                    stats[key] = stats.get(key, 0) + got.get(key, 0)
         gen["used"] += 1
         total = distributed.reduce_sums({"loss": loss, "tokens": stats.get("tokens", 0),
                                          "clip_low": stats.get("clip_low", 0), "clip_high": stats.get("clip_high", 0),
@@ -127,15 +142,18 @@ class PolicyStep:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
+        """The generation and which reference the run uses (`Reference.state_dict`: its kind, and its copy or
+        adapters where it has one)."""
         return {"generation": self.generation,
                 "reference": self.reference.state_dict() if self.reference is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         gen = state.get("generation")
+        if gen is not None and "parts" not in gen:  # saved before --grad-accum: one batch, its fields at the top
+            gen = {"num_sources": gen["num_sources"], "used": gen["used"], "metrics": gen["metrics"],
+                   "parts": [{k: gen[k] for k in ("idx", *FIELDS, "advantages", "ref")}]}
         if gen is not None:
-            gen = {k: v.to(self.t.device) if isinstance(v, torch.Tensor) else v for k, v in gen.items()}
+            gen["parts"] = [{k: v.to(self.t.device) if isinstance(v, torch.Tensor) else v for k, v in part.items()}
+                            for part in gen["parts"]]
         self.generation = gen
-        if state.get("reference") is not None:
-            self.reference = copy.deepcopy(self.t.model)
-            self.reference.load_state_dict(state["reference"])
-            self.reference.eval().requires_grad_(False)
+        self.reference = Reference.from_state(state.get("reference"), self.t.model)

@@ -59,3 +59,28 @@ def save(adapter, folder, merge: bool) -> None:
         copy.deepcopy(adapter).merge_and_unload().save_pretrained(folder)
     else:
         adapter.save_pretrained(folder)
+
+
+def adds_nothing(adapter) -> bool:
+    """Whether the LoRA adapters add exactly nothing to the model's outputs, as peft initialises them: every B
+    matrix zero (B A x = 0), no DoRA, no trained bias, nothing but A and B trainable. The model then equals its
+    base, which `base_only` scores (the reference of --objective policy at the first RL step: `train.reference`)."""
+    config = adapter.active_peft_config
+    if getattr(config, "peft_type", None) != "LORA" or getattr(config, "use_dora", False) \
+            or getattr(config, "bias", "none") != "none":  # PeftType is a str enum
+        return False
+    for name, p in adapter.named_parameters():
+        if not p.requires_grad:
+            continue
+        if ".lora_B." in name or ".lora_embedding_B." in name:
+            if bool(p.any()):
+                return False
+        elif ".lora_A." not in name and ".lora_embedding_A." not in name:
+            return False
+    return True
+
+
+def base_only(adapter):
+    """peft's `disable_adapter()` context: the model it adapts runs as its base (no adapter in any layer); the
+    adapters are enabled again (and trainable) on exit."""
+    return adapter.disable_adapter()
