@@ -121,8 +121,8 @@ def test_grad_accum_equals_one_big_batch_over_several_updates(data, tmp_path, on
         tr.model.double()
         tr.step_counts = {}  # set by train_step, which this test goes around
         tr.cfg.grad_accum = 1  # a few MLE steps, the same in both runs: some reward for the candidates
-        tr.mle_batches = iter([list(range(k, len(tr.pairs), 4)) for k in range(4)])
-        for _ in range(4):
+        tr.mle_batches = iter([list(range(k, len(tr.pairs), 2)) for k in range(2)])
+        for _ in range(2):
             tr.mle_step()
         tr.cfg.grad_accum, tr.rl_batches = accum, iter(plan)
         tr.optimizer.param_groups[0]["lr"] = 0.05
