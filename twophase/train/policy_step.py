@@ -6,18 +6,20 @@ per-token log-probabilities (no graph, chunked, once). Each RL step is one updat
 candidates with the token-level objective of `twophase.policy` (importance ratio to phase one, clipped; k3 KL),
 so the first update's ratio is exactly 1. The generation lives in the checkpoint, so a run resumed between two
 of its updates continues bit-identically. Several processes: each holds its sources' groups; the normalisers
-(rows, tokens, the batch's reward std) are the global batch's, so the summed gradient is one process's.
+(rows, tokens, the batch's reward std) are the global batch's, so the summed gradient is one process's; the
+checkpoint holds every process's part of the generation (a resume on another number of processes draws a new
+one). Under --fsdp a step runs inside one `fsdp.gathered` (phase one of a new generation and the update's phase
+two on one gathered copy, one reduction), and the reference is sharded too, gathered for its scoring pass only.
 
 Letters: B sources (global), K candidates per source, N rows (this process), T positions.
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 
-from . import distributed
+from . import distributed, fsdp
 from .. import protocol
 from ..policy import advantages, policy_loss, zero_std_groups
 from ..samples import Samples
@@ -38,17 +40,24 @@ class PolicyStep:
         cfg = self.t.cfg
         if cfg.kl_beta == 0 or self.reference is not None:
             return
-        self.reference = copy.deepcopy(self.t.model)  # the end-of-MLE model (this is the first RL step)
+        state = None  # the end-of-MLE model (this is the first RL step), or --ref-checkpoint's
         if cfg.ref_checkpoint is not None:
             state = torch.load(cfg.ref_checkpoint, map_location=self.t.device, weights_only=True)
-            self.reference.load_state_dict(state["model"] if "model" in state else state)
-        self.reference.eval().requires_grad_(False)
+            state = state["model"] if "model" in state else state
+        self.reference = self.frozen_copy(state)
+
+    def frozen_copy(self, state: dict | None = None):
+        """The model copied (--fsdp: sharded alike), with `state`'s parameters where given, frozen."""
+        reference = fsdp.copy_model(self.t.model, self.t.task.build_model)
+        if state is not None:
+            fsdp.load_model(reference, state)  # whole tensors, into the shards under --fsdp
+        return reference.eval().requires_grad_(False)
 
     @torch.no_grad()
     def reference_log_probs(self, source, cand: Samples) -> torch.Tensor:
         """(N, T) the reference's per-token log-probabilities of the candidates, a chunk of rows at a time."""
         chunk = self.t.cfg.rescore_chunk if self.t.cfg.rescore_chunk != "auto" else REF_CHUNK
-        with protocol.scoring_mode(self.reference), self.t.autocast():
+        with fsdp.gathered(self.reference), protocol.scoring_mode(self.reference), self.t.autocast():
             enc = self.reference.encode(source)
             parts = [protocol.token_scores(self.reference, enc, cand.tokens[i:i + chunk], cand.owner[i:i + chunk])
                      for i in range(0, len(cand), chunk)]
@@ -91,6 +100,7 @@ class PolicyStep:
         return gen
 
     def objective(self, gen: dict):
+        """The update's token-level objective; a collective (the global normalisers): every process calls it."""
         cfg = self.t.cfg
         n = distributed.reduce_sums({"rows": len(gen["lengths"]), "tokens": int(gen["lengths"].sum())})
         return policy_loss(gen["advantages"], gen["token_scores"].to(torch.float64), lengths=gen["lengths"],
@@ -105,15 +115,17 @@ class PolicyStep:
         """One update; a new generation first when the last one has had its --updates-per-generation."""
         t, cfg = self.t, self.t.cfg
         self.ensure_reference()
-        if self.generation is None or self.generation["used"] >= cfg.updates_per_generation:
-            self.generation = self.new_generation()
-        gen = self.generation
-        rows = Samples(gen["tokens"], gen["lengths"], gen["owner"], gen["scores"], gen["token_scores"])
-        source = t._sources(gen["idx"])
-        t.model.eval()
         t.optimizer.zero_grad(set_to_none=True)
         stats = {}
-        loss = t.phase_two(source, rows, self.objective(gen), stats=stats) if len(rows) else 0.0
+        with fsdp.gathered(t.model, reduce=True):  # --fsdp: one gathered copy for phase one and two, one reduction
+            if self.generation is None or self.generation["used"] >= cfg.updates_per_generation:
+                self.generation = self.new_generation()
+            gen = self.generation
+            rows = Samples(gen["tokens"], gen["lengths"], gen["owner"], gen["scores"], gen["token_scores"])
+            source = t._sources(gen["idx"])
+            t.model.eval()
+            objective = self.objective(gen)  # also where --drop-zero-std left this process no rows
+            loss = t.phase_two(source, rows, objective, stats=stats) if len(rows) else 0.0
         gen["used"] += 1
         total = distributed.reduce_sums({"loss": loss, "tokens": stats.get("tokens", 0),
                                          "clip_low": stats.get("clip_low", 0), "clip_high": stats.get("clip_high", 0),
@@ -127,15 +139,24 @@ class PolicyStep:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
-        return {"generation": self.generation,
-                "reference": self.reference.state_dict() if self.reference is not None else None}
+        """A collective (every process calls it): every process's generation, the reference's whole tensors.
+        One process: "generation"; several: "rank_generations", rank r's at r (its own sources' rows)."""
+        mine = None if self.generation is None else {k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                                     for k, v in self.generation.items()}
+        gens = distributed.gather_objects(mine)
+        reference = None if self.reference is None else {k: fsdp.whole(v)  # all of it: it has no trainable part
+                                                          for k, v in self.reference.state_dict().items()}
+        if len(gens) == 1:
+            return {"generation": gens[0], "reference": reference}
+        return {"generation": None, "rank_generations": gens, "reference": reference}
 
     def load_state_dict(self, state: dict) -> None:
-        gen = state.get("generation")
+        """This process's generation where the checkpoint has one for it (the same number of processes; else
+        the next step draws a new one), and the reference."""
+        gens = state.get("rank_generations") or [state.get("generation")]
+        gen = gens[distributed.rank()] if len(gens) == distributed.world() else None
         if gen is not None:
             gen = {k: v.to(self.t.device) if isinstance(v, torch.Tensor) else v for k, v in gen.items()}
         self.generation = gen
         if state.get("reference") is not None:
-            self.reference = copy.deepcopy(self.t.model)
-            self.reference.load_state_dict(state["reference"])
-            self.reference.eval().requires_grad_(False)
+            self.reference = self.frozen_copy(state["reference"])
