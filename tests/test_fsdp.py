@@ -85,6 +85,23 @@ def _two(rank: int, port: int, runs: list, out: str) -> None:
         finish()
 
 
+def _two_process_runs(d: Path, cases: dict) -> list:
+    """Every command the two processes run, in order, in one process group."""
+    runs = [[*argv, "--fsdp", "--save-dir", str(d / f"two_{name}")] for name, argv in cases.items()]
+    # --resume on 2 processes: "rows" stopped after its first RL step, then continued to the end
+    rows = cases["rows"]
+    runs.append([*rows[:-3], "--rl-steps", "1", "--no-compare-mle", "--fsdp", "--save-dir", str(d / "cut")])
+    runs.append(["--resume", "--rl-steps", "2", "--fsdp", "--save-dir", str(d / "cut")])
+    # --objective policy, sampled: --fsdp against data-parallel training (each rank samples from its own stream);
+    # and --resume under --fsdp from step 3, inside the second generation
+    policy = ["--train", str(d / "train.tsv"), "--valid", str(d / "valid.tsv"), *LSTM, "--rescore-chunk", "2",
+              *POLICY]
+    return runs + [[*policy, "--rl-steps", "4", "--fsdp", "--save-dir", str(d / "policy_fsdp")],
+                   [*policy, "--rl-steps", "4", "--save-dir", str(d / "policy_ddp")],
+                   [*policy, "--rl-steps", "3", "--fsdp", "--save-dir", str(d / "policy_cut")],
+                   ["--resume", "--rl-steps", "4", "--fsdp", "--save-dir", str(d / "policy_cut")]]
+
+
 def test_fsdp_on_two_processes_equals_one_and_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_task(tmp_path / "train.tsv", "reverse", 60, seed=0)
@@ -95,19 +112,7 @@ def test_fsdp_on_two_processes_equals_one_and_resumes_exactly(tmp_path, monkeypa
     hf_tiny.save(tmp_path / "gpt2", "gpt2")
     hf_tiny.save(tmp_path / "t5", "t5", seed=1)
     cases = _cases(tmp_path)
-    runs = [[*argv, "--fsdp", "--save-dir", str(tmp_path / f"two_{name}")] for name, argv in cases.items()]
-    # --resume on 2 processes: "rows" stopped after its first RL step, then continued to the end
-    rows = cases["rows"]
-    runs.append([*rows[:-3], "--rl-steps", "1", "--no-compare-mle", "--fsdp", "--save-dir", str(tmp_path / "cut")])
-    runs.append(["--resume", "--rl-steps", "2", "--fsdp", "--save-dir", str(tmp_path / "cut")])
-    # --objective policy, sampled: --fsdp against data-parallel training (each rank samples from its own stream);
-    # and --resume under --fsdp from step 3, inside the second generation
-    policy = ["--train", str(tmp_path / "train.tsv"), "--valid", str(tmp_path / "valid.tsv"), *LSTM,
-              "--rescore-chunk", "2", *POLICY]
-    runs += [[*policy, "--rl-steps", "4", "--fsdp", "--save-dir", str(tmp_path / "policy_fsdp")],
-             [*policy, "--rl-steps", "4", "--save-dir", str(tmp_path / "policy_ddp")],
-             [*policy, "--rl-steps", "3", "--fsdp", "--save-dir", str(tmp_path / "policy_cut")],
-             ["--resume", "--rl-steps", "4", "--fsdp", "--save-dir", str(tmp_path / "policy_cut")]]
+    runs = _two_process_runs(tmp_path, cases)
     port = _free_port()
     # fork: the children need no fresh import of torch and transformers (seconds on a busy machine)
     ctx = mp.start_processes(_two, args=(port, runs, str(tmp_path / "out%d.txt")), nprocs=2, join=False,
