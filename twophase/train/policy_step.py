@@ -8,8 +8,9 @@ so the first update's ratio is exactly 1. The generation lives in the checkpoint
 of its updates continues bit-identically. Several processes: each holds its sources' groups; the normalisers
 (rows, tokens, the batch's reward std) are the global batch's, so the summed gradient is one process's; the
 checkpoint holds every process's part of the generation (a resume on another number of processes draws a new
-one). Under --fsdp a step runs inside one `fsdp.gathered` (phase one of a new generation and the update's phase
-two on one gathered copy, one reduction), and the reference is sharded too, gathered for its scoring pass only.
+one). Under --fsdp the reference is sharded too, and each process holds one gathered copy at a time: the
+model's for phase one, then the reference's for its scoring pass, then the model's for the update's phase two
+(one gather and one reduction per update, plus the reference's gather and phase one's once per generation).
 
 Letters: B sources (global), K candidates per source, N rows (this process), T positions.
 """
@@ -71,7 +72,7 @@ class PolicyStep:
         B, idx = len(batch), distributed.shard(batch)
         source, examples = t._sources(idx), [t.train[i] for i in idx]
         t.model.eval()
-        with t.section("phase 1: search"), t.autocast():
+        with fsdp.gathered(t.model), t.section("phase 1: search"), t.autocast():  # --fsdp: gathered for the search
             cand = t.search(source)
         with t.section("rewards"):
             rewards = t.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,)
@@ -115,16 +116,16 @@ class PolicyStep:
         """One update; a new generation first when the last one has had its --updates-per-generation."""
         t, cfg = self.t, self.t.cfg
         self.ensure_reference()
+        if self.generation is None or self.generation["used"] >= cfg.updates_per_generation:
+            self.generation = self.new_generation()
+        gen = self.generation
+        rows = Samples(gen["tokens"], gen["lengths"], gen["owner"], gen["scores"], gen["token_scores"])
+        source = t._sources(gen["idx"])
+        t.model.eval()
         t.optimizer.zero_grad(set_to_none=True)
         stats = {}
-        with fsdp.gathered(t.model, reduce=True):  # --fsdp: one gathered copy for phase one and two, one reduction
-            if self.generation is None or self.generation["used"] >= cfg.updates_per_generation:
-                self.generation = self.new_generation()
-            gen = self.generation
-            rows = Samples(gen["tokens"], gen["lengths"], gen["owner"], gen["scores"], gen["token_scores"])
-            source = t._sources(gen["idx"])
-            t.model.eval()
-            objective = self.objective(gen)  # also where --drop-zero-std left this process no rows
+        objective = self.objective(gen)  # a collective: also where --drop-zero-std left this process no rows
+        with fsdp.gathered(t.model, reduce=True):  # --fsdp: whole parameters for phase two, one reduction after
             loss = t.phase_two(source, rows, objective, stats=stats) if len(rows) else 0.0
         gen["used"] += 1
         total = distributed.reduce_sums({"loss": loss, "tokens": stats.get("tokens", 0),
