@@ -23,6 +23,12 @@ Why not FSDP2's own forward hooks: twophase calls `encode` / `step` / `score` (a
 during a step each process holds one gathered copy of the parameters and their whole gradient (as DDP does);
 between steps, and for Adam's moments always, 1/W. Every model is therefore sharded as one unit.
 
+A wrapper that is itself a `SequenceModel` (`--grammar on`'s `Constrained`) wraps the sharded model: it is the
+sharded model, not the wrapper, that `fully_shard` turns into an FSDP module, so the wrapper's state_dict (the
+model's) is a plain run's. Every function here takes either and finds the sharded module (`sharded_root`).
+A frozen copy (`copy_model`: --objective policy's KL reference) is sharded too, and gathered for its own
+scoring pass only.
+
 Checkpoints hold whole tensors (`full_model_state`, `full_optimizer_state`: collectives, every process calls
 them), in a single process's layout: a plain run, `twophase-decode` and `--resume` on the same number of
 processes all load them; `hf_final` is written once, by rank 0, from a plain copy.
@@ -31,6 +37,7 @@ Letters: W processes, r this process's rank, P parameter elements.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -50,12 +57,9 @@ def check(cfg) -> None:
     if cfg.amp == "fp16":
         raise ValueError("--fsdp with --amp fp16: the loss scaler does not unscale sharded gradients; --amp bf16 "
                          "needs no scaler")
-    if cfg.objective == "policy":
-        raise ValueError("--fsdp with --objective policy: not supported yet (its updates of a generation step the "
-                         "optimizer inside one gathered step); use DDP (plain torchrun)")
-    if cfg.grammar == "on":
-        raise ValueError("--fsdp with --grammar on: not supported yet (the grammar wraps the sharded model); "
-                         "--grammar off, or DDP (plain torchrun)")
+    if cfg.lora_r and cfg.objective == "policy" and cfg.kl_beta != 0:
+        raise ValueError("--fsdp with --lora-r and --kl-beta: not supported (the LoRA reference scores the sharded "
+                         "model with its adapters disabled or swapped); use DDP (plain torchrun)")
     if cfg.export == "best":
         raise ValueError("--fsdp with --export best: not supported; checkpoint_best.pt holds the whole model "
                          "(twophase-decode reads it)")
@@ -74,8 +78,40 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def sharded_root(model):
+    """The outermost `fully_shard`ed module in `model` (itself, or the model a wrapper such as `Constrained`
+    holds), or None."""
+    return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
+
+
 def is_sharded(model) -> bool:
-    return isinstance(model, FSDPModule)
+    return sharded_root(model) is not None
+
+
+def copy_model(model, build):
+    """A copy of `model` (reference models: --kl-beta's). Plain: `copy.deepcopy`. Sharded (FSDP2 refuses
+    deepcopy): `build()` (the task's fresh model, built without touching the random streams) sharded alike, each
+    process's shards copied into it (no communication); a wrapper around the sharded model is deep-copied around
+    the new one. Per process it then holds 1/W of the parameters (and a whole copy, as at startup, while built)."""
+    root = sharded_root(model)
+    if root is None:
+        return copy.deepcopy(model)
+    if root._twophase_gathers:
+        raise RuntimeError("copy_model inside gathered(): the shards are what is copied")
+    device = next(root.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        fresh = shard_model(build().to(device))
+    mine, theirs = dict(root.named_parameters()), dict(fresh.named_parameters())
+    if mine.keys() != theirs.keys():
+        raise RuntimeError(f"copy_model: the rebuilt model's parameters differ ({sorted(mine.keys() ^ theirs.keys())[:3]})")
+    with torch.no_grad():
+        for name, p in mine.items():
+            local(theirs[name]).copy_(local(p))
+            theirs[name].requires_grad_(p.requires_grad)
+        buffers = dict(fresh.named_buffers())
+        for name, b in root.named_buffers():
+            buffers[name].copy_(b)  # buffers stay whole on every process
+    return fresh if root is model else copy.deepcopy(model, {id(root): fresh})
 
 
 @contextlib.contextmanager
@@ -85,8 +121,9 @@ def gathered(model, reduce: bool = False):
     reduce: on leaving the outermost one, the gathered parameters' .grad are summed over the processes and each
     process's slice becomes its shard's .grad (added to what it held). Without, gradients are dropped. Every
     process must enter and leave together (these are collectives); after an exception nothing is reduced."""
-    if not is_sharded(model):
-        yield model
+    wrapper, model = model, sharded_root(model)
+    if model is None:
+        yield wrapper
         return
     depth = model._twophase_gathers
     model._twophase_gathers = depth + 1
@@ -94,7 +131,7 @@ def gathered(model, reduce: bool = False):
         model.unshard()
     ok = False
     try:
-        yield model
+        yield wrapper
         ok = True
     finally:
         model._twophase_gathers = depth

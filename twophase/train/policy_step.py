@@ -9,7 +9,11 @@ a phase two over each batch's candidates in turn, gradients accumulated, with th
 `twophase.policy` (importance ratio to phase one, clipped; k3 KL), so the first update's ratio is exactly 1. The
 generation lives in the checkpoint, so a run resumed between two of its updates continues bit-identically.
 Several processes: each holds its share of every batch; the normalisers are global, so the summed gradient is
-one process's.
+one process's; the checkpoint holds every process's part of the generation (a resume on another number of
+processes draws a new one). Under --fsdp a copied reference is sharded too, and each process holds one gathered
+copy at a time: the model's for phase one, then the reference's for its scoring pass, then the model's for the
+update's phase two (one gather and one reduction per update, plus the reference's and phase one's once per
+generation).
 
 Letters: B sources (global, all batches), K candidates per source, N rows (this process), T positions.
 """
@@ -19,7 +23,7 @@ import math
 
 import torch
 
-from . import distributed
+from . import distributed, fsdp
 from ..policy import advantages, policy_loss, zero_std_groups
 from ..samples import Samples
 from .reference import Reference
@@ -40,7 +44,7 @@ class PolicyStep:
     def ensure_reference(self) -> None:
         cfg = self.t.cfg
         if cfg.kl_beta != 0 and self.reference is None:  # this is the first RL step: the end-of-MLE model
-            self.reference = Reference.of(self.t.model, cfg.ref_checkpoint, self.t.device)
+            self.reference = Reference.of(self.t.model, cfg.ref_checkpoint, self.t.device, self.t.task.build_model)
 
     def reference_log_probs(self, source, cand: Samples) -> torch.Tensor:
         """(N, T) the reference's per-token log-probabilities of the candidates, a chunk of rows at a time."""
@@ -54,7 +58,7 @@ class PolicyStep:
         idx = distributed.shard(batch)
         source, examples = t._sources(idx), [t.train[i] for i in idx]
         t.model.eval()
-        with t.section("phase 1: search"), t.autocast():
+        with fsdp.gathered(t.model), t.section("phase 1: search"), t.autocast():  # --fsdp: gathered for the search
             cand = t.search(source)
         with t.section("rewards"):
             rewards = t.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,)
@@ -122,13 +126,14 @@ class PolicyStep:
         t.model.eval()
         t.optimizer.zero_grad(set_to_none=True)
         loss, stats = 0.0, {}
-        for part in gen["parts"]:
-            rows = Samples(*(part[k] for k in FIELDS))
-            if len(rows):
-                got = {}  # phase_two counts this call's positions: its own dict
-                loss += t.phase_two(t._sources(part["idx"]), rows, self.objective(gen, part, counts), stats=got)
-                for key in ("tokens", "clip_low", "clip_high", "kl"):
-                    stats[key] = stats.get(key, 0) + got.get(key, 0)
+        with fsdp.gathered(t.model, reduce=True):  # --fsdp: whole parameters for the update, one reduction after
+            for part in gen["parts"]:
+                rows = Samples(*(part[k] for k in FIELDS))
+                if len(rows):
+                    got = {}  # phase_two counts this call's positions: its own dict
+                    loss += t.phase_two(t._sources(part["idx"]), rows, self.objective(gen, part, counts), stats=got)
+                    for key in ("tokens", "clip_low", "clip_high", "kl"):
+                        stats[key] = stats.get(key, 0) + got.get(key, 0)
         gen["used"] += 1
         total = distributed.reduce_sums({"loss": loss, "tokens": stats.get("tokens", 0),
                                          "clip_low": stats.get("clip_low", 0), "clip_high": stats.get("clip_high", 0),
@@ -142,18 +147,31 @@ class PolicyStep:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
-        """The generation and which reference the run uses (`Reference.state_dict`: its kind, and its copy or
-        adapters where it has one)."""
-        return {"generation": self.generation,
-                "reference": self.reference.state_dict() if self.reference is not None else None}
+        """A collective (every process calls it): which reference the run uses (`Reference.state_dict`: its
+        kind, and its copy, whole tensors, or adapters where it has one) and every process's generation. One
+        process: "generation"; several: "rank_generations", rank r's at r (its own sources' rows)."""
+        gens = distributed.gather_objects(_moved(self.generation, "cpu"))
+        reference = self.reference.state_dict() if self.reference is not None else None
+        if len(gens) == 1:
+            return {"generation": gens[0], "reference": reference}
+        return {"generation": None, "rank_generations": gens, "reference": reference}
 
     def load_state_dict(self, state: dict) -> None:
-        gen = state.get("generation")
+        """This process's generation where the checkpoint has one for it (the same number of processes; else
+        the next step draws a new one), and the reference."""
+        gens = state.get("rank_generations") or [state.get("generation")]
+        gen = gens[distributed.rank()] if len(gens) == distributed.world() else None
         if gen is not None and "parts" not in gen:  # saved before --grad-accum: one batch, its fields at the top
             gen = {"num_sources": gen["num_sources"], "used": gen["used"], "metrics": gen["metrics"],
                    "parts": [{k: gen[k] for k in ("idx", *FIELDS, "advantages", "ref")}]}
-        if gen is not None:
-            gen["parts"] = [{k: v.to(self.t.device) if isinstance(v, torch.Tensor) else v for k, v in part.items()}
-                            for part in gen["parts"]]
-        self.generation = gen
-        self.reference = Reference.from_state(state.get("reference"), self.t.model)
+        self.generation = _moved(gen, self.t.device)
+        ref = state.get("reference")
+        self.reference = None if ref is None else Reference.from_state(ref, self.t.model, self.t.task.build_model)
+
+
+def _moved(gen: dict | None, device) -> dict | None:
+    """The generation with its batches' tensors on device."""
+    if gen is None:
+        return None
+    parts = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in part.items()} for part in gen["parts"]]
+    return {**gen, "parts": parts}

@@ -14,19 +14,21 @@ reference it began with whatever the model or the flags would decide now:
               copy of the adapters alone is put in place of the model's own while the reference scores; the
               model's are put back after it, bit for bit.
 
-So with LoRA the reference costs no copy of the model: nothing (base) or the adapters' bytes (adapters).
+So with LoRA the reference costs no copy of the model: nothing (base) or the adapters' bytes (adapters). Under
+--fsdp a copy is sharded like the model (`fsdp.copy_model`) and gathered for its scoring pass only; the
+checkpoint holds its whole tensors.
 
 Letters: N rows, T positions.
 """
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import torch
 
 from .. import protocol
 from ..samples import Samples
+from . import fsdp
 from .params import saved_state
 from .startup import StartupError
 
@@ -44,13 +46,14 @@ class Reference:
 
     # ------------------------------------------------------------------ making one
     @classmethod
-    def of(cls, model, ref_checkpoint: str | None, device) -> "Reference":
-        """The reference of `model` at the first RL step (see the module docstring)."""
+    def of(cls, model, ref_checkpoint: str | None, device, build=None) -> "Reference":
+        """The reference of `model` at the first RL step (see the module docstring); `build()` makes a fresh
+        model of the task (needed to copy a sharded model: FSDP2 refuses deepcopy)."""
         if all(p.requires_grad for p in model.parameters()):
-            ref = copy.deepcopy(model)
+            ref = fsdp.copy_model(model, build)
             if ref_checkpoint is not None:
                 try:
-                    ref.load_state_dict(_model_state(ref_checkpoint, device))
+                    fsdp.load_model(ref, _model_state(ref_checkpoint, device))
                 except RuntimeError as err:
                     raise StartupError(f"--ref-checkpoint {ref_checkpoint}: {str(err).splitlines()[0]}") from None
             return cls("copy", _frozen(ref))
@@ -69,7 +72,8 @@ class Reference:
         """The module that computes the reference's log-probabilities: the copy, or `model` itself with its
         adapters disabled (base) or swapped for the reference's (adapters) for the duration."""
         if self.kind == "copy":
-            yield self.copy
+            with fsdp.gathered(self.copy):  # --fsdp: whole for this pass only
+                yield self.copy
         elif self.kind == "base":
             from ..models.hf import lora
             with lora.base_only(model.adapter):
@@ -89,19 +93,21 @@ class Reference:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
-        state = self.copy.state_dict() if self.kind == "copy" else self.values
-        return {"kind": self.kind, "state": state}
+        """A collective under --fsdp (a sharded copy's whole tensors are gathered)."""
+        if self.kind == "copy":
+            return {"kind": "copy", "state": {k: fsdp.whole(v) for k, v in self.copy.state_dict().items()}}
+        return {"kind": self.kind, "state": self.values}
 
     @classmethod
-    def from_state(cls, state: dict | None, model) -> "Reference | None":
+    def from_state(cls, state: dict | None, model, build=None) -> "Reference | None":
         """The reference a checkpoint recorded (None: not made yet). A state dict without "kind": a checkpoint
         of the version before the kinds, whose reference was always a copy."""
         if state is None:
             return None
         kind, values = (state["kind"], state["state"]) if "kind" in state else ("copy", state)
         if kind == "copy":
-            ref = copy.deepcopy(model)
-            ref.load_state_dict(values)
+            ref = fsdp.copy_model(model, build)
+            fsdp.load_model(ref, values)  # whole tensors, into the shards under --fsdp
             return cls("copy", _frozen(ref))
         if kind == "base" and getattr(model, "adapter", None) is None:
             raise StartupError("the checkpoint's reference is the base of a LoRA model (--lora-r), and this model "

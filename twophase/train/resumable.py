@@ -17,8 +17,9 @@ from .params import saved_state
 class Resumable:
     """The checkpointing half of `Trainer` (it provides model, optimizer, scaler, step, samplers, stats, paths)."""
 
-    def state(self, whole: tuple | None = None) -> dict:
-        """whole: --fsdp's (model, optimizer) states with whole tensors (`fsdp.full_*`, gathered by every process)."""
+    def state(self, whole: tuple | None = None, policy: dict | None = None) -> dict:
+        """whole: --fsdp's (model, optimizer) states with whole tensors (`fsdp.full_*`, gathered by every process);
+        policy: --objective policy's state (`PolicyStep.state_dict`, gathered by every process)."""
         model, optimizer = whole or (saved_state(self.model), self.optimizer.state_dict())
         return {"model": model, "optimizer": optimizer, "step": self.step,
                 "phase": self.phase_at(self.step - 1) if self.step else "mle", "config": asdict(self.cfg),
@@ -31,7 +32,7 @@ class Resumable:
                 "schedule": self.plateau.state_dict(), "mle_end": self.mle_end, "compared": self.compared,
                 "log_step": self.log_step, "best_scores": self.best_scores,
                 "presenting": python_rng_state(self.presenting),
-                **({"policy": self.policy.state_dict()} if getattr(self, "policy", None) is not None else {}),
+                **({"policy": policy} if policy is not None else {}),
                 **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}  # floats and ints
 
     def save_best(self, scores: dict) -> None:
@@ -52,9 +53,10 @@ class Resumable:
         whole = None
         if fsdp.is_sharded(self.model):  # a single process's layout, gathered by every process, saved by rank 0
             whole = fsdp.full_model_state(self.model), fsdp.full_optimizer_state(self.optimizer)
+        policy = self.policy.state_dict() if getattr(self, "policy", None) is not None else None  # a collective
         if not self.is_main:
             return
-        state = self.state(whole)
+        state = self.state(whole, policy)
         if len(rank_rngs) > 1:
             state.update(world_size=len(rank_rngs), rank_rngs=rank_rngs)
         if phase is not None:
