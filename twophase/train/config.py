@@ -9,7 +9,9 @@ import argparse
 import re
 import sys
 from dataclasses import MISSING, dataclass, field, fields
-from pathlib import Path
+
+from . import config_rules
+from .config_rules import MRT_ALPHA, _flag  # noqa: F401 (_flag: startup's)
 
 
 # --preset NAME: other defaults for a named recipe; flags given on the command line still win.
@@ -30,8 +32,6 @@ PRESETS = {
                         eval_beam=64, test_beam=0, lr_decay=1.0, rl_from_best=True, save_dir="runs/karel-paper"),
 }
 
-WITHOUT_REPLACEMENT = ("priority", "unordered-set")  # the objectives that need --sampler sbs
-MRT_ALPHA = 0.5  # --mrt-alpha's default; another value with another objective is refused
 DEFAULT_BEAM = 5  # validation's and twophase-decode's beam width, one figure so the two agree
 
 
@@ -289,155 +289,12 @@ class Config:
         return self.baseline or "mean"
 
     def validate(self) -> None:
-        """Cross-field checks the parser cannot express; raises ValueError naming the flag. Flags that would do
-        nothing are refused too: a run that ignores what it was told is worse than one that does not start."""
-        if self.task == "g2p" and (self.train or self.valid or self.test):
-            raise ValueError("--train, --valid and --test are files of --task tsv (or a task that reads them); "
-                             "--task g2p has its own data")
-        if self.preset == "g2p-long" and (self.train or self.task not in (None, "g2p")):
-            raise ValueError("--preset g2p-long is a recipe for the built-in G2P data (no --train, --task g2p)")
-        if self.preset == "karel-paper" and self.task != "karel":
-            raise ValueError("--preset karel-paper is a recipe for --task karel")
-        if self.task in (None, "tsv") and (self.train is None) != (self.valid is None):
-            raise ValueError("--train and --valid go together")
-        if self.karel_reward_pairs != "all" and self.task != "karel":
-            raise ValueError("--karel-reward-pairs applies to --task karel only")
-        if not 0 < self.lr_decay <= 1:
-            raise ValueError(f"--lr-decay must be in (0, 1], got {self.lr_decay}")
-        if self.mle_weight > 1:
-            raise ValueError(f"--mle-weight must be in [0, 1], got {self.mle_weight}")
-        if self.rescore_chunk == "auto" and self.memory_budget is None:
-            raise ValueError("--rescore-chunk auto needs --memory-budget (e.g. 2GiB)")
-        if self.memory_budget is not None and self.rescore_chunk != "auto":
-            raise ValueError(f"--memory-budget applies to --rescore-chunk auto only, not --rescore-chunk "
-                             f"{self.rescore_chunk}")
-        self._validate_trl()
-        if self.hf_model is not None:
-            self._validate_hf()
-        if self.rl_steps > 0:  # a run without RL steps never reads the RL flags: nothing to refuse there
-            self._validate_rl()
-
-    def _validate_trl(self) -> None:
-        """The flags of the block "coming from TRL"; each refuses what it cannot do."""
-        if self.top_p > 1 or (self.top_p == 0):
-            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p:g}")
-        if (self.top_k or self.top_p < 1 or self.min_len) and self.sampler != "sample":
-            raise ValueError("--top-k, --top-p and --min-len apply to --sampler sample only")
-        if (self.top_k or self.top_p < 1 or self.min_len) and self.one_phase:
-            raise ValueError("--top-k, --top-p and --min-len are two-phase sampling's; --one-phase samples without them")
-        if self.min_len >= self.max_len:
-            raise ValueError(f"--min-len {self.min_len} leaves no room for eos within --max-len {self.max_len}")
-        defaults = {f.name: f.default for f in fields(self)}
-        lora = ("lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora")
-        if not self.lora_r:
-            given = [n for n in lora if getattr(self, n) != defaults[n]]
-            if given:
-                raise ValueError(f"{_flag(given[0])} needs --lora-r")
-        elif self.hf_model is None:
-            raise ValueError("--lora-r adapts a Hugging Face model: it needs --hf-model")
-        if self.lora_dropout >= 1:
-            raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout:g}")
-        if self.lora_target_modules is not None and not all(m.strip() for m in self.lora_target_modules.split(",")):
-            raise ValueError(f"--lora-target-modules {self.lora_target_modules!r}: an empty module name")
-
-    def _validate_hf(self) -> None:
-        if self.task not in (None, "tsv"):
-            raise ValueError(f"--hf-model trains on --train/--valid files (--task tsv), not --task {self.task}")
-        if self.train is None:
-            raise ValueError("--hf-model needs --train and --valid files (--task tsv); the built-in G2P data has "
-                             "no Hugging Face tokenizer")
-        defaults = {f.name: f.default for f in fields(self)}
-        for name in ("embed_dim", "hidden_size", "bidirectional", "dropout"):
-            if getattr(self, name) != defaults[name]:
-                raise ValueError(f"--hf-model: {_flag(name)} sets the built-in LSTM; a Hugging Face model's size and "
-                                 "dropout are its config's (dropout applies to its MLE steps)")
-        for name in ("char_source", "char_target"):
-            if getattr(self, name):
-                raise ValueError(f"--hf-model: {_flag(name)} splits text for the built-in vocabularies; the "
-                                 "model's tokenizer splits it")
-
-    def _validate_policy(self) -> None:
-        """--objective policy's flags: refused with another objective (they would do nothing), and the
-        combinations it does not support."""
-        defaults = {f.name: f.default for f in fields(self)}
-        names = ("loss_type", "updates_per_generation", "clip_epsilon", "clip_epsilon_high", "kl_beta",
-                 "kl_importance_weighted", "ref_checkpoint", "advantage_scale", "drop_zero_std")
-        if self.objective != "policy":
-            for name in names:
-                if getattr(self, name) != defaults[name]:
-                    raise ValueError(f"{_flag(name)} applies to --objective policy only, not --objective "
-                                     f"{self.objective}")
-            return
-        for name, why in (("one_phase", "phase one keeps no graph for several updates"),
-                          ("mle_weight", "the MLE rows have no old policy")):
-            if getattr(self, name) != defaults[name]:
-                raise ValueError(f"--objective policy does not take {_flag(name)} ({why})")
-        if self.amp == "fp16":
-            raise ValueError("--objective policy does not take --amp fp16 (its loss scale); use --amp bf16")
-        if self.baseline == "greedy":
-            raise ValueError("--objective policy takes --baseline none, mean or loo, not greedy")
-        if self.sampler == "sbs":
-            raise ValueError("--objective policy takes --sampler sample or beam, not sbs (its candidates are not "
-                             "independent draws)")
-        if self.ref_checkpoint is not None and self.kl_beta == 0:
-            raise ValueError("--ref-checkpoint needs --kl-beta > 0")
-        if self.ref_checkpoint is not None and not Path(self.ref_checkpoint).is_file():
-            raise ValueError(f"--ref-checkpoint {self.ref_checkpoint}: no such file")
-
-    def _validate_rl(self) -> None:
-        self._validate_policy()
-        if self.include_reference and self.objective != "beam":
-            raise ValueError(f"--include-reference applies to --objective beam only, not --objective {self.objective}")
-        if self.temperature != 1 and self.sampler != "sample":
-            raise ValueError(f"--temperature applies to --sampler sample only, not --sampler {self.sampler}")
-        if self.objective == "policy":
-            if self.beam_size < 2 and self.baseline != "none":
-                raise ValueError("--objective policy with --beam-size 1 has no group to compare a candidate with; "
-                                 "use --beam-size >= 2, or --baseline none")
-            return
-        if self.mrt_alpha != MRT_ALPHA and self.objective != "mrt":
-            raise ValueError(f"--mrt-alpha applies to --objective mrt only, not --objective {self.objective}")
-        if self.objective in WITHOUT_REPLACEMENT and self.sampler != "sbs":
-            raise ValueError(f"--objective {self.objective} needs --sampler sbs (it weights a sample without "
-                             f"replacement), not --sampler {self.sampler}")
-        if self.objective != "reinforce":
-            if self.baseline is not None:
-                raise ValueError(f"--baseline applies to --objective reinforce only, not --objective "
-                                 f"{self.objective}")
-            if self.beam_size < 2 and self.objective not in WITHOUT_REPLACEMENT:
-                raise ValueError(f"--beam-size 1 with --objective {self.objective} trains nothing (one candidate "
-                                 "per source has q = 1 and coefficient 0); use --beam-size >= 2")
-            return
-        if self.temperature != 1:
-            raise ValueError(f"--objective reinforce with --temperature {self.temperature:g} is biased (it samples "
-                             "from p^(1/T) but weights grad log p without the importance ratio); use --temperature "
-                             "1, or --objective beam or mrt")
-        if self.reinforce_baseline == "loo" and self.beam_size < 2:
-            raise ValueError("--baseline loo needs --beam-size >= 2")
-        if self.reinforce_baseline == "mean" and self.beam_size < 2:
-            raise ValueError("--beam-size 1 with --objective reinforce --baseline mean trains nothing (each sample "
-                             "is its own baseline); use --beam-size >= 2, or --baseline none or greedy")
+        """Cross-field checks the parser cannot express (`config_rules.validate`); ValueError naming the flag."""
+        config_rules.validate(self)
 
     def warnings(self) -> list[str]:
-        """Configurations that train, but not what the user probably means; one line each."""
-        if self.rl_steps > 0 and self.objective == "policy" and self.sampler == "beam":
-            return ["--objective policy with --sampler beam: beam candidates are not samples of the old policy, so "
-                    "the importance ratio corrects nothing; usual: --sampler sample"]
-        if self.rl_steps > 0 and self.objective == "reinforce" and self.sampler == "beam":
-            return ["--objective reinforce with --sampler beam is biased (beam candidates are not samples of the "
-                    "model); unbiased: --sampler sample, or --objective beam"]
-        if self.rl_steps > 0 and self.objective == "reinforce" and (self.top_k or self.top_p < 1 or self.min_len):
-            return ["--objective reinforce with --top-k, --top-p or --min-len is biased (it samples from the "
-                    "truncated distribution but weighs grad log p of the full one, as TRL does); unbiased: no "
-                    "truncation, or --objective beam or mrt"]
-        if self.rl_steps > 0 and self.objective == "reinforce" and self.sampler == "sbs":
-            return ["--objective reinforce with --sampler sbs is biased (a sample without replacement is not K "
-                    "independent draws); unbiased: --objective unordered-set or priority"]
-        return []
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+        """Configurations that train, but not what the user probably means (`config_rules.warnings`)."""
+        return config_rules.warnings(self)
 
 
 def _typed(f, kind):
