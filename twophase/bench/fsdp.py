@@ -21,6 +21,7 @@ Letters: B prompts per step (all processes), K samples per prompt, C rows per ch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -28,11 +29,11 @@ import time
 
 import torch
 
-from .. import protocol
 from ..rescoring import rescore_backward
 from ..search import sample
 from ..train import distributed, fsdp
 from ..train.memstats import AllocationPeak
+from ..train.reference import Reference
 from .hf import DEFAULTS, build, coefficients
 
 SMALL = dict(DEFAULTS, batch=4, samples=4, prompt=32, completion=16, chunk=4, steps=2, model="causal",
@@ -56,11 +57,8 @@ def step(cell: dict, model, optimizer, source: dict, seed: int, reference=None) 
     if reference is not None:  # as PolicyStep: phase one, the reference's pass, phase two, one gathered copy each
         with fsdp.gathered(model):
             samples = sample(model, share, K, T, generator=g)
-        C = cell["chunk"]
-        with torch.no_grad(), fsdp.gathered(reference), protocol.scoring_mode(reference):
-            enc = reference.encode(share)
-            for i in range(0, len(samples), C):  # chunks of C rows, as --rescore-chunk C
-                protocol.token_scores(reference, enc, samples.tokens[i:i + C], samples.owner[i:i + C])
+        # the reference's pass of PolicyStep itself: gathered, no graph, chunks of C rows as --rescore-chunk C
+        Reference("copy", reference).log_probs(model, share, samples, cell["chunk"], contextlib.nullcontext)
     with fsdp.gathered(model, reduce=True):
         if reference is None:
             samples = sample(model, share, K, T, generator=g)
