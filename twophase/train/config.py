@@ -11,7 +11,7 @@ import sys
 from dataclasses import MISSING, dataclass, field, fields
 
 from . import config_rules
-from .config_rules import MRT_ALPHA, _flag  # noqa: F401 (_flag: startup's)
+from .config_rules import MRT_ALPHA, _flag
 
 
 # --preset NAME: other defaults for a named recipe; flags given on the command line still win.

@@ -10,7 +10,8 @@ from dataclasses import fields
 import torch
 
 from . import distributed
-from .config import Config, _flag
+from .config import Config
+from .config_rules import _flag
 from ..modelcheck import check_model
 from ..samples import Samples
 from ..tasks.base import SHAPING_FLAGS
