@@ -32,6 +32,22 @@ def tiny_model(seed=0):
     return model  # left in training mode: search and phase two must switch dropout off themselves
 
 
+def constrained_model(max_len: int, scale: float = 1.0):
+    """`Constrained` over a tiny float64 Karel model of the DSL's real vocabulary, under the DSL grammar
+    (`--grammar on`); weights times `scale` (3.0: peaked, varied distributions, as `tiny_model`)."""
+    from twophase.constraints import Constrained
+    from twophase.tasks.karel.dsl import VOCAB
+    from twophase.tasks.karel.grammar import karel_grammar
+    from twophase.vocab import SPECIALS, Vocab
+    voc = Vocab(list(SPECIALS) + list(VOCAB))
+    torch.manual_seed(0)
+    inner = KarelModel(len(voc), R, C, embed_dim=6, hidden_size=12, channels=(4, 5)).double()
+    with torch.no_grad():
+        for p in inner.parameters():
+            p.mul_(scale)
+    return Constrained(inner, karel_grammar(voc, max_len))
+
+
 def grids(B=3, P=2, seed=1):
     g = torch.Generator().manual_seed(seed)
     return (torch.rand(B, P, 32, R, C, generator=g) < 0.3).double()  # (B, P, 32, R, C)

@@ -185,17 +185,6 @@ def test_advantages_and_zero_std_groups():
 
 def test_karel_model_under_its_grammar():
     """`--grammar on`: the constrained Karel model's one-pass per-token log-probs carry the exact gradient."""
-    from test_karel_task import C, R, grids
-    from twophase.constraints import Constrained
-    from twophase.models.karel import KarelModel
-    from twophase.tasks.karel.dsl import VOCAB
-    from twophase.tasks.karel.grammar import karel_grammar
-    from twophase.vocab import SPECIALS, Vocab
-    voc = Vocab(list(SPECIALS) + list(VOCAB))
-    torch.manual_seed(0)
-    inner = KarelModel(len(voc), R, C, embed_dim=6, hidden_size=12, channels=(4, 5)).double()
-    with torch.no_grad():
-        for p in inner.parameters():
-            p.mul_(3.0)  # peaked, varied distributions, as test_karel_task's model
-    _check(Constrained(inner, karel_grammar(voc, 12)), grids(), 3, chunks=(2, 1000), trees=(True,), max_len=12,
+    from test_karel_task import constrained_model, grids
+    _check(constrained_model(12, scale=3.0), grids(), 3, chunks=(2, 1000), trees=(True,), max_len=12,
            loss_type="dapo")

@@ -104,16 +104,8 @@ def test_constrained_one_pass_equals_its_step_loop(kind):
 
 
 def test_constrained_karel_model():
-    from test_karel_task import C, R, grids
-    from twophase.constraints import Constrained
-    from twophase.models.karel import KarelModel
-    from twophase.tasks.karel.dsl import VOCAB
-    from twophase.tasks.karel.grammar import karel_grammar
-    from twophase.vocab import SPECIALS, Vocab
-    voc = Vocab(list(SPECIALS) + list(VOCAB))
-    torch.manual_seed(0)
-    model = Constrained(KarelModel(len(voc), R, C, embed_dim=6, hidden_size=12, channels=(4, 5)).double(),
-                        karel_grammar(voc, 8))
+    from test_karel_task import constrained_model, grids
+    model = constrained_model(8)
     g = torch.Generator().manual_seed(0)
     for s in (beam_search(model, grids(), 5, 8), sample(model, grids(), 4, 8, generator=g)):
         _check(model, grids(), s)
