@@ -68,17 +68,18 @@ def test_the_real_grpo_trainer_gives_the_two_phase_gradient(one_thread):
     figures = hf.run_cell(dict(cell))
     assert figures["step_s"] > 0 and figures["tensors_mb"] > 0 and "_trainer" not in figures
 @pytest.mark.parametrize("model", hf.MODELS)
-def test_phase_one_against_generate_reports_whole_and_per_step(model, one_thread):
+@pytest.mark.parametrize("search", ["sample", "beam"])
+def test_phase_one_against_generate_reports_whole_and_per_step(model, search, one_thread):
     from twophase.bench import decode
     wrapper, source = hf.build(dict(TOY, model=model))
     K, T = TOY["samples"], 6
     with torch.inference_mode():  # the same work: B*K rows of T new tokens each (eos after the first is rare)
-        ours = decode.twophase(wrapper, source, K, T, 0)
-        theirs = decode.generate(wrapper, source, K, T, 0)
+        ours = decode.twophase(wrapper, source, K, T, 0, search)
+        theirs = decode.generate(wrapper, source, K, T, 0, search)
     assert ours.tokens.shape[0] == TOY["batch"] * K == theirs.shape[0]
     assert theirs.shape[1] - (source["input_ids"].shape[1] if model == "causal" else 1) == T
-    out = decode.compare(dict(TOY, model=model, completion=T), rounds=1)
+    out = decode.compare(dict(TOY, model=model, completion=T), rounds=1, search=search)
     for name in decode.METHODS:
         assert out[name]["whole_s"] > 0
     assert set(out["ratio"]) == {"whole_s", "step_ms"}
-    assert "twophase / generate" in decode.table([out], dict(TOY, completion=T))
+    assert f"| {model} | {search} | twophase / generate |" in decode.table([out], dict(TOY, completion=T))

@@ -358,5 +358,6 @@ def test_buffered_cache_grows_and_gives_the_concatenated_caches_candidates(kind,
             state, _ = wrapper.step(enc, owner, prev, state)
             prev = torch.full((2,), 5)
             buffers = state["kv"] if kind == "llama" else state["self"]
-            room.append(buffers[0][0].shape[2] - state["length"])
+            if buffers:  # a causal LM's rows cache nothing after the first step: the prompt is shared
+                room.append(buffers[0][0].shape[2] - state["length"])
     assert min(room) >= 0 and max(room) > 0, room
