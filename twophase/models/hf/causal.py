@@ -6,7 +6,10 @@ Positions come from the mask as `generate` makes them (cumsum(mask) - 1), so a p
 same whichever side it was padded on. `encode` runs the prompts once and keeps their key/value cache, their
 mask and the logits at each prompt's last real token: the first completion token's distribution. The prompt's
 last token is therefore read once, by `encode`, and never fed again: the first `step` ignores prev (bos_id)
-and returns those logits' log-softmax; later steps feed one token with the cache.
+and returns those logits' log-softmax; later steps feed one token with the cache. The rows' cache holds their
+completions only: each layer attends over its source's prompt keys and values in `enc`, kept once per source
+(`grouped.prefixed`), where the model's attention allows it (checked at wrap time; else the first step copies
+the prompts' cache to every row).
 
 Phase two runs `encode` with gradients: every chunk's rows index the B prompts' cache by owner (a (C, heads, P,
 head_dim) copy per layer and chunk), the library cuts that cache out of the graph at the chunk boundary, and the

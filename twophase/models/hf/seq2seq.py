@@ -3,8 +3,10 @@
 
 The source is a tokenizer's output, {"input_ids", "attention_mask"} of (B, S) tensors. The encoder runs once per
 batch of sources; candidate rows read its output through `owner`. Search steps feed one token per row with the
-decoder's key/value cache kept in the state as tuples of tensors (`cache`), cross-attention entries included, so
-the library's row selection reorders them as `generate` reorders its cache. `score` decodes a chunk of rows in
+decoder's self-attention cache kept in the state as tuples of tensors (`cache`), so the library's row selection
+reorders them as `generate` reorders its cache. The cross-attention keys and values are made from the B sources'
+encoder output and kept once per source (`PerSource`), not copied to each row: each layer folds the rows into
+their source's queries (`grouped`), where the model's attention allows it (checked at wrap time). `score` decodes a chunk of rows in
 one teacher-forced forward without a cache: it copies the encoder output once per chunk, (C, S, H), and the
 decoder computes the chunk's cross-attention keys and values from it. Where the output layer is known
 (`heads.find`: T5, BART, Marian), `score` and `weighted_score_backward` stop at the decoder's hidden states and
