@@ -9,7 +9,7 @@ if importlib.util.find_spec("transformers") is None:
     pytest.skip("transformers is not installed (pip install twophase[hf])", allow_module_level=True)
 
 from twophase import rescore_backward, sample  # noqa: E402
-from twophase.bench import hf  # noqa: E402
+from twophase.bench import hf, peers  # noqa: E402
 
 TOY = dict(hf.DEFAULTS, batch=2, samples=3, prompt=6, completion=4, width=16, layers=1, heads=2, vocab=40, chunk=4,
            warmup=1, steps=1)
@@ -36,7 +36,7 @@ def test_trl_recipe_gives_the_two_phase_gradient(model, one_thread):
     rescore_backward(wrapper, source, s, c, chunk_size=4)
     two = [p.grad.clone() for p in wrapper.parameters()]
     wrapper.zero_grad(set_to_none=True)
-    hf.trl_backward(wrapper, source, s, c, micro=4)
+    peers.trl_backward(wrapper, source, s, c, micro=4)
     diff = torch.stack([(g - p.grad).norm() for g, p in zip(two, wrapper.parameters())]).norm()
     assert float(diff) <= 1e-6 * float(torch.stack([g.norm() for g in two]).norm())  # float32 norms inside
 
@@ -56,13 +56,13 @@ def test_the_real_grpo_trainer_gives_the_two_phase_gradient(one_thread):
     cell = dict(TOY, model="causal", method="grpo-trainer", threads=1)
     wrapper, source = hf.build(cell)
     wrapper.double()
-    trainer = hf.grpo_trainer(wrapper, cell)
+    trainer = peers.grpo_trainer(wrapper, cell)
     s = sample(wrapper, source, TOY["samples"], TOY["completion"], generator=torch.Generator().manual_seed(0))
     c = hf.coefficients(s, TOY["batch"], 0)
     rescore_backward(wrapper, source, s, c, chunk_size=4)
     two = [p.grad.clone() for p in wrapper.parameters()]
     wrapper.zero_grad(set_to_none=True)
-    hf.grpo_trainer_backward(trainer, wrapper, source, s, c, micro=4)
+    peers.grpo_trainer_backward(trainer, wrapper, source, s, c, micro=4)
     diff = torch.stack([(g - p.grad).norm() for g, p in zip(two, wrapper.parameters())]).norm()
     assert float(diff) <= 1e-5 * float(torch.stack([g.norm() for g in two]).norm())  # TRL's float32 logits
     figures = hf.run_cell(dict(cell))
