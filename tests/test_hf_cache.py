@@ -1,5 +1,6 @@
-"""Keys and values kept once per source (`twophase.models.hf.grouped`): a seq2seq model's cross-attention cache
-and a causal LM's prompt cache are not copied to the K rows of a source. The attention functions equal
+"""Phase one's key/value caches. Self-attention caches live in buffers with room (`growing`), the same
+candidates as concatenating. Keys and values are kept once per source (`twophase.models.hf.grouped`): a seq2seq
+model's cross-attention cache and a causal LM's prompt cache are not copied to the K rows of a source. The attention functions equal
 transformers' own attention over per-row copies; searches give the per-row searches' candidates and scores
 (which test_hf.py checks against one forward per row); a model whose attention cannot fold is found out at
 wrap time and decodes per row; the model's configured attention is back in place after every step."""
@@ -16,7 +17,7 @@ from twophase.models.hf import HFCausalLM, HFSeq2Seq, grouped  # noqa: E402
 from twophase.models.hf.seq2seq import PerSource  # noqa: E402
 
 import hf_tiny  # noqa: E402
-from test_hf import CASES, IDS, PROMPTS, _batch, _wrapped  # noqa: E402
+from test_hf import CASES, IDS, PROMPTS, _batch, _reference, _tolerance, _wrapped  # noqa: E402
 
 G = torch.Generator().manual_seed(0)
 
@@ -150,3 +151,35 @@ def test_the_models_attention_is_back_after_every_step(one_thread):
     assert [c._attn_implementation for c in configs] == before
     out = wrapper.model.generate(**source, max_new_tokens=3, do_sample=False, num_beams=1)
     assert out.shape[0] == 3
+
+
+@pytest.mark.parametrize("kind", ["t5", "llama"])
+def test_buffered_cache_grows_and_gives_the_concatenated_caches_candidates(kind, one_thread, monkeypatch):
+    """Phase one keeps the self-attention cache in buffers with room (`growing`), grown every step here (ROOM
+    1): the same candidates and scores as concatenating each step (buffers off), scores = teacher-forced."""
+    from twophase.models.hf import cache, growing
+    wrapper = _wrapped(kind)
+    source = _batch(PROMPTS, wrapper.pad_id, left=kind != "t5")
+    runs = {}
+    for buffered in (False, True):  # buffers on last: the state checked below is theirs
+        monkeypatch.setattr(growing, "ROOM", 1)
+        monkeypatch.setattr(cache.Caches, "buffered", lambda self, on=buffered: on and not torch.is_grad_enabled())
+        runs[buffered] = (beam_search(wrapper, source, 3, 7),
+                          sample(wrapper, source, 3, 7, generator=torch.Generator().manual_seed(1)))
+    for got, want in zip(runs[True], runs[False]):
+        assert torch.equal(got.tokens, want.tokens)
+        assert torch.allclose(got.scores, want.scores, atol=1e-12, rtol=0)
+        assert torch.allclose(got.scores, _reference(wrapper, got), atol=_tolerance(kind, got.scores), rtol=0)
+    with torch.inference_mode():  # the state really holds buffers with room beyond the filled length
+        enc = wrapper.encode(source)
+        owner = torch.zeros(2, dtype=torch.long)
+        state = wrapper.init_state(enc, owner)
+        prev = torch.full((2,), wrapper.bos_id)
+        room = []
+        for _ in range(5):
+            state, _ = wrapper.step(enc, owner, prev, state)
+            prev = torch.full((2,), 5)
+            buffers = state["kv"] if kind == "llama" else state["self"]
+            if buffers:  # a causal LM's rows cache nothing after the first step: the prompt is shared
+                room.append(buffers[0][0].shape[2] - state["length"])
+    assert min(room) >= 0 and max(room) > 0, room
