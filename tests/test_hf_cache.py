@@ -112,6 +112,23 @@ def test_folded_search_gives_the_per_row_searchs_candidates(kind, left, one_thre
         assert state["kv"][0][0].shape[0] == 6 and state["length"] == 2
 
 
+@pytest.mark.parametrize("kind", ["t5", "gpt2"])
+def test_eager_attention_folds_too(kind, one_thread):
+    """With the model set to eager attention, folding hands the folded call to the model file's own eager
+    function: the per-row search's candidates."""
+    model = hf_tiny.seq2seq(kind, seed=1) if kind == "t5" else hf_tiny.causal(kind)
+    model.set_attn_implementation("eager")
+    wrapper = HFSeq2Seq(model) if kind == "t5" else HFCausalLM(model)
+    assert wrapper._folding is not None
+    source = _batch(PROMPTS, wrapper.pad_id)
+    folded = _searches(wrapper, source)
+    wrapper._folding = None
+    for got, want in zip(folded, _searches(wrapper, source)):
+        assert torch.equal(got.tokens, want.tokens)
+        assert torch.allclose(got.scores, want.scores, atol=1e-6, rtol=0)
+    assert model.config._attn_implementation == "eager"
+
+
 def test_an_attention_that_cannot_fold_decodes_per_row(one_thread, monkeypatch):
     """The wrap-time probe compares folded and per-row steps: an attention that gives other numbers, or fails,
     leaves the wrapper decoding per row (and correct)."""
