@@ -9,12 +9,13 @@ numbers (each query's softmax is over its own scores; nothing mixes queries). Th
 output into keys and values are also made once per source instead of once per row.
 
 transformers' attention layers (T5, BART, Marian, GPT-2, Llama, ...) call the function their config names
-(`config._attn_implementation`, looked up in `AttentionInterface`), so `folding(model)` points every config of
-the model at `twophase_fold` for one forward and back: it folds a call whose keys have fewer rows than its
-queries and hands any other call, unchanged, to the implementation the model was configured with.
+(`config._attn_implementation`, looked up in `AttentionInterface`), so a `Folding` of the model points every
+config of it at `twophase_fold:<its implementation>` for one forward and back: that function folds a call whose
+keys have fewer rows than its queries and hands any other call, unchanged, to the implementation the model was
+configured with (sdpa, eager, ...). `checked` compares folded and per-row steps on a probe at wrap time.
 
 A causal LM's rows share their prompt the same way: `encode` keeps the prompts' keys and values once, (B, h, P,
-d) per layer, and a step's cache holds the rows' completions only. Inside `folding(model, prefix=...)` a
+d) per layer, and a step's cache holds the rows' completions only. Inside `Folding(...)(prefix=...)` a
 self-attention layer attends over its source's prompt (`prefixed`: the K rows folded into its queries, as above)
 and the row's own completion, one softmax over both. The copy of the prompt cache to every row (2/3 of phase
 one's cache on the HF bench: P = 128 of 192 positions, K = 16 copies) is gone, and with it the reading of it K
@@ -32,6 +33,8 @@ from torch import Tensor
 from ...protocol import scoring_mode
 
 NAME = "twophase_fold"
+_REGISTERED = set()  # the names registered so far
+_PREFIX = None  # inside `Folding(...)(prefix=...)`, (pairs, mask) for the attention function (one thread)
 
 
 def fold(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, *, inner, **kwargs):
@@ -135,9 +138,10 @@ class Folding:
 
 def checked(wrapper, caches) -> Folding | None:
     """A `Folding` for the wrapper's model if folded steps give its per-row steps' log-probabilities on a probe
-    (two sources of two tokens, two rows each, two steps: the first fills the cross-attention cache, the
-    second reads it); None where transformers predates the attention interface or the model's attention
-    does not go through it (a folded step then fails or differs)."""
+    (two sources of two tokens, one padded, two rows each, four steps: the first fills the cross-attention
+    cache, the others read it; a causal LM's prompt read beside a growing completion); None where transformers
+    predates the attention interface or the model's attention does not go through it or computes what `fold`
+    and `prefixed` do not (a folded step then fails or differs)."""
     try:
         from transformers import AttentionInterface  # noqa: F401  (4.48+)
     except ImportError:
@@ -167,9 +171,6 @@ def checked(wrapper, caches) -> Folding | None:
         wrapper._folding = None
     return folding if torch.allclose(found[0], found[1], rtol=1e-4, atol=1e-4) else None
 
-
-_REGISTERED = set()
-_PREFIX = None  # (pairs, mask) inside `Folding(prefix=...)`: a forward runs in one thread
 
 
 def _register() -> None:
