@@ -32,6 +32,7 @@ Groups = tuple  # (first source b0, rows per source G): owner == b0 + arange(N /
 _last_groups: list = [None, None]
 
 
+@torch.compiler.disable  # a host-side look at owner: a compiled step (`twophase.compiled`) calls it as it is
 def groups(owner: Tensor) -> Groups | None:
     """(b0, G) when the rows come as consecutive runs of G rows per source, sources b0, b0 + 1, ... in order (a
     beam search's B x K layout, or a chunk of it); None for any other owner. Grouped rows read their sources'
