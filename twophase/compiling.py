@@ -10,8 +10,10 @@ exactness do not depend on the compiler. Search scores come from compiled arithm
 log-probabilities from eager arithmetic: they agree to rounding (allclose), as they do across chunk shapes.
 
 Dynamic shapes: the step is compiled with `dynamic=True`, so a new number of rows (beam search's compact steps,
-batches of another size) or source length reuses the compiled code instead of compiling again; `compiles` counts
-the graphs the backend compiled and `compile_seconds` the time spent compiling them (what a run pays once).
+batches of another size) or source length mostly reuses the compiled code: a frame that a graph break split off
+may compile once for its first shapes and once symbolically, and a size of 1 is specialised (the default G2P run:
+19 graphs in all, none after its first few batches; docs/compile.md). `compiles` counts the graphs the backend
+compiled and `compile_seconds` the backend's time compiling them (what a run pays, once, at its start).
 
 Guarded: where compiling fails (no C++ compiler, an inductor error, a construct dynamo does not support), the call
 runs eagerly; when the eager call succeeds the compiler was at fault, so the wrapper logs one warning line naming
@@ -35,15 +37,14 @@ from torch import Tensor, nn
 
 log = logging.getLogger("twophase")
 
-STEP_METHODS = ("step", "advance", "log_probs")  # what search calls once per decoding step
-DELEGATED = ("score", "token_scores", "position_log_probs", "weighted_score_backward", "weighted_tree_backward")
+STEP_METHODS = ("step", "advance", "log_probs")  # what search calls once per decoding step: never the model's
 
 
 class Compiled(nn.Module):
     """`model` with its per-step methods compiled for graph-free calls; see the module docstring.
 
     backend: a `torch.compile` backend (a name such as "inductor", "aot_eager", "eager", or a callable);
-    dynamic: passed to `torch.compile` (True: shapes are symbolic from the first compile)."""
+    dynamic: passed to `torch.compile` (True: symbolic shapes, see the module docstring)."""
 
     def __init__(self, model, backend: str | Callable = "inductor", dynamic: bool | None = True):
         super().__init__()
@@ -53,9 +54,11 @@ class Compiled(nn.Module):
         self.compiles, self.compile_seconds = 0, 0.0
         self.failure: str | None = None  # why compiling was given up, once it was
         self._fns: dict[str, Callable] = {}  # method name -> its compiled version, made on first use
-        # Optional protocol methods, offered only where the model has them (search and phase two test for them).
-        split = all(callable(getattr(model, name, None)) for name in ("advance", "log_probs"))
-        if split:
+        self._offer_split()
+
+    def _offer_split(self) -> None:
+        """`advance` / `log_probs`, offered only where the model has them (search tests for them)."""
+        if all(callable(getattr(self.inner, name, None)) for name in ("advance", "log_probs")):
             self.advance = lambda enc, owner, prev, state: self._call("advance", enc, owner, prev, state)
             self.log_probs = lambda state: self._call("log_probs", state)
 
@@ -82,17 +85,16 @@ class Compiled(nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        if all(callable(getattr(self.inner, name, None)) for name in ("advance", "log_probs")):
-            self.advance = lambda enc, owner, prev, st: self._call("advance", enc, owner, prev, st)
-            self.log_probs = lambda st: self._call("log_probs", st)
+        self._offer_split()
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)  # parameters, buffers, submodules (self.inner itself)
         except AttributeError:
-            if name.startswith("_") or name in STEP_METHODS:
+            inner = self.__dict__.get("_modules", {}).get("inner")
+            if inner is None or name.startswith("_") or name in STEP_METHODS:
                 raise
-            return getattr(self._modules["inner"], name)  # vocab_size, score, ..., a task's own attributes
+            return getattr(inner, name)  # vocab_size, score, ..., a Hugging Face wrapper's .model and .adapter
 
     # ---- the protocol
     def encode(self, source: Any) -> Any:
