@@ -134,3 +134,16 @@ def test_the_flag_picks_the_backend():
     assert cli.compile_step(model, "off") is model
     assert cli.compile_step(model, "on").backend == "inductor"
     assert cli.compile_step(model, "aot_eager").backend == "aot_eager"
+
+
+def test_the_command_builds_the_compiled_model_and_the_benchmark_alternates_it(tmp_path):
+    from tasks import write_task
+    from twophase.bench import compile as bench
+    write_task(tmp_path / "train.tsv", "reverse", 40, seed=0)
+    write_task(tmp_path / "valid.tsv", "reverse", 8, seed=1)
+    flags = ["--train", str(tmp_path / "train.tsv"), "--valid", str(tmp_path / "valid.tsv"), "--hidden-size", "16",
+             "--embed-dim", "8", "--batch-size", "4", "--beam-size", "3", "--max-len", "8", "--mle-steps", "0",
+             "--compile", "eager"]
+    out = bench.measure(flags, rounds=1, cold=1, eos_bias=None)  # cli.build, as train.py: a Compiled inside
+    assert out["backend"] == "eager" and out["failure"] is None and out["graphs_total"] > 0
+    assert out["eager"]["phase_one_s"] > 0 and out["compiled"]["step_ms"] > 0 and out["compiled/eager"] > 0
