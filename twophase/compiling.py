@@ -10,9 +10,9 @@ exactness do not depend on the compiler. Search scores come from compiled arithm
 log-probabilities from eager arithmetic: they agree to rounding (allclose), as they do across chunk shapes.
 
 Dynamic shapes: the step is compiled with `dynamic=True`, so a new number of rows (beam search's compact steps,
-batches of another size) or source length mostly reuses the compiled code: a frame that a graph break split off
-may compile once for its first shapes and once symbolically, and a size of 1 is specialised (the default G2P run:
-19 graphs in all, none after its first few batches; docs/compile.md). `compiles` counts the graphs the backend
+batches of another size) or source length mostly reuses the compiled code: a size of 1 is specialised, and a
+size that happens to equal a fixed one (rows = hidden size) compiles once more (a short default G2P run, its
+validations and test split: 11 graphs in all; docs/compile.md). `compiles` counts the graphs the backend
 compiled and `compile_seconds` the backend's time compiling them (what a run pays, once, at its start).
 
 Guarded: where compiling fails (no C++ compiler, an inductor error, a construct dynamo does not support), the call
