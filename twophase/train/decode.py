@@ -49,8 +49,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--grammar", choices=("off", "on"), default=None,
                    help="constrain decoding to the task's grammar (default: as the checkpoint was trained)")
     p.add_argument("--compile", choices=("off", "on", "aot_eager", "eager"), default="off",
-                   help="the decode step through torch.compile: on (inductor), or a backend that only traces; "
-                        "pays only on long inputs (docs/compile.md) (default: off)")
+                   help="the decode step through torch.compile: on (inductor), or a backend that only traces "
+                        "(what it pays: docs/compile.md) (default: off)")
     p.add_argument("--hf-model", default=None,
                    help="a checkpoint of a --hf-model run: the folder to read the model's config and tokenizer "
                         "from (default: the training --hf-model; the run's hf_final folder holds both too); the "
