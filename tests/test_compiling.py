@@ -49,6 +49,19 @@ def test_compiled_beam_search_and_sampling_match_eager_across_batch_shapes():
     assert fast.compiles == before
 
 
+def test_the_lstm_step_traces_as_one_graph_in_the_beam_layout():
+    """fused.groups reads owner on the host in eager code; under dynamo it takes the general path, so the step
+    (the attention's gather, add and tanh with it) is one graph the compiler can fuse, not pieces around a break."""
+    model, src = tiny_model(), toy_batch()
+    with torch.inference_mode():
+        enc = model.encode(src)
+        owner = torch.arange(3).repeat_interleave(4)  # B x K rows: the layout groups() recognises eagerly
+        state = model.init_state(enc, owner)
+        prev = torch.full((12,), model.bos_id)
+        report = torch._dynamo.explain(model.step)(enc, owner, prev, state)
+    assert report.graph_break_count == 0 and report.graph_count == 1
+
+
 def test_grammar_wraps_the_compiled_karel_model_as_in_the_command():
     constrained = constrained_model(max_len=8, scale=3.0)
     fast = Constrained(compiled(constrained.model, backend="aot_eager"), constrained.grammar)
