@@ -155,7 +155,7 @@ def _beam_search(model, source, beam_size: int, max_len: int, choose=None):
                            scores[b:b + per_block], done[b * K:(b + per_block) * K], model.pad_id,
                            torch.arange(b, min(b + per_block, B), device=device))
                    for b in range(0, B, per_block)]
-            scores, flat, picked = (torch.cat(parts) for parts in zip(*top))  # (B, K) each, best first
+            scores, flat, picked = top[0] if len(top) == 1 else (torch.cat(parts) for parts in zip(*top))  # (B, K)
             slot = None
         rows = (base + flat // V).reshape(-1)  # (B*K,) which hypothesis each new one extends
         prev = (flat % V).reshape(-1)  # (B*K,)
@@ -196,8 +196,7 @@ def _chosen(dec: _Decoder, logp: Tensor, scores: Tensor, done: Tensor, pad_id: i
     K, V = scores.shape[1], logp.shape[-1]
     best, flat = dec.choose(_extensions(logp, scores, done, pad_id), K, sources)
     rows = flat // V + K * torch.arange(len(flat), device=flat.device)[:, None]  # (n, K) among the n*K rows
-    picked = logp[rows, flat % V]
-    return best, flat, torch.where(done[rows], torch.zeros((), dtype=picked.dtype, device=picked.device), picked)
+    return best, flat, logp[rows, flat % V].masked_fill(done[rows], 0.0)
 
 
 def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: Tensor, per_block: int, V: int):
