@@ -12,11 +12,11 @@ bandwidth), after one untimed warm-up step, median over --steps; printed as one 
 An MLE or RL row also has its step's parts (the trainer's own sections, `twophase.train.steptimes`), each the
 median over the steps: `phase_one_s` (the search), `rewards_s` (executing every candidate on the task's
 grids), `phase_two_s` (rescore_backward), `update_s` (clipping and the optimizer step) and `other_s` (the rest:
-batching, the objective). Random weights give every candidate of a source the same reward (most often
-none runs), so the beam objective's coefficients would all be 0 and phase two would skip every row: each reward
-gets a random offset in [0, 1e-3) once computed (inside its timed part, at no measurable cost), so phase two
-rescores all rows, as in a trained model's step where rewards differ. `--grammar on,off` measures the same sizes with and without the DSL's grammar, one
-model each (the same seed, so the same initial weights).
+batching, the objective). Random weights give every candidate of a source the same reward (most often none
+runs), so the beam objective's coefficients would all be 0 and phase two would skip every row: each reward gets
+a random offset in [0, 1e-3) once computed (inside its timed part, at no measurable cost), so phase two rescores
+all rows, as in a trained model's step where rewards differ. `--grammar on,off` measures the same sizes with and
+without the DSL's grammar, one model each (the same seed, so the same initial weights).
 
     python -m twophase.bench.karel --steps 5 --grammar on,off       # issue 23's RL step split, K 16
 """
