@@ -78,3 +78,70 @@ def test_karel_bench_refuses_a_bad_grammar_list(capsys):
     with pytest.raises(SystemExit) as exit_:
         bench_karel.main(["--grammar", "on,maybe"])
     assert exit_.value.code == 2 and "--grammar" in capsys.readouterr().err
+
+
+def _tiny_rl_job(task):
+    return {"kind": "rl", "untie": True, "flags": [
+        "--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--hidden-size", "16",
+        "--embed-dim", "8", "--batch-size", "4", "--beam-size", "3", "--max-len", "8", "--rescore-chunk", "5",
+        "--threads", "1"], "flags_if_known": [["--no-such-flag", "1"], ["--seed", "3"]]}
+
+
+def test_stepworker_times_a_trainers_parts_from_outside(task, one_thread):
+    """The before/after worker's RL job: the same four parts as Trainer.part_times, taken from the trainer's
+    sections and phase_two, within the step; a flag the command does not know is left out."""
+    from twophase.bench import stepworker
+    parts = {}
+    step, model = stepworker.rl_job(_tiny_rl_job(task), parts)
+    start = time.process_time()
+    step()
+    total = time.process_time() - start
+    assert set(parts) == {"phase one", "rewards", "phase two", "update"}
+    assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= total + 1e-9
+
+
+def test_worker_answers_each_step_in_its_own_process(task):
+    """The worker run as the driver runs it (its source through -c, this checkout on the path): built, then one
+    JSON answer per step with the four parts; what the command prints on the way is passed through."""
+    from pathlib import Path
+    from twophase.bench import beforeafter
+    worker = beforeafter.Worker("after", Path(__file__).resolve().parent.parent, _tiny_rl_job(task))
+    try:
+        assert worker.answer("ready")["parameters"] > 0
+        for _ in range(2):
+            row = worker.step()
+            assert set(row["parts"]) == {"phase one", "rewards", "phase two", "update"} and row["cpu_s"] > 0
+    finally:
+        worker.close()
+    assert worker.proc.returncode == 0
+
+
+def test_before_after_alternates_the_sides(monkeypatch):
+    """Steps asked in turns (before, after; after, before; ...), warm-up steps dropped; medians and the table."""
+    from twophase.bench import beforeafter
+    asked = []
+
+    class Fake:
+        def __init__(self, side, checkout, job):
+            self.side, self.n = side, 0
+
+        def answer(self, key):
+            return {"parameters": 1}
+
+        def step(self):
+            asked.append(self.side)
+            self.n += 1
+            cpu = self.n * (1.0 if self.side == "before" else 0.5)
+            return {"cpu_s": cpu, "wall_s": cpu, "parts": {"phase one": cpu / 2}}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(beforeafter, "Worker", Fake)
+    rows = beforeafter.run_job({}, {"before": None, "after": None}, steps=3, warmup=1, log=lambda *a, **k: None)
+    assert asked == ["before", "after", "after", "before", "before", "after", "after", "before"]
+    assert [r["cpu_s"] for r in rows["before"]] == [2.0, 3.0, 4.0]
+    results = {"toy": {side: beforeafter.summary(r) for side, r in rows.items()}}
+    assert results["toy"]["after"]["phase one"] == 0.75 and results["toy"]["before"]["steps_per_s"] == 1 / 3
+    text = beforeafter.table(results)
+    assert "| toy | step, CPU s | 3.000 | 1.500 | 0.50 |" in text and "| toy | phase one, CPU s |" in text
