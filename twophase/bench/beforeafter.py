@@ -39,7 +39,7 @@ JOBS = {  # name: (worker job, default timed steps)
     "g2p": ({"kind": "rl", "flags": ["--task", "g2p", "--seed", "1", "--threads", "1", "--batch-size", "32",
                                      "--beam-size", "8", "--max-len", "32", "--rescore-chunk", "128", "--objective",
                                      "beam", "--reward", "edit", "--hidden-size", "256", "--embed-dim", "64",
-                                     "--rl-lr", "2e-4"]}, 60),
+                                     "--rl-lr", "2e-4"]}, 80),
 }
 PARTS = ("phase one", "rewards", "phase two", "update")
 
@@ -101,6 +101,9 @@ def summary(rows: list[dict]) -> dict:
     out = {"steps": len(rows), "cpu_s": statistics.median(r["cpu_s"] for r in rows),
            "wall_s": statistics.median(r["wall_s"] for r in rows)}
     out["steps_per_s"] = 1.0 / out["wall_s"]
+    rewards = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
+    if rewards:  # the same batches and weights on both sides: about the same rewards
+        out["reward_mean"] = statistics.fmean(rewards)
     for part in PARTS:
         if any(part in r["parts"] for r in rows):
             out[part] = statistics.median(r["parts"].get(part, 0.0) for r in rows)
@@ -113,7 +116,8 @@ def table(results: dict) -> str:
     for name, sides in results.items():
         b, a = sides["before"], sides["after"]
         for key, label in [("cpu_s", "step, CPU s"), *((p, f"{p}, CPU s") for p in PARTS if p in b and p in a),
-                           ("wall_s", "step, wall s"), ("steps_per_s", "steps/s (wall)")]:
+                           ("wall_s", "step, wall s"), ("steps_per_s", "steps/s (wall)"),
+                           *([("reward_mean", "mean reward")] if "reward_mean" in b and "reward_mean" in a else [])]:
             ratio = a[key] / b[key] if b[key] else float("nan")
             lines.append(f"| {name} | {label} | {b[key]:.3f} | {a[key]:.3f} | {ratio:.2f} |")
     return "\n".join(lines)

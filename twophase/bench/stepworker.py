@@ -3,7 +3,9 @@ whatever `twophase` is on the path (the checkout under test, which may predate t
 
 The driver runs it as `python -c SOURCE JOB_JSON` in the checkout's folder. Once the job is built it prints
 one line {"ready": ...}; then each input line "step" runs one step and answers one JSON line: the step's process
-CPU seconds (`cpu_s`), wall seconds (`wall_s`) and the CPU seconds of its parts (`parts`). End of input stops it.
+CPU seconds (`cpu_s`), wall seconds (`wall_s`), the CPU seconds of its parts (`parts`) and, for a trainer's step,
+its candidates' mean reward (`reward_mean`: the two checkouts' should agree where they do the same work). End of
+input stops it.
 
 Jobs (JOB_JSON's "kind"):
     rl   a `train.py` trainer's RL step (`Trainer.train_step("rl")`) built from "flags" as the command would
@@ -117,9 +119,9 @@ def main(job: dict) -> None:
             break
         parts.clear()
         cpu, wall = time.process_time(), time.perf_counter()
-        step()
+        row = step() or {}
         print(json.dumps({"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall,
-                          "parts": dict(parts)}), flush=True)
+                          "parts": dict(parts), "reward_mean": row.get("reward_mean")}), flush=True)
 
 
 if __name__ == "__main__":
