@@ -15,8 +15,9 @@ grids), `phase_two_s` (rescore_backward), `update_s` (clipping and the optimizer
 batching, the objective). Random weights give every candidate of a source the same reward (most often none
 runs), so the beam objective's coefficients would all be 0 and phase two would skip every row: each reward gets
 a random offset in [0, 1e-3) once computed (inside its timed part, at no measurable cost), so phase two rescores
-all rows, as in a trained model's step where rewards differ. `--grammar on,off` measures the same sizes with and
-without the DSL's grammar, one model each (the same seed, so the same initial weights).
+all rows, as in a trained model's step where rewards differ (--keep-ties: as they are). `--grammar on,off`
+measures the same sizes with and without the DSL's grammar, one model each (the same seed, so the same initial
+weights).
 
     python -m twophase.bench.karel --steps 5 --grammar on,off       # issue 23's RL step split, K 16
 """
@@ -78,17 +79,18 @@ def untied(rewards_of, seed: int = 0):
 
 
 def measure(train_flags: list[str], steps: int, rl_beams: list[int], eval_tasks: int,
-            grammars: list[str | None] = (None,)) -> list[dict]:
+            grammars: list[str | None] = (None,), untie: bool = True) -> list[dict]:
     """One row per measurement: kind (mle / rl / eval), its sizes, CPU seconds; for each --grammar value
-    (None: the recipe's)."""
+    (None: the recipe's); untie: offset the rewards (see the module docstring)."""
     rows = []
     for grammar in grammars:
         rows += _measure_one(train_flags + ([] if grammar is None else ["--grammar", grammar]), steps, rl_beams,
-                             eval_tasks)
+                             eval_tasks, untie)
     return rows
 
 
-def _measure_one(train_flags: list[str], steps: int, rl_beams: list[int], eval_tasks: int) -> list[dict]:
+def _measure_one(train_flags: list[str], steps: int, rl_beams: list[int], eval_tasks: int,
+                 untie: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         parser = cli.build_parser()
         argv = ["--task", "karel", *train_flags, "--save-dir", folder, "--overwrite"]
@@ -98,10 +100,11 @@ def _measure_one(train_flags: list[str], steps: int, rl_beams: list[int], eval_t
         with torch.no_grad():  # no candidate stops early (see the module docstring)
             inner = trainer.model.model if isinstance(trainer.model, Constrained) else trainer.model  # --grammar on
             inner.out.bias[inner.eos_id] = -30.0
-        trainer.rewards_of = untied(trainer.rewards_of)
+        if untie:
+            trainer.rewards_of = untied(trainer.rewards_of)
         params = sum(p.numel() for p in trainer.model.parameters())
-        head = {"model": cfg.karel_model, "grammar": cfg.grammar, "parameters": params,
-                "threads": torch.get_num_threads()}
+        head = {"model": cfg.karel_model, "grammar": cfg.grammar, "ties": "broken" if untie else "kept",
+                "parameters": params, "threads": torch.get_num_threads()}
         rows = [{**head, "kind": "mle", "batch": cfg.mle_batch_size, **_step_seconds(trainer, "mle", steps)}]
         for k in rl_beams:
             trainer.cfg.beam_size = k
@@ -124,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-tasks", type=int, default=0, help="also time validation on this many tasks (0: no)")
     p.add_argument("--grammar", help="comma-separated --grammar values measured one after the other, e.g. on,off "
                                      "(default: the recipe's, or the one after --)")
+    p.add_argument("--keep-ties", action="store_true",
+                   help="rewards as they are: candidates tied within their source get coefficient 0, and phase "
+                        "two skips them (default: ties broken, every row rescored)")
     args = p.parse_args(own)
     if args.steps < 1:
         p.error(f"--steps: expected at least 1, got {args.steps}")
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         p.error(f"--rl-beams: expected comma-separated integers, got {args.rl_beams!r}")
     try:
-        rows = measure(train_flags, args.steps, beams, args.eval_tasks, grammars)
+        rows = measure(train_flags, args.steps, beams, args.eval_tasks, grammars, untie=not args.keep_ties)
     except (cli.UsageError, DataError, rewards.RewardError, tasks.TaskError) as err:
         print(f"python -m twophase.bench.karel: error: {err}", file=sys.stderr)
         return 2
