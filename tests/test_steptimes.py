@@ -145,3 +145,17 @@ def test_before_after_alternates_the_sides(monkeypatch):
     assert results["toy"]["after"]["phase one"] == 0.75 and results["toy"]["before"]["steps_per_s"] == 1 / 3
     text = beforeafter.table(results)
     assert "| toy | step, CPU s | 3.000 | 1.500 | 0.50 |" in text and "| toy | phase one, CPU s |" in text
+
+
+def test_before_after_refuses_bad_input(tmp_path, capsys):
+    from pathlib import Path
+    from twophase.bench import beforeafter
+    here = str(Path(__file__).resolve().parent.parent)
+    for argv, message in [(["--before", str(tmp_path), "--after", here], "not a checkout of twophase"),
+                          (["--before", here, "--after", here, "--jobs", "karel,nope"], "--jobs"),
+                          (["--before", here, "--after", here, "--steps", "g2p=x"], "--steps"),
+                          (["--before", here, "--after", here, "--g2p-checkpoint", str(tmp_path / "no.pt")],
+                           "no such file")]:
+        with pytest.raises(SystemExit) as exit_:
+            beforeafter.main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

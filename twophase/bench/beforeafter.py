@@ -163,9 +163,17 @@ def _step_counts(p, text: str | None, jobs: list[str]) -> dict[str, int]:
         p.error(f"--steps: expected N or JOB=N,... with JOB in {','.join(JOBS)}, got {text!r}")
 
 
+def commit_of(checkout: Path) -> str | None:
+    """The checkout's commit (its git HEAD), or None outside git."""
+    proc = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     checkouts = {"before": args.before.resolve(), "after": args.after.resolve()}
+    commits = {side: commit_of(path) for side, path in checkouts.items()}
+    print(", ".join(f"{side}: {checkouts[side]} at {commits[side]}" for side in checkouts), flush=True)
     results, raw = {}, {}
     for name in args.jobs:
         job = dict(JOBS[name][0])
@@ -179,7 +187,8 @@ def main(argv=None) -> int:
     if args.out:
         args.out.with_suffix(".md").write_text(text + "\n")
         args.out.with_suffix(".json").write_text(json.dumps({"checkouts": {k: str(v) for k, v in checkouts.items()},
-                                                              "results": results, "steps": raw}, indent=1) + "\n")
+                                                              "commits": commits, "results": results, "steps": raw},
+                                                             indent=1) + "\n")
     return 0
 
 
