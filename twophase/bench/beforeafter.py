@@ -20,7 +20,6 @@ Every worker runs torch on one thread, under the niceness the driver itself was 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -29,6 +28,7 @@ import sys
 from pathlib import Path
 
 from . import stepworker
+from ..train.config import OneLineParser
 
 G2P_CHECKPOINT = "/work/runs/exp/g2p-s1/checkpoint_mle_end.pt"
 JOBS = {  # name: (worker job, default timed steps)
@@ -123,8 +123,8 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m twophase.bench.beforeafter", description=__doc__.split("\n")[0])
+def parse_args(argv=None):
+    p = OneLineParser(prog="python -m twophase.bench.beforeafter", description=__doc__.split("\n")[0])
     p.add_argument("--before", type=Path, required=True, help="the older checkout's folder (holds twophase/)")
     p.add_argument("--after", type=Path, required=True, help="the newer checkout's folder")
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {','.join(JOBS)}")
