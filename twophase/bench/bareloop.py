@@ -36,7 +36,7 @@ def bare_beam_search(model, src, src_lengths, K: int, T: int) -> tuple[torch.Ten
         mask = torch.zeros(B, 1, S, dtype=h.dtype, device=dev)  # (B, 1, S) 0 on real source tokens, -inf on padding
         mask.masked_fill_(~enc.mask[:, None, :], float("-inf"))
         bias = model.out.bias.masked_fill(model.banned, float("-inf"))  # (V,)
-        v = model.attn_v.weight[0]  # (A,)
+        v = model.attn_v.weight  # (1, A)
         scores = torch.full((B, K), float("-inf"), dtype=h.dtype, device=dev)
         scores[:, 0] = 0.0  # one live hypothesis per source at first
         prev = torch.full((B * K,), BOS, dtype=torch.long, device=dev)  # (N,)
@@ -44,7 +44,8 @@ def bare_beam_search(model, src, src_lengths, K: int, T: int) -> tuple[torch.Ten
         base = torch.arange(B, device=dev)[:, None] * K  # (B, 1) first row of each source
         for _ in range(T):
             q = model.attn_W(h).view(B, K, 1, A)
-            energy = torch.tanh(q + enc.keys[:, None]) @ v  # (B, K, S, A) @ (A,) -> (B, K, S)
+            # (B, K, S, A) tanh in place on its own temporary, then v . it -> (B, K, S)
+            energy = F.linear((q + enc.keys[:, None]).tanh_(), v).squeeze(-1)
             alpha = torch.softmax(energy + mask, dim=-1)  # (B, K, S)
             ctx = torch.bmm(alpha, enc.memory).view(B * K, D)  # (B, K, S) @ (B, S, D)
             h, c = model.cell(torch.cat([model.tgt_embed(prev), ctx], dim=-1), (h, c))  # (N, H) each
