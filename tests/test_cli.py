@@ -138,6 +138,8 @@ def _fails_with_one_line(argv, capsys, match, entry=cli.main):
     (["--memory-budget", "2GiB", "--rl-steps", "0"], "--memory-budget applies to --rescore-chunk auto only"),
     (["--include-reference", "--objective", "mrt"], "--include-reference applies to --objective beam only"),
     (["--karel-reward-pairs", "shown"], "--karel-reward-pairs applies to --task karel only"),
+    (["--compile", "fast"], "--compile"),
+    (["--compile", "on", "--fsdp"], "--compile on does not combine with --fsdp"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, match, capsys, tmp_path):
     _fails_with_one_line(argv + ["--save-dir", str(tmp_path / "run")], capsys, match)

@@ -329,34 +329,3 @@ def test_causal_rows_of_one_token(one_thread):
     want = _grads(wrapper)
     rescore_backward(wrapper, source, s, c, chunk_size=3)
     _assert_close_grads(_grads(wrapper), want, EXACT)
-
-
-@pytest.mark.parametrize("kind", ["t5", "llama"])
-def test_buffered_cache_grows_and_gives_the_concatenated_caches_candidates(kind, one_thread, monkeypatch):
-    """Phase one keeps the self-attention cache in buffers with room (`growing`), grown every step here (ROOM
-    1): the same candidates and scores as concatenating each step (buffers off), scores = teacher-forced."""
-    from twophase.models.hf import cache, growing
-    wrapper = _wrapped(kind)
-    source = _batch(PROMPTS, wrapper.pad_id, left=kind != "t5")
-    runs = {}
-    for buffered in (False, True):  # buffers on last: the state checked below is theirs
-        monkeypatch.setattr(growing, "ROOM", 1)
-        monkeypatch.setattr(cache.Caches, "buffered", lambda self, on=buffered: on and not torch.is_grad_enabled())
-        runs[buffered] = (beam_search(wrapper, source, 3, 7),
-                          sample(wrapper, source, 3, 7, generator=torch.Generator().manual_seed(1)))
-    for got, want in zip(runs[True], runs[False]):
-        assert torch.equal(got.tokens, want.tokens)
-        assert torch.allclose(got.scores, want.scores, atol=1e-12, rtol=0)
-        assert torch.allclose(got.scores, _reference(wrapper, got), atol=_tolerance(kind, got.scores), rtol=0)
-    with torch.inference_mode():  # the state really holds buffers with room beyond the filled length
-        enc = wrapper.encode(source)
-        owner = torch.zeros(2, dtype=torch.long)
-        state = wrapper.init_state(enc, owner)
-        prev = torch.full((2,), wrapper.bos_id)
-        room = []
-        for _ in range(5):
-            state, _ = wrapper.step(enc, owner, prev, state)
-            prev = torch.full((2,), 5)
-            buffers = state["kv"] if kind == "llama" else state["self"]
-            room.append(buffers[0][0].shape[2] - state["length"])
-    assert min(room) >= 0 and max(room) > 0, room

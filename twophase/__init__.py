@@ -5,6 +5,7 @@ chunks, back-propagating per-sequence coefficients. Any model that follows `Sequ
 can be trained; the built-in LSTM is `twophase.Seq2Seq`. See README.md and docs/library.md.
 """
 from . import estimators, objectives, policy, rewards, tree, vocab
+from .compiling import Compiled, compiled
 from .modelcheck import check_model
 from .protocol import ModelError, SequenceModel
 from .rescoring import rescore_backward
@@ -14,7 +15,7 @@ from .search import beam_search, greedy, sample
 
 __all__ = ["SequenceModel", "ModelError", "check_model", "Seq2Seq", "Samples", "beam_search", "sample", "greedy",
            "stochastic_beam_search", "rescore_backward", "best_rows", "tree", "vocab", "rewards", "objectives",
-           "estimators", "policy"]
+           "estimators", "policy", "compiled", "Compiled"]
 
 
 def __getattr__(name: str):

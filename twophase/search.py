@@ -307,8 +307,9 @@ def _sample(model, source, num_samples: int, max_len: int, temperature: float, g
                 probs = torch.softmax(logp / temperature, dim=-1) if temperature != 1.0 else logp.exp()
             # A row with no possible token (a constrained model's dead end, twophase.constraints) draws eos_id
             # at log p = -inf: it ends, impossible, and `_finish` drops it.
-            stuck = torch.isneginf(logp).all(1, keepdim=True)  # (B*K, 1)
-            probs = torch.where(stuck, _finished_row(logp.shape[-1], probs, model.eos_id).exp(), probs)
+            stuck = torch.isneginf(logp.amax(1, keepdim=True))  # (B*K, 1): one pass, no (B*K, V) temporary
+            if bool(stuck.any()):  # rare: skip the (B*K, V) rewrite (1 ms at 128 x 8000) when no row is stuck
+                probs = torch.where(stuck, _finished_row(logp.shape[-1], probs, model.eos_id).exp(), probs)
         drawn = draw(probs, generator)  # (B*K,)
         prev = drawn.masked_fill(done, model.pad_id)
         picked = logp.gather(1, drawn[:, None]).squeeze(1).masked_fill(done, 0.0)  # (B*K,)

@@ -36,7 +36,10 @@ def groups(owner: Tensor) -> Groups | None:
     """(b0, G) when the rows come as consecutive runs of G rows per source, sources b0, b0 + 1, ... in order (a
     beam search's B x K layout, or a chunk of it); None for any other owner. Grouped rows read their sources'
     keys and values as broadcast views (and their gradients are plain sums and matmuls) instead of per-row
-    gathers and scatter-adds."""
+    gathers and scatter-adds. None while torch.compile traces (`twophase.compiled`): the general path, the
+    same numbers, needs no host read of owner, so the step stays one graph and the compiler fuses its gathers."""
+    if torch.compiler.is_compiling():
+        return None
     if _last_groups[0] is owner:
         return _last_groups[1]
     found = None

@@ -15,6 +15,7 @@ from . import amp, distributed, fsdp, grammar, rundir, runs, startup
 from .start import evaluate, init_state, recipe_defaults, resume_state, start_defaults, start_run_dir
 from ..protocol import ModelError
 from .. import rewards, rewardsum
+from ..compiling import compiled
 from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args  # noqa: F401 (PRESETS)
 from .. import tasks
 from ..tasks.data import DataError
@@ -156,6 +157,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
     if cfg.fsdp:  # before the optimizer: it is built on the shards
         fsdp.shard_model(model)
+    model = compile_step(model, cfg.compile)
     try:  # --grammar on: the task's grammar around the model, for every search, score and gradient
         model = grammar.constrain(model, task, cfg.grammar, cfg.max_len)
         grammar.check_references(model, task, device)
@@ -173,6 +175,14 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if cfg.tensorboard and trainer.is_main and not cfg.eval_only:
         open_tensorboard(trainer, resumed=state is not None)
     return trainer
+
+
+def compile_step(model, flag: str):
+    """--compile: the model with phase one's decode step through torch.compile (`twophase.compiled`; the grammar
+    of --grammar on wraps it, eager), or the model itself (off)."""
+    if flag == "off":
+        return model
+    return compiled(model, backend="inductor" if flag == "on" else flag)
 
 
 def claim_and_read(cfg: Config, start: dict | None):

@@ -282,6 +282,11 @@ class Config:
     amp: str = arg("off", "automatic mixed precision of both phases and the MLE steps: matmuls in bf16 or fp16 "
                           "under torch.autocast, parameters, gradients and log-softmax in float32; fp16 (with "
                           "loss scaling) needs CUDA, bf16 runs on CPU and CUDA", choices=("off", "bf16", "fp16"))
+    compile: str = arg("off", "phase one's decode step (search, validation) through torch.compile: on (inductor), "
+                              "or aot_eager / eager (dynamo's tracing without code generation, to check that a "
+                              "model traces); phase two stays eager; where compiling fails the run goes on "
+                              "eagerly after one warning line (docs/compile.md)",
+                       choices=("off", "on", "aot_eager", "eager"))
 
     @property
     def reinforce_baseline(self) -> str:

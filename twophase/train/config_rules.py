@@ -37,6 +37,9 @@ def validate(cfg) -> None:
     if cfg.memory_budget is not None and cfg.rescore_chunk != "auto":
         raise ValueError(f"--memory-budget applies to --rescore-chunk auto only, not --rescore-chunk "
                          f"{cfg.rescore_chunk}")
+    if cfg.compile != "off" and cfg.fsdp:
+        raise ValueError(f"--compile {cfg.compile} does not combine with --fsdp (the compiled step would trace "
+                         "FSDP2's parameter gathering); use one or the other")
     _trl(cfg)
     if cfg.hf_model is not None:
         _hf(cfg)

@@ -20,7 +20,7 @@ import torch
 
 from . import grammar
 from .checkpoint import CheckpointError, load
-from .cli import UsageError, pick_device
+from .cli import UsageError, compile_step, pick_device
 from .config import DEFAULT_BEAM, OneLineParser, config_from_dict
 from .. import tasks
 from ..tasks.base import Example
@@ -48,6 +48,9 @@ def build_parser() -> OneLineParser:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--grammar", choices=("off", "on"), default=None,
                    help="constrain decoding to the task's grammar (default: as the checkpoint was trained)")
+    p.add_argument("--compile", choices=("off", "on", "aot_eager", "eager"), default="off",
+                   help="the decode step through torch.compile: on (inductor), or a backend that only traces "
+                        "(what it pays: docs/compile.md) (default: off)")
     p.add_argument("--hf-model", default=None,
                    help="a checkpoint of a --hf-model run: the folder to read the model's config and tokenizer "
                         "from (default: the training --hf-model; the run's hf_final folder holds both too); the "
@@ -207,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         device = pick_device(args.device)
         model, task, cfg = load_model(args.checkpoint, device, args.hf_model)
         max_len = args.max_len or cfg["max_len"]
+        model = compile_step(model, args.compile)
         try:
             model = grammar.constrain(model, task, args.grammar or cfg.get("grammar", "off"), max_len)
         except ValueError as err:

@@ -6,7 +6,10 @@ Positions come from the mask as `generate` makes them (cumsum(mask) - 1), so a p
 same whichever side it was padded on. `encode` runs the prompts once and keeps their key/value cache, their
 mask and the logits at each prompt's last real token: the first completion token's distribution. The prompt's
 last token is therefore read once, by `encode`, and never fed again: the first `step` ignores prev (bos_id)
-and returns those logits' log-softmax; later steps feed one token with the cache.
+and returns those logits' log-softmax; later steps feed one token with the cache. The rows' cache holds their
+completions only: each layer attends over its source's prompt keys and values in `enc`, kept once per source
+(`grouped.prefixed`), where the model's attention allows it (checked at wrap time; else the first step copies
+the prompts' cache to every row).
 
 Phase two runs `encode` with gradients: every chunk's rows index the B prompts' cache by owner (a (C, heads, P,
 head_dim) copy per layer and chunk), the library cuts that cache out of the graph at the chunk boundary, and the
@@ -27,7 +30,7 @@ from torch import Tensor
 
 from ... import tokenweights, tree
 from ...protocol import scoring_mode, target_mask
-from . import cache, heads, lora
+from . import cache, grouped, heads, lora
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
 
@@ -58,6 +61,7 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         self._caches = cache.Caches(model)
         self._keep_kw = "logits_to_keep" in params
         self.head = self._checked_head()
+        self._folding = grouped.checked(self, self._caches)  # None: the rows copy the prompts' cache
         self.head_note = lora.head_note(model, adapter)  # why a PeftModel's head falls back, or None
 
     def encode(self, source: dict) -> dict:
@@ -85,24 +89,34 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         return self._caches.layers(out), out.logits[torch.arange(len(ids), device=ids.device), at]
 
     def init_state(self, enc: dict, owner: Tensor) -> dict:
-        return {"kv": (), "length": None}  # the first step reads the prompts' logits, copies their cache to the rows
+        return {"kv": (), "length": None, "fed": None}  # fed None: the first step reads the prompts' logits
 
     def step(self, enc: dict, owner: Tensor, prev: Tensor, state: dict):
         """Without a graph the rows' cache is kept in buffers with room (`growing`): "length" is how much of
-        them is filled; with one (one-phase), in tensors that each step's forward concatenates onto."""
-        P = enc["mask"].shape[1]
-        if not state["kv"]:  # prev is bos_id: the prompt's last token was fed by encode
+        them is filled; with one (one-phase), in tensors that each step's forward concatenates onto. Where the
+        model's attention folds (`grouped.checked`) the rows' cache holds their completions only and each
+        layer reads the prompts' keys and values from `enc` ("shared"); otherwise the first step copies the
+        prompts' cache to every row."""
+        fed = state.pop("fed")
+        if fed is None:  # prev is bos_id: the prompt's last token was fed by encode
+            shared = self._folding is not None
+            P = 0 if shared else enc["mask"].shape[1]  # cached positions of a row
+            kv = () if shared else tree.select_rows(enc["kv"], owner)  # (N, heads, P, head_dim) per layer
             length = P if self._caches.buffered() else None
-            rows = tree.select_rows(enc["kv"], owner)  # (N, heads, P, head_dim) per layer
-            return {"kv": rows, "length": length}, log_softmax(enc["last"].index_select(0, owner))
-        length = state.pop("length")
-        fed = (state["kv"][0][0].shape[2] if length is None else length) - P  # completion tokens in the cache
-        out = self._continue(enc, owner, prev[:, None], fed, self.model, list(state.pop("kv")), length)  # consumed
+            return ({"kv": kv, "length": length, "fed": 0, "shared": shared},
+                    log_softmax(enc["last"].index_select(0, owner)))
+        length, shared = state.pop("length"), state.pop("shared")
+        kv = list(state.pop("kv"))  # consumed
+        if shared:
+            out = self._continue_shared(enc, owner, prev[:, None], fed, kv, length)
+        else:
+            out = self._continue(enc, owner, prev[:, None], fed, self.model, kv, length)
         logp = log_softmax(out.logits[:, -1])  # (N, V)
         if length is None:
-            return {"kv": self._caches.layers(out), "length": None}, logp
-        kv, length = self._caches.buffers(out)
-        return {"kv": kv, "length": length}, logp
+            kv = self._caches.layers(out)
+        else:
+            kv, length = self._caches.buffers(out)
+        return {"kv": kv, "length": length, "fed": fed + 1, "shared": shared}, logp
 
     def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
         """(N,) teacher-forced log p(tokens | prompt): the first token from the prompts' logits, the rest from
@@ -168,6 +182,20 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         positions = enc["next"].index_select(0, owner)[:, None] + steps  # (N, L)
         return module(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True,
                       **self._caches.argument(kv, length=length))
+
+    def _continue_shared(self, enc: dict, owner: Tensor, inputs: Tensor, fed: int, kv: list,
+                         length: int | None):
+        """The model's forward of `inputs` (N, L) after rows whose cache kv holds their `fed` completion tokens
+        only, every layer attending over its source's prompt in enc first (`grouped.prefixed`): once per source
+        where the rows are K per source in order, else gathered per row."""
+        prompt, mask = enc["kv"], enc["mask"]  # (B, heads, P, head_dim) per layer, (B, P)
+        if not grouped.blocked(owner, mask.shape[0]):
+            prompt, mask = tree.select_rows(prompt, owner), mask.index_select(0, owner)
+        steps = torch.arange(fed, fed + inputs.shape[1], device=inputs.device)
+        positions = enc["next"].index_select(0, owner)[:, None] + steps  # (N, L)
+        with self._folding(prefix=prompt, prefix_mask=mask):
+            return self.model(input_ids=inputs, position_ids=positions, use_cache=True,
+                              **self._caches.argument(kv, length=length))
 
     def _checked_head(self):
         """`heads.find`'s head if it maps the base model's states to the model's own logits on two tokens."""

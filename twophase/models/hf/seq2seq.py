@@ -3,8 +3,10 @@
 
 The source is a tokenizer's output, {"input_ids", "attention_mask"} of (B, S) tensors. The encoder runs once per
 batch of sources; candidate rows read its output through `owner`. Search steps feed one token per row with the
-decoder's key/value cache kept in the state as tuples of tensors (`cache`), cross-attention entries included, so
-the library's row selection reorders them as `generate` reorders its cache. `score` decodes a chunk of rows in
+decoder's self-attention cache kept in the state as tuples of tensors (`cache`), so the library's row selection
+reorders them as `generate` reorders its cache. The cross-attention keys and values are made from the B sources'
+encoder output and kept once per source (`PerSource`), not copied to each row: each layer folds the rows into
+their source's queries (`grouped`), where the model's attention allows it (checked at wrap time). `score` decodes a chunk of rows in
 one teacher-forced forward without a cache: it copies the encoder output once per chunk, (C, S, H), and the
 decoder computes the chunk's cross-attention keys and values from it. Where the output layer is known
 (`heads.find`: T5, BART, Marian), `score` and `weighted_score_backward` stop at the decoder's hidden states and
@@ -14,11 +16,13 @@ Letters: B sources, S source length, H model width, N rows (C in a chunk), T tar
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
 from ...protocol import scoring_mode, target_mask, teacher_forced_inputs
-from . import cache, heads, lora
+from . import cache, grouped, heads, lora
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
 
@@ -42,6 +46,7 @@ class HFSeq2Seq(heads.FastPath, torch.nn.Module):
         self.bos_id = special_id(model, "decoder_start_token_id")
         self._caches = cache.Caches(model)
         self.head = self._checked_head()
+        self._folding = grouped.checked(self, self._caches)  # None: this model's attention cannot fold rows
         self.head_note = lora.head_note(model, adapter)  # why a PeftModel's head falls back, or None
 
     def encode(self, source: dict) -> dict:
@@ -58,12 +63,27 @@ class HFSeq2Seq(heads.FastPath, torch.nn.Module):
         return {"self": (), "cross": (), "length": 0 if self._caches.buffered() else None}
 
     def step(self, enc: dict, owner: Tensor, prev: Tensor, state: dict):
+        """One token per row. Where the rows are K per source in order (`grouped.blocked`: every full step of
+        both searches) the cross-attention keys and values are made and kept once per source (`PerSource`,
+        which row selection leaves alone: rows never change source) and each layer folds the rows into its
+        source's queries; otherwise they are read per row."""
         length = state.pop("length")
-        past = self._caches.argument(list(state.pop("self")), list(state.pop("cross")), length)  # state consumed
-        out = self._forward(enc, owner, prev[:, None], {**past, "use_cache": True})
+        cross = state.pop("cross")
+        per_source = self._folding is not None and grouped.blocked(owner, enc["hidden"].shape[0]) > 0
+        if isinstance(cross, PerSource):
+            pairs = list(cross.pairs) if per_source else [tuple(x.index_select(0, owner) for x in pair)
+                                                          for pair in cross.pairs]
+        else:
+            pairs, per_source = list(cross), per_source and not cross  # a per-row cache stays per row
+        past = self._caches.argument(list(state.pop("self")), pairs, length)  # state consumed
+        rows = None if per_source else owner
+        with self._folding() if per_source else contextlib.nullcontext():
+            out = self._forward(enc, rows, prev[:, None], {**past, "use_cache": True})
         self_pairs, cross_pairs = self._caches.layers2(out)
         if length is not None:
             self_pairs, length = self._caches.buffers(out, encoder_decoder=True)
+        if isinstance(cross, PerSource) or per_source:
+            cross_pairs = cross if isinstance(cross, PerSource) else PerSource(cross_pairs)
         return {"self": self_pairs, "cross": cross_pairs, "length": length}, log_softmax(out.logits[:, -1])
 
     def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
@@ -111,10 +131,21 @@ class HFSeq2Seq(heads.FastPath, torch.nn.Module):
             hidden = self._decoder(enc, torch.zeros(1, dtype=torch.long, device=device), inputs)
         return found if found.agrees(self.model, hidden, logits) else None
 
-    def _forward(self, enc: dict, owner: Tensor, decoder_input_ids: Tensor, extra: dict):
-        """The decoder and output layer for N rows. Attention layers whose cross-attention keys and values are
-        cached never read the encoder output, but the model checks it is given: index_select's (N, S, H)."""
+    def _forward(self, enc: dict, owner: Tensor | None, decoder_input_ids: Tensor, extra: dict):
+        """The decoder and output layer for N rows, reading the encoder output of each row's source (owner) or,
+        owner None, of the B sources themselves (folded attention). Attention layers whose cross-attention keys
+        and values are cached never read the encoder output, but the model checks it is given."""
         from transformers.modeling_outputs import BaseModelOutput
-        encoder_outputs = BaseModelOutput(last_hidden_state=enc["hidden"].index_select(0, owner))  # (N, S, H)
-        return self.model(encoder_outputs=encoder_outputs, attention_mask=enc["mask"].index_select(0, owner),
+        hidden, mask = enc["hidden"], enc["mask"]  # (B, S, H), (B, S)
+        if owner is not None:
+            hidden, mask = hidden.index_select(0, owner), mask.index_select(0, owner)  # (N, S, H), (N, S)
+        return self.model(encoder_outputs=BaseModelOutput(last_hidden_state=hidden), attention_mask=mask,
                           decoder_input_ids=decoder_input_ids, **extra)
+
+
+class PerSource:
+    """The cross-attention cache, one (keys, values) pair of (B, heads, S, head_dim) per layer, kept once per
+    source in a search state. Not a tree node (`twophase.tree`), so row selection carries it as it is."""
+
+    def __init__(self, pairs: tuple):
+        self.pairs = pairs
