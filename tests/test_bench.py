@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from twophase.bench import __main__ as grid, cell
 
@@ -108,3 +109,25 @@ def test_plot_labels_log_axes_with_plain_numbers():
     labels = [t.get_text() for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True) if t.get_text()]
     plt.close(fig)
     assert labels and all(label.replace(".", "").replace(",", "").isdigit() for label in labels), labels
+
+
+def test_bare_loop_finds_beam_searchs_candidates():
+    """The bare loop is the same arithmetic as beam_search (EOS banned): the same K best rows with the same
+    scores, in float64; so --vs-loop compares equal work."""
+    from twophase.bench.bareloop import bare_beam_search
+    from twophase.search import beam_search
+    c = dict(grid.GRIDS["tiny"][0], batch=3, src_len=6, max_len=5, beam=4, method="two-phase", device="cpu",
+             dtype="float64", seed=0)
+    model, _, src, lengths = cell.build(c)
+    lengths[1] = 3  # a padded source: the mask matters
+    tokens, scores = bare_beam_search(model, src, lengths, 4, 5)
+    found = beam_search(model, (src, lengths), 4, 5)
+    assert torch.equal(found.tokens, tokens)
+    assert torch.allclose(found.scores, scores.reshape(-1), rtol=0, atol=1e-12)
+
+
+def test_vs_loop_runs_on_the_toy_sizes(capsys):
+    assert grid.main(["--tiny", "--vs-loop", "1"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["rounds"] == 1 and row["beam"] == grid.GRIDS["tiny"][1][0]
+    assert row["cpu_ratio"] == pytest.approx(row["search_cpu_s"] / row["loop_cpu_s"])

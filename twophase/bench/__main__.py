@@ -3,6 +3,7 @@
     python -m twophase.bench --quick            # small grid: 2-4 minutes on 2 CPU cores
     python -m twophase.bench --device cuda      # the full grid: the seed's configuration, beams 8..256
     python -m twophase.bench --speed-only --steps 2   # only the speed target (B2 K32 T30 V10k H512)
+    python -m twophase.bench --vs-loop 5        # beam search against a bare loop of its arithmetic (bareloop.py)
 
 Methods, on the same random-weight model and random sources:
     two-phase c=C  phase one in inference mode, then `rescore_backward` in chunks of C rows' worth of decoding
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from .bareloop import vs_loop
 from .cell import run_cell
 from .report import NOTE, describe_sizes, fmt_cell, label, markdown, plot
 from ..train.config import parse_size
@@ -178,8 +180,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-speed", action="store_true", help="skip the speed-target configuration")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per configuration")
     p.add_argument("--inline", action="store_true", help="measure in this process (no per-configuration peak)")
+    p.add_argument("--vs-loop", type=int, default=0, metavar="ROUNDS",
+                   help="instead of the grid: the LSTM's beam search against a bare decoding loop of the same "
+                        "arithmetic (bareloop.py) at the speed target's sizes (--tiny: the toy's; --config, "
+                        "--beams' first, --threads apply; one thread by default), ROUNDS alternated rounds")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.vs_loop < 0:
+        p.error(f"--vs-loop: expected a number of rounds >= 1, got {args.vs_loop}")
     if args.speed_only and args.no_speed:
         p.error("--speed-only and --no-speed exclude each other")
     return args
@@ -202,6 +210,8 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(run_cell(json.loads(args.worker))))
         return 0
+    if args.vs_loop:
+        return search_vs_loop(args)
     grid = "tiny" if args.tiny else "quick" if args.quick else "full"
     sizes, beams, chunks, warmup, steps = GRIDS[grid]
     device = _device(args.device)
@@ -225,6 +235,23 @@ def main(argv=None) -> int:
         steps = (speed_steps[0], args.steps or speed_steps[1])
         report["speed"] = speed_target(speed, steps, cap, args.inline, args.timeout)
     return write_report(report, Path(args.out))
+
+
+def search_vs_loop(args) -> int:
+    """--vs-loop: one configuration, both searches in this process; a line of figures and the JSON row."""
+    sizes = dict(GRIDS["tiny"][0], beam=GRIDS["tiny"][1][0]) if args.tiny else dict(SPEED_CONFIG, chunk=None)
+    overrides = dict(args.config)
+    cell = dict(sizes, **overrides, device=_device(args.device), dtype=overrides.get("dtype", "float32"),
+                seed=overrides.get("seed", 0), threads=1 if args.threads is None else args.threads)
+    if args.beams:
+        cell["beam"] = args.beams[0]
+    row = vs_loop(cell, args.vs_loop)
+    print(f"{describe_sizes(cell)}, median of {args.vs_loop} rounds: "
+          f"beam_search {row['search_cpu_s']:.3f} s CPU ({row['search_wall_s']:.3f} s wall), bare loop "
+          f"{row['loop_cpu_s']:.3f} s CPU ({row['loop_wall_s']:.3f} s wall): search / loop {row['cpu_ratio']:.2f}x "
+          f"CPU, {row['wall_ratio']:.2f}x wall")
+    print(json.dumps(row))
+    return 0
 
 
 def write_report(report: dict, out: Path) -> int:

@@ -9,6 +9,17 @@ output bias at -30 so that every candidate runs to --max-len (31): the worst cas
 and validation (whose candidates stop at ~15 tokens), the same for every model compared. Each measurement is
 process CPU time (immune to other jobs on the machine, but not to their contention for caches and memory
 bandwidth), after one untimed warm-up step, median over --steps; printed as one JSON line per measurement.
+An MLE or RL row also has its step's parts (the trainer's own sections, `twophase.train.steptimes`), each the
+median over the steps: `phase_one_s` (the search), `rewards_s` (executing every candidate on the task's
+grids), `phase_two_s` (rescore_backward), `update_s` (clipping and the optimizer step) and `other_s` (the rest:
+batching, the objective). Random weights give every candidate of a source the same reward (most often none
+runs), so the beam objective's coefficients would all be 0 and phase two would skip every row: each reward gets
+a random offset in [0, 1e-3) once computed (inside its timed part, at no measurable cost), so phase two rescores
+all rows, as in a trained model's step where rewards differ (--keep-ties: as they are). `--grammar on,off`
+measures the same sizes with and without the DSL's grammar, one model each (the same seed, so the same initial
+weights).
+
+    python -m twophase.bench.karel --steps 5 --grammar on,off       # issue 23's RL step split, K 16
 """
 from __future__ import annotations
 
@@ -28,6 +39,9 @@ from ..train.config import OneLineParser
 from ..train.evaluation import validate
 
 
+PARTS = ("phase one", "rewards", "phase two", "update")
+
+
 def _cpu_seconds(fn, steps: int) -> float:
     fn()  # warm-up: allocator, first-call costs
     times = []
@@ -38,8 +52,45 @@ def _cpu_seconds(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def measure(train_flags: list[str], steps: int, rl_beams: list[int], eval_tasks: int) -> list[dict]:
-    """One row per measurement: kind (mle / rl / eval), its sizes, CPU seconds."""
+def _step_seconds(trainer, phase: str, steps: int) -> dict:
+    """Median CPU seconds of a training step and of each of its parts (and of the rest), after a warm-up."""
+    trainer.train_step(phase)  # warm-up: allocator, first-call costs
+    rows = []
+    for _ in range(steps):
+        trainer.part_times = {}
+        start = time.process_time()
+        trainer.train_step(phase)
+        total = time.process_time() - start
+        parts = {f"{name.replace(' ', '_')}_s": trainer.part_times.get(name, 0.0) for name in PARTS}
+        rows.append({"cpu_s": total, **parts, "other_s": total - sum(parts.values())})
+    trainer.part_times = None
+    return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+
+
+def untied(rewards_of, seed: int = 0):
+    """A trainer's rewards_of with a random offset in [0, 1e-3) added to every reward: no two candidates tie,
+    so no coefficient is 0 and phase two rescores every row (see the module docstring)."""
+    draws = torch.Generator().manual_seed(seed)
+
+    def offset(tokens, owner, examples):
+        rewards = rewards_of(tokens, owner, examples)  # (N,)
+        return rewards + 1e-3 * torch.rand(len(rewards), generator=draws, dtype=rewards.dtype).to(rewards.device)
+    return offset
+
+
+def measure(train_flags: list[str], steps: int, rl_beams: list[int], eval_tasks: int,
+            grammars: list[str | None] = (None,), untie: bool = True) -> list[dict]:
+    """One row per measurement: kind (mle / rl / eval), its sizes, CPU seconds; for each --grammar value
+    (None: the recipe's); untie: offset the rewards (see the module docstring)."""
+    rows = []
+    for grammar in grammars:
+        rows += _measure_one(train_flags + ([] if grammar is None else ["--grammar", grammar]), steps, rl_beams,
+                             eval_tasks, untie)
+    return rows
+
+
+def _measure_one(train_flags: list[str], steps: int, rl_beams: list[int], eval_tasks: int,
+                 untie: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         parser = cli.build_parser()
         argv = ["--task", "karel", *train_flags, "--save-dir", folder, "--overwrite"]
@@ -49,14 +100,16 @@ def measure(train_flags: list[str], steps: int, rl_beams: list[int], eval_tasks:
         with torch.no_grad():  # no candidate stops early (see the module docstring)
             inner = trainer.model.model if isinstance(trainer.model, Constrained) else trainer.model  # --grammar on
             inner.out.bias[inner.eos_id] = -30.0
+        if untie:
+            trainer.rewards_of = untied(trainer.rewards_of)
         params = sum(p.numel() for p in trainer.model.parameters())
-        head = {"model": cfg.karel_model, "parameters": params, "threads": torch.get_num_threads()}
-        rows = [{**head, "kind": "mle", "batch": cfg.mle_batch_size,
-                 "cpu_s": _cpu_seconds(lambda: trainer.train_step("mle"), steps)}]
+        head = {"model": cfg.karel_model, "grammar": cfg.grammar, "ties": "broken" if untie else "kept",
+                "parameters": params, "threads": torch.get_num_threads()}
+        rows = [{**head, "kind": "mle", "batch": cfg.mle_batch_size, **_step_seconds(trainer, "mle", steps)}]
         for k in rl_beams:
             trainer.cfg.beam_size = k
             rows.append({**head, "kind": "rl", "batch": cfg.batch_size, "beam": k,
-                         "cpu_s": _cpu_seconds(lambda: trainer.train_step("rl"), steps)})
+                         **_step_seconds(trainer, "rl", steps)})
         if eval_tasks:
             run = lambda: validate(trainer.model, trainer.task, trainer.valid, trainer.reward, cfg.eval_beam,  # noqa
                                    cfg.max_len, trainer.device, limit=eval_tasks)
@@ -72,13 +125,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps of each kind (default: 3)")
     p.add_argument("--rl-beams", default="16", help="comma-separated K of the RL steps timed (default: 16)")
     p.add_argument("--eval-tasks", type=int, default=0, help="also time validation on this many tasks (0: no)")
+    p.add_argument("--grammar", help="comma-separated --grammar values measured one after the other, e.g. on,off "
+                                     "(default: the recipe's, or the one after --)")
+    p.add_argument("--keep-ties", action="store_true",
+                   help="rewards as they are: candidates tied within their source get coefficient 0, and phase "
+                        "two skips them (default: ties broken, every row rescored)")
     args = p.parse_args(own)
+    if args.steps < 1:
+        p.error(f"--steps: expected at least 1, got {args.steps}")
+    grammars = [None] if args.grammar is None else [g.strip() for g in args.grammar.split(",")]
+    if any(g not in ("on", "off") for g in grammars):
+        p.error(f"--grammar: expected a comma-separated list of on and off, got {args.grammar!r}")
     try:
         beams = [int(k) for k in args.rl_beams.split(",")]
     except ValueError:
         p.error(f"--rl-beams: expected comma-separated integers, got {args.rl_beams!r}")
     try:
-        rows = measure(train_flags, args.steps, beams, args.eval_tasks)
+        rows = measure(train_flags, args.steps, beams, args.eval_tasks, grammars, untie=not args.keep_ties)
     except (cli.UsageError, DataError, rewards.RewardError, tasks.TaskError) as err:
         print(f"python -m twophase.bench.karel: error: {err}", file=sys.stderr)
         return 2

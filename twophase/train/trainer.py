@@ -39,6 +39,7 @@ from .profiling import ChunkPlanner, StepProfiler
 from .resumable import Resumable
 from .rundir import MetricsLog
 from .schedule import Plateau
+from .steptimes import timed
 from ..rescoring import rescore_backward
 from ..samples import Samples
 from ..sbs import stochastic_beam_search
@@ -87,6 +88,7 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         self.final: dict | None = None
         self.log_step = 0
         self.profiler: StepProfiler | None = None  # set per step under --profile-memory
+        self.part_times: dict | None = None  # a caller's dict: CPU seconds of the step's parts (steptimes)
         self.chunk_planner = ChunkPlanner(parse_size(cfg.memory_budget)) if cfg.rescore_chunk == "auto" else None
         self.last_chunk = cfg.rescore_chunk
         self.is_main = distributed.rank() == 0  # the one process that logs, draws the bar and saves
@@ -163,21 +165,22 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
 
         # 1. Phase one: K candidates per source and their log-probabilities, no graph.
         log_p = None  # under --one-phase: the log-probabilities with the search's graph, and no phase two
-        with self.section("phase 1: search" + (" with graph (--one-phase)" if cfg.one_phase else "")), self.autocast():
+        with self.section("phase 1: search" + (" with graph (--one-phase)" if cfg.one_phase else ""), "phase one"), \
+                self.autocast():
             if cfg.one_phase:
                 cand, log_p = one_phase_search(self.model, source, cfg.sampler, cfg.beam_size, cfg.max_len,
                                                cfg.temperature, self.sampling)
             else:
                 cand = self.search(source)
         # 2. Rewards of every candidate against all references of its source (and what else the reward asks).
-        with self.section("rewards"):
+        with self.section("rewards", "rewards"):
             rewards = self.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,)
             parts = getattr(self.reward, "last", None)  # several rewards: each one's values, for the log
         # 3. Coefficients: the objective's weight on each log p(candidate).
         rows, row_rewards = cand, rewards
         if cfg.include_reference:  # RL_beam over candidates and references (the objective dedups the two)
             refs = self._reference_rows(idx)
-            with self.section("references: score and reward"), self.autocast():
+            with self.section("references: score and reward", "references"), self.autocast():
                 rows, row_rewards = with_references(self.model, source, cand, rewards, refs,
                                                     self.rewards_of(refs.tokens, refs.owner.tolist(), examples))
         coef = self.coefficients(rows, row_rewards, source, examples, B)
@@ -206,7 +209,7 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         """rescore_backward with the configured chunk size, or the largest within --memory-budget, under the
         autocast phase one ran in; with fp16 the coefficients carry the loss scale (the returned loss does not)."""
         coef, scale = amp.scale_coefficients(coef, self.scaler)
-        with self.autocast():
+        with timed(self.autocast(), self.part_times, "phase two"):
             chunk = self.cfg.rescore_chunk
             if chunk == "auto":
                 chunk = self.chunk_planner.chunk_size(self.model, source, rows)
@@ -218,9 +221,11 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
                 self.step_counts[key] = self.step_counts.get(key, 0) + stats.get(key, 0)
             return loss / scale
 
-    def section(self, name: str):
-        """A --profile-memory section of the current step (a no-op otherwise)."""
-        return self.profiler.section(name) if self.profiler is not None else contextlib.nullcontext()
+    def section(self, name: str, part: str | None = None):
+        """A --profile-memory section of the step (a no-op otherwise), its CPU seconds added to self.part_times[part]
+        when a caller set that dict (steptimes)."""
+        profiled = self.profiler.section(name) if self.profiler is not None else contextlib.nullcontext()
+        return timed(profiled, self.part_times, part)
 
     def one_phase_backward(self, log_p, source, rows: Samples, coef) -> float:
         """--one-phase: one backward through the search graph of the candidates (the first len(log_p) rows);
@@ -267,7 +272,7 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         were, the step is counted as skipped, and too many in a row stop the run with a crash checkpoint."""
         # Sum over processes first: clipping and the skip decision then see the global gradient, so every
         # process takes the same decision and the parameters stay identical.
-        with self.section("gradient all-reduce and clipping"):
+        with self.section("gradient all-reduce and clipping", "update"):
             if not fsdp.is_sharded(self.model):  # --fsdp: summed into the shards' .grad already
                 distributed.all_reduce_grads(list(self.model.parameters()))
             params = [p for p in self.model.parameters() if p.grad is not None]
@@ -276,7 +281,7 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
             norm = float(fsdp.whole(torch.nn.utils.clip_grad_norm_(params, clip))) if params else 0.0
         scale = amp.update(self.scaler, params)  # backs the scale off after inf/nan gradients, else may grow it
         if math.isfinite(loss) and math.isfinite(norm):
-            with self.section("optimizer step"):
+            with self.section("optimizer step", "update"):
                 self.optimizer.step()
             self.bad_in_a_row = 0
             return {"grad_norm": norm, "skipped": 0}
