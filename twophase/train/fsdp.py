@@ -38,13 +38,25 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 
 import torch
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import distributed
 from .params import load_saved, saved_state
+
+
+def _loaded(module: str, name: str):
+    """`module.name` if the module is imported, else None. torch.distributed.fsdp and .tensor cost 0.7 s to
+    import (a third of train.py's start-up): they are imported by `shard_model` alone, and where they are not
+    loaded no sharded module or DTensor exists for the tests below to find."""
+    found = sys.modules.get(module)
+    return None if found is None else getattr(found, name)
+
+
+def _is_dtensor(t) -> bool:
+    DTensor = _loaded("torch.distributed.tensor", "DTensor")
+    return DTensor is not None and isinstance(t, DTensor)
 
 
 def check(cfg) -> None:
@@ -73,6 +85,7 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     if not distributed.active():
         raise ValueError("--fsdp shards the model over the processes torchrun starts (torchrun "
                          "--nproc_per_node N train.py --fsdp ...); one process has nothing to shard over")
+    from torch.distributed.fsdp import fully_shard
     fully_shard(model, reshard_after_forward=False)
     model._twophase_gathers = 0  # nesting depth of gathered()
     return model
@@ -81,6 +94,9 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
 def sharded_root(model):
     """The outermost `fully_shard`ed module in `model` (itself, or the model a wrapper such as `Constrained`
     holds), or None."""
+    FSDPModule = _loaded("torch.distributed.fsdp", "FSDPModule")
+    if FSDPModule is None:
+        return None
     return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
 
 
@@ -187,6 +203,7 @@ def _reduce_bucket(named: list) -> dict:
 
 def _set_shard_grads(model, grads: dict) -> None:
     """Each kept slice becomes the .grad (a DTensor placed as its shard) of this process's shard."""
+    from torch.distributed.tensor import DTensor
     for name, shard in model.named_parameters():
         local = grads.get(name)
         if local is None:
@@ -200,7 +217,7 @@ def _set_shard_grads(model, grads: dict) -> None:
 
 def whole(t):
     """A DTensor's whole value (a collective), anything else as it is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if _is_dtensor(t) else t
 
 
 def full_model_state(model) -> dict:
@@ -228,9 +245,10 @@ def plain_copy(model, build):
 
 def _like(full: torch.Tensor, shard):
     """`full` distributed as `shard` is (this process's slice, no communication), or as it is."""
-    if not isinstance(shard, DTensor) or not isinstance(full, torch.Tensor) or isinstance(full, DTensor) \
+    if not _is_dtensor(shard) or not isinstance(full, torch.Tensor) or _is_dtensor(full) \
             or full.shape != shard.shape:
         return full  # not sharded, or already a shard (an in-memory snapshot)
+    from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(full.to(shard.device, shard.dtype), shard.device_mesh, shard.placements,
                              src_data_rank=None)
 
@@ -251,7 +269,7 @@ def load_optimizer_state(optimizer, state: dict) -> None:
 
 def local(t):
     """This process's own part of a tensor: a DTensor's local shard, anything else whole."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def load_model(model, state: dict) -> None:
