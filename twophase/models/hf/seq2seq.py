@@ -6,11 +6,11 @@ batch of sources; candidate rows read its output through `owner`. Search steps f
 decoder's self-attention cache kept in the state as tuples of tensors (`cache`), so the library's row selection
 reorders them as `generate` reorders its cache. The cross-attention keys and values are made from the B sources'
 encoder output and kept once per source (`PerSource`), not copied to each row: each layer folds the rows into
-their source's queries (`grouped`), where the model's attention allows it (checked at wrap time). `score` decodes a chunk of rows in
-one teacher-forced forward without a cache: it copies the encoder output once per chunk, (C, S, H), and the
-decoder computes the chunk's cross-attention keys and values from it. Where the output layer is known
-(`heads.find`: T5, BART, Marian), `score` and `weighted_score_backward` stop at the decoder's hidden states and
-apply it a block of logits at a time, never holding the chunk's (C, T, V) logits.
+their source's queries (`grouped`), where the model's attention allows it (checked at wrap time). `score`
+decodes a chunk of rows in one teacher-forced forward without a cache: it copies the encoder output once per
+chunk, (C, S, H), and the decoder computes the chunk's cross-attention keys and values from it. Where the output
+layer is known (`heads.find`: T5, BART, Marian), `score` and `weighted_score_backward` stop at the decoder's
+hidden states and apply it a block of logits at a time, never holding the chunk's (C, T, V) logits.
 
 Letters: B sources, S source length, H model width, N rows (C in a chunk), T target length, V vocabulary.
 """
@@ -21,6 +21,7 @@ import contextlib
 import torch
 from torch import Tensor
 
+from ... import tree
 from ...protocol import scoring_mode, target_mask, teacher_forced_inputs
 from . import cache, grouped, heads, lora
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
@@ -67,23 +68,22 @@ class HFSeq2Seq(heads.FastPath, torch.nn.Module):
         both searches) the cross-attention keys and values are made and kept once per source (`PerSource`,
         which row selection leaves alone: rows never change source) and each layer folds the rows into its
         source's queries; otherwise they are read per row."""
-        length = state.pop("length")
-        cross = state.pop("cross")
-        per_source = self._folding is not None and grouped.blocked(owner, enc["hidden"].shape[0]) > 0
-        if isinstance(cross, PerSource):
-            pairs = list(cross.pairs) if per_source else [tuple(x.index_select(0, owner) for x in pair)
-                                                          for pair in cross.pairs]
-        else:
-            pairs, per_source = list(cross), per_source and not cross  # a per-row cache stays per row
-        past = self._caches.argument(list(state.pop("self")), pairs, length)  # state consumed
-        rows = None if per_source else owner
-        with self._folding() if per_source else contextlib.nullcontext():
-            out = self._forward(enc, rows, prev[:, None], {**past, "use_cache": True})
+        length, cross = state.pop("length"), state.pop("cross")
+        folded = self._folding is not None and grouped.blocked(owner, enc["hidden"].shape[0]) > 0
+        if isinstance(cross, PerSource):  # made per source at the first step: gathered per row where not folded
+            pairs = cross.pairs if folded else tree.select_rows(cross.pairs, owner)
+        else:  # per row, or nothing yet: a first step that folds makes the cache per source
+            pairs, folded = cross, folded and not cross
+        past = self._caches.argument(list(state.pop("self")), list(pairs), length)  # state consumed
+        with self._folding() if folded else contextlib.nullcontext():
+            out = self._forward(enc, None if folded else owner, prev[:, None], {**past, "use_cache": True})
         self_pairs, cross_pairs = self._caches.layers2(out)
         if length is not None:
             self_pairs, length = self._caches.buffers(out, encoder_decoder=True)
-        if isinstance(cross, PerSource) or per_source:
-            cross_pairs = cross if isinstance(cross, PerSource) else PerSource(cross_pairs)
+        if isinstance(cross, PerSource):
+            cross_pairs = cross  # the forward's were the per-source pairs or this step's per-row gather
+        elif folded:
+            cross_pairs = PerSource(cross_pairs)
         return {"self": self_pairs, "cross": cross_pairs, "length": length}, log_softmax(out.logits[:, -1])
 
     def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
