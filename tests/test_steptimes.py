@@ -80,6 +80,16 @@ def test_karel_bench_refuses_a_bad_grammar_list(capsys):
     assert exit_.value.code == 2 and "--grammar" in capsys.readouterr().err
 
 
+def test_karel_bench_without_grammar_measures_the_recipes(monkeypatch, capsys):
+    """No --grammar: one measurement at the recipe's grammar (or the one after --), not a refusal."""
+    from twophase.bench import karel as bench_karel
+    seen = []
+    monkeypatch.setattr(bench_karel, "measure", lambda flags, steps, beams, tasks, grammars, untie:
+                        seen.append((flags, grammars)) or [{"kind": "rl"}])
+    assert bench_karel.main(["--steps", "1", "--", "--grammar", "off"]) == 0
+    assert seen == [(["--grammar", "off"], [None])] and '"kind": "rl"' in capsys.readouterr().out
+
+
 def _tiny_rl_job(task):
     return {"kind": "rl", "untie": True, "flags": [
         "--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--hidden-size", "16",

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         p.error(f"--steps: expected at least 1, got {args.steps}")
     grammars = [None] if args.grammar is None else [g.strip() for g in args.grammar.split(",")]
-    if any(g not in ("on", "off") for g in grammars):
+    if args.grammar is not None and any(g not in ("on", "off") for g in grammars):
         p.error(f"--grammar: expected a comma-separated list of on and off, got {args.grammar!r}")
     try:
         beams = [int(k) for k in args.rl_beams.split(",")]
