@@ -22,7 +22,9 @@ import time
 
 import torch
 
+from .. import rewards, tasks
 from ..compiling import Compiled
+from ..tasks.data import DataError
 from ..train import cli
 from ..train.config import OneLineParser
 
@@ -39,13 +41,11 @@ def _timed(trainer, source, clock=time.process_time) -> tuple[float, int]:
 
 def measure(train_flags: list[str], rounds: int, cold: int, eos_bias: float | None) -> dict:
     with tempfile.TemporaryDirectory() as folder:
-        parser = cli.build_parser()
         argv = [*train_flags, "--save-dir", folder, "--overwrite"]
         if "--compile" not in argv:
             argv += ["--compile", "on"]
-        parser.set_defaults(**cli.recipe_defaults(parser.parse_args(argv)))
-        cfg = cli.config_from_args(parser.parse_args(argv))
-        trainer = cli.build(cfg)
+        trainer = cli.build_from_flags(argv)
+        cfg = trainer.cfg
         torch.set_num_threads(1)
         fast = _compiled_part(trainer.model)
         if eos_bias is not None:
@@ -87,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(own)
     if args.rounds < 1 or args.cold < 1:
         p.error("--rounds and --cold: expected at least 1")
-    print(json.dumps(measure(train_flags, args.rounds, args.cold, args.eos_bias)), flush=True)
+    try:
+        out = measure(train_flags, args.rounds, args.cold, args.eos_bias)
+    except (cli.UsageError, DataError, rewards.RewardError, tasks.TaskError) as err:
+        print(f"python -m twophase.bench.compile: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(out), flush=True)
     return 0
 
 

@@ -92,11 +92,8 @@ def measure(train_flags: list[str], steps: int, rl_beams: list[int], eval_tasks:
 def _measure_one(train_flags: list[str], steps: int, rl_beams: list[int], eval_tasks: int,
                  untie: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
-        parser = cli.build_parser()
-        argv = ["--task", "karel", *train_flags, "--save-dir", folder, "--overwrite"]
-        parser.set_defaults(**cli.recipe_defaults(parser.parse_args(argv)))
-        cfg = cli.config_from_args(parser.parse_args(argv))
-        trainer = cli.build(cfg)
+        trainer = cli.build_from_flags(["--task", "karel", *train_flags, "--save-dir", folder, "--overwrite"])
+        cfg = trainer.cfg
         with torch.no_grad():  # no candidate stops early (see the module docstring)
             inner = trainer.model.model if isinstance(trainer.model, Constrained) else trainer.model  # --grammar on
             inner.out.bias[inner.eos_id] = -30.0

@@ -227,6 +227,16 @@ def main(argv: list[str] | None = None) -> int:
         distributed.finish()
 
 
+def build_from_flags(argv: list[str]) -> Trainer:
+    """The trainer train.py would build from these flags (the recipe's defaults, --init-from's model flags under
+    them), not run: for benchmarks. A bad flag combination is a UsageError, as train.py's one line."""
+    try:
+        cfg, start = parse(argv)
+    except (ValueError, tasks.TaskError) as err:
+        raise UsageError(str(err)) from None
+    return build(cfg, start)
+
+
 def parse(argv: list[str] | None = None) -> tuple[Config, dict | None]:
     """The command line's Config, over the defaults of start_defaults, and the checkpoint it starts from."""
     parser = build_parser()
