@@ -1,7 +1,13 @@
+import os
+
 import pytest
 import torch
 
 from twophase import Seq2Seq
+
+# train.py's end-of-run picture (matplotlib, about a second a run) is drawn only by the tests that look at it; set
+# here, before any test, so the suite's subprocesses inherit it too
+os.environ["TWOPHASE_PICTURE"] = "off"
 
 
 def tiny_model(src_vocab=9, tgt_vocab=7, hidden=16, embed=8, bidirectional=False, seed=0):

@@ -14,7 +14,7 @@ import torch
 from . import amp, distributed, fsdp, grammar, rundir, runs, startup
 from .start import evaluate, init_state, recipe_defaults, resume_state, start_defaults, start_run_dir
 from ..protocol import ModelError
-from .. import rewards, rewardsum
+from .. import plot, rewards, rewardsum
 from ..compiling import compiled
 from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args  # noqa: F401 (PRESETS)
 from .. import tasks
@@ -309,6 +309,9 @@ def _train(cfg: Config, start: dict | None = None, given: frozenset | None = Non
         print(f"best {trainer.best_key}: {best.best:.4f} at step {trainer.best_step}: {best.best_path}")
     print(f"metrics: {trainer.save_dir / 'metrics.jsonl'}; checkpoint: {best.last_path}"
           + (f"; final model: {exported}" if exported else ""))
+    picture = draw_picture(trainer)
+    if picture is not None:
+        print(f"picture: {picture}")
     return 0
 
 
@@ -329,3 +332,22 @@ def save_final(trainer: Trainer):
     except OSError as err:
         raise UsageError(f"cannot write the final model into {trainer.save_dir}: {err.strerror or err} "
                          f"({trainer.checkpoints.last_path} holds it)") from None
+
+
+def draw_picture(trainer: Trainer):
+    """--picture: <save-dir>/curves.png from the run's metrics.jsonl (twophase.plot), or None: turned off, no
+    matplotlib, or nothing to draw. A picture that cannot be drawn costs the run nothing but a warning line."""
+    if not trainer.cfg.picture or os.environ.get("TWOPHASE_PICTURE", "on").lower() in ("off", "0", "no"):
+        return None
+    out = trainer.save_dir / "curves.png"
+    try:
+        plot.plot([trainer.save_dir / "metrics.jsonl"], out, [trainer.save_dir.name])
+    except plot.NoMatplotlib:
+        return None
+    except plot.PlotError as err:
+        print(f"{PROG}: warning: no picture: {err}", file=sys.stderr)
+        return None
+    except OSError as err:
+        print(f"{PROG}: warning: no picture: cannot write {out}: {err.strerror or err}", file=sys.stderr)
+        return None
+    return out

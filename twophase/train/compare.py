@@ -128,7 +128,8 @@ class Comparison:
     def _validate_continued(self, k: int, start: float) -> dict:
         scores = self.validate()
         self.log({"step": self.mle_end + k, "phase": "eval", "after": CONTINUED, "continued": k,
-                  "since_branch_s": round(time.monotonic() - start, 3), **scores})
+                  "since_branch_s": round(time.monotonic() - start, 3), **scores,
+                  "train_s": round(self.stats[CONTINUED].get(self.budget_clock(), 0.0), 3)})
         if self.is_main:
             print(f"MLE continued +{k} steps valid " + fmt_scores(scores), flush=True)
         return scores

@@ -243,6 +243,9 @@ class Config:
                                    "task's main metric (word_acc for g2p, reward for tsv)")
     tensorboard: bool = arg(False, "also write the metrics as TensorBoard scalars to <save-dir>/tensorboard "
                                    "(needs the tensorboard package: pip install 'twophase[tb]')")
+    picture: bool = arg(True, "at the end of the run draw <save-dir>/curves.png: the arms from the branch point "
+                              "on (RL against MLE continued), then the whole run (needs matplotlib: pip install "
+                              "'twophase[plot]'; the environment variable TWOPHASE_PICTURE=off turns it off too)")
     log_every: int = arg(100, "when stdout is not a terminal (no progress bar), print a progress line every N "
                               "steps (0: never)", minimum=0)
     seed: int = arg(1, "seed of every random number generator")

@@ -173,7 +173,8 @@ class RunLoop:
         scores = None
         if self.step % cfg.eval_every == 0 or self.step in (self.mle_end, self.total):
             scores = self.validate()
-            self.log({"step": self.step, "phase": "eval", "after": phase, **scores})
+            self.log({"step": self.step, "phase": "eval", "after": phase, **scores,
+                      "train_s": round(self.stats[phase].get(self.budget_clock(), 0.0), 3)})
             if self.is_main:
                 bar.write(f"step {self.step} [{phase}] valid " + fmt_scores(scores))
             self.save_best(scores)

@@ -19,7 +19,7 @@ FREE = "free"          # observes or paces the run, or only says where and how f
 RULES = {
     "mle_steps": PHASE, "rl_steps": GROW,
     # logging, evaluation and saving cadence
-    "eval_every": FREE, "save_every": FREE, "keep_last": FREE, "log_every": FREE, "tensorboard": FREE,
+    "eval_every": FREE, "save_every": FREE, "keep_last": FREE, "log_every": FREE, "tensorboard": FREE, "picture": FREE,
     "profile_memory": FREE, "compare_mle": FREE, "test": FREE, "export": FREE,
     # resources: the same gradient computed with other memory, speed or precision
     "threads": FREE, "device": FREE, "rescore_chunk": FREE, "memory_budget": FREE, "no_prefix_sharing": FREE,

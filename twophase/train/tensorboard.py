@@ -7,7 +7,7 @@ package (the `tb` extra); `writer_class` says so in one line where it is missing
 """
 from __future__ import annotations
 
-SKIP = {"step", "phase", "after", "model", "time", "elapsed_s", "since_branch_s", "continued", "n", "action"}
+SKIP = {"step", "phase", "after", "model", "time", "elapsed_s", "since_branch_s", "train_s", "continued", "n", "action"}
 
 
 def writer_class():
