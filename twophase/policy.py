@@ -25,7 +25,6 @@ Letters: B sources, N rows, T positions, P scored positions (row, col) of some r
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -177,9 +176,10 @@ def advantages(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str =
         std = torch.sqrt(sq / (count - 1).clamp(min=1))
         a = a / (std + 1e-4)
     elif scale == "batch":
-        if batch_std is None:
-            n, s, q = scored_moments(rewards)
-            batch_std = math.sqrt(max(q - s * s / n, 0.0) / (n - 1)) if n > 1 else 0.0
+        if batch_std is None:  # this batch's, two-pass over the scored rows (no host read)
+            n = scored.to(r.dtype).sum()
+            dev = torch.where(scored, r - r.sum() / n.clamp(min=1), torch.zeros_like(r))
+            batch_std = torch.where(n > 1, torch.sqrt((dev ** 2).sum() / (n - 1).clamp(min=1)), torch.zeros_like(n))
         a = a / (batch_std + 1e-4)
     elif scale != "none":
         raise ValueError(f"unknown advantage scale {scale!r}; choose from group, batch, none")

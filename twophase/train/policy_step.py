@@ -6,7 +6,9 @@ per-token log-probabilities (the old policy, `Samples.token_scores`), their rewa
 of every batch comes first: the normalisers (rows, tokens, the reward std of --advantage-scale batch) are the
 whole generation's, so N batches of B give the gradient of one batch of N*B exactly. Each RL step is one update:
 a phase two over each batch's candidates in turn, gradients accumulated, with the token-level objective of
-`twophase.policy` (importance ratio to phase one, clipped; k3 KL), so the first update's ratio is exactly 1. The
+`twophase.policy` (importance ratio to phase one, clipped; k3 KL), so the first update's ratio is exactly 1. A
+candidate without a reward (NaN: a TRL reward's None) is left out of every reward statistic (`policy.advantages`,
+the batch std, the logged figures) and kept, with advantage 0, in the loss's normalisers, as TRL's GRPO. The
 generation lives in the checkpoint, so a run resumed between two of its updates continues bit-identically.
 Several processes: each holds its share of every batch; the normalisers are global, so the summed gradient is
 one process's; the checkpoint holds every process's part of the generation (a resume on another number of
