@@ -3,6 +3,7 @@ column, optional references and extra columns that reach rewards by name; bad ro
 built-in LSTM trains on them (RL only without references)."""
 import importlib.util
 import json
+import math
 
 import pytest
 
@@ -125,3 +126,45 @@ def test_too_long_rows_are_skipped_and_counted(tmp_path):
     task.load_data()
     assert [e.source for e in task.train] == ["a b"] and task.metrics == ()
     assert "--train: skipped 2 rows longer than the limits (--too-long skip)" in task.notes
+
+
+def test_reference_rewards_on_rows_without_references_stop_at_start_up(tmp_path, monkeypatch, capsys):
+    """Prompt-only data with the default reward (--reward forgotten) or a built-in, or rows of which only some have
+    a reference: one line naming the file (and the first row without one), exit 2, before any step; a sum with a
+    reward that scores without references trains, the built-in giving None on the rows it cannot score."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "rec.py").write_text(RECORDER)
+    rows = [{"prompt": p, "level": n} for p, n in [("a b", 1), ("b c", 2), ("c a", 1), ("a a", 2)]]
+    _jsonl(tmp_path / "bare.jsonl", rows)
+    _jsonl(tmp_path / "some.jsonl", [{**r, "completion": r["prompt"]} if i != 2 else r for i, r in enumerate(rows)])
+    _jsonl(tmp_path / "all.jsonl", [{**r, "completion": r["prompt"]} for r in rows])
+    base = ["--save-dir", "run", "--mle-steps", "0", "--hidden-size", "8", "--embed-dim", "4", "--batch-size", "2",
+            "--beam-size", "2", "--max-len", "5", "--eval-every", "2"]
+    for data, extra, match in [
+            (["bare.jsonl", "bare.jsonl"], [], "--reward edit (the task's default): edit compares candidates with "
+                                               "references, and --train bare.jsonl has none (no completion/target): "
+                                               "--reward is needed"),
+            (["bare.jsonl", "bare.jsonl"], ["--reward", "bleu"], "--train bare.jsonl has none (no completion/target): "
+                                                                 "give --reward"),
+            (["bare.jsonl", "bare.jsonl"], ["--reward", "exact,rec:reward"], "exact compares candidates with "
+                                                                             "references, and --train bare.jsonl has "
+                                                                             "none: it would never score"),
+            (["some.jsonl", "all.jsonl"], ["--reward", "chrf"], "some.jsonl:3: no reference (completion/target), "
+                                                                "which --reward chrf compares candidates with (1 of 4 "
+                                                                "rows of --train have none)"),
+            (["all.jsonl", "some.jsonl"], ["--reward", "exact"], "some.jsonl:3: no reference (completion/target), "
+                                                                 "which --reward exact compares candidates with (1 of "
+                                                                 "4 rows of --valid have none)")]:
+        _fails_with_one_line(["--train", data[0], "--valid", data[1], *base, *extra], capsys, match)
+    assert cli.main(["--train", "some.jsonl", "--valid", "some.jsonl", *base, "--rl-steps", "1",
+                     "--reward", "exact,rec:reward"]) == 0
+
+
+def test_the_builtin_rewards_give_none_without_references():
+    from twophase import rewards
+    for name in ("bleu", "chrf", "exact", "edit"):
+        reward = rewards.get(name)
+        assert rewards.needs_references(reward)
+        out = reward(["a b", "a b"], [["a b"], []])
+        assert out[0] > 0.99 and math.isnan(out[1]), name

@@ -183,3 +183,39 @@ def test_lora_with_references_runs_mle_the_comparison_and_resumes_it(folder, mon
     assert all("word_acc" in r for r in rows if r["phase"] == "eval")
     branch = torch.load(folder / "refrun" / "checkpoint_mle_end.pt", weights_only=True)
     assert all("lora_" in k for k in branch["model"])
+
+
+@pytest.mark.parametrize("objective", [["--sampler", "sample", "--objective", "policy"],
+                                       ["--sampler", "sbs", "--objective", "priority"],
+                                       ["--sampler", "sbs", "--objective", "unordered-set"]])
+def test_the_docs_wanted_reward_and_its_nones_train_every_objective(folder, monkeypatch, one_thread, objective):
+    """docs/trl.md's `wanted` alone (None for an empty completion, so some candidates go unscored): every RL step
+    has a finite loss and a gradient, none is skipped, and the run ends 0."""
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    save = "nones_" + objective[-1]
+    assert cli.main(["--train", "train.jsonl", "--valid", "valid.jsonl", "--hf-model", "gpt2", "--save-dir", save,
+                     "--reward", "rw:wanted", "--mle-steps", "0", "--rl-steps", "3", "--batch-size", "3",
+                     "--beam-size", "3", "--max-len", "6", "--max-src-len", "10", "--eval-every", "3",
+                     "--seed", "2", *objective]) == 0
+    rl = [r for r in _rows(folder / save / "metrics.jsonl") if r["phase"] == "rl"]
+    assert len(rl) == 3 and all(r["skipped"] == 0 and r["loss"] is not None and r["grad_norm"] > 0 for r in rl)
+    assert any(r.get("unscored") for r in rl)
+
+
+def test_a_reward_that_scores_nothing_is_warned_once_and_reports_no_reward(folder, monkeypatch, capsys, one_thread):
+    """A TRL reward reading a misspelt column (None for every candidate): one warning, not silence; validation's
+    and the closing table's reward are '-' (nothing measured), not 0.0000, and no checkpoint is called best."""
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    (folder / "misspelt.py").write_text("def wanted(completions, **kwargs):\n"
+                                         "    return [None if kwargs.get('wnated') is None else 1.0 for c in completions]\n")
+    assert cli.main(["--train", "train.jsonl", "--valid", "valid.jsonl", "--hf-model", "gpt2", "--save-dir", "nothing",
+                     "--reward", "misspelt:wanted", "--mle-steps", "0", "--rl-steps", "3", "--batch-size", "3",
+                     "--beam-size", "3", "--max-len", "6", "--max-src-len", "10", "--eval-every", "2",
+                     "--sampler", "sample", "--objective", "policy"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("scored none of the 9 candidates of RL step 1") == 1
+    evals = [r for r in _rows(folder / "nothing" / "metrics.jsonl") if r["phase"] == "eval"]
+    assert evals and all(r["reward"] is None for r in evals)
+    assert "valid reward=-" in captured.out and "0.0000" not in captured.out and "best reward" not in captured.out

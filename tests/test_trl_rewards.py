@@ -101,3 +101,97 @@ def test_mrt_renormalises_over_the_scored_candidates(alpha):
 def test_beam_refuses_unknown_scores():
     with pytest.raises(ValueError, match="search scores, which are unknown"):
         objectives.beam(R, torch.full_like(SCORES, float("nan")), OWNER, 3, tokens=TOKENS)
+
+
+# --objective policy and the SBS estimators: TRL's nanmean/nanstd treatment of a None (NaN) reward.
+K = 4
+R_GROUPS = torch.tensor([1.0, float("nan"), 0.0, 0.5,  # one None
+                         float("nan")] * 1 + [2.0, float("nan"), float("nan"),  # one scored reward
+                         float("nan")] * 1 + [float("nan")] * 3 +  # none scored
+                        [0.25, 1.0, 0.75, 0.0], dtype=torch.float64)  # all scored
+OWNER_GROUPS = torch.arange(4).repeat_interleave(K)
+
+
+def _trls_advantages(rewards, scale):
+    """TRL 1.16's GRPOTrainer._generate_and_score_completions, multi_objective_aggregation="sum_then_normalize"
+    with one reward: nanmean per group, its own nanstd, nan_to_num (lines transcribed, its nanstd called)."""
+    from trl.trainer.utils import nanstd
+    mean = torch.nanmean(rewards.view(-1, K), dim=1).repeat_interleave(K, dim=0)
+    std = nanstd(rewards.view(-1, K), dim=1).repeat_interleave(K, dim=0) if scale != "batch" else \
+        nanstd(rewards).expand_as(rewards)
+    adv = rewards - mean
+    if scale != "none":
+        adv = adv / (std + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_policy_advantages_treat_none_as_trl(scale):
+    from twophase.policy import advantages
+    pytest.importorskip("trl")
+    got = advantages(R_GROUPS, OWNER_GROUPS, 4, "mean", scale)
+    # TRL's nanstd forms Bessel's correction count / (count - 1) in float32 (an int64 division): 1e-7 relative
+    torch.testing.assert_close(got, _trls_advantages(R_GROUPS, scale), rtol=1e-6, atol=1e-12)
+    assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("baseline", ["mean", "loo", "none"])
+def test_policy_advantages_of_unscored_rows_are_0_and_the_rest_as_without_them(baseline, scale):
+    from twophase.policy import advantages
+    keep = ~torch.isnan(R_GROUPS)
+    got = advantages(R_GROUPS, OWNER_GROUPS, 4, baseline, scale)
+    want = advantages(R_GROUPS[keep], OWNER_GROUPS[keep], 4, baseline, scale)
+    assert torch.equal(got[~keep], torch.zeros(int((~keep).sum()), dtype=torch.float64))
+    torch.testing.assert_close(got[keep], want, rtol=1e-13, atol=1e-13)
+
+
+def test_zero_std_groups_read_the_scored_rewards_only():
+    from twophase.policy import zero_std_groups
+    # one None among different rewards; a single scored one; none scored; all scored, different
+    assert zero_std_groups(R_GROUPS, OWNER_GROUPS, 4).tolist() == [False, True, True, False]
+    r = torch.tensor([1.0, float("nan"), 1.0, 1.0], dtype=torch.float64)
+    assert zero_std_groups(r, torch.zeros(4, dtype=torch.long), 1).tolist() == [True]
+
+
+def test_sequence_loss_averages_over_the_scored_rows_as_reinforce():
+    from twophase.policy import advantages, policy_loss
+    keep = ~torch.isnan(R_GROUPS)
+    N = len(R_GROUPS)
+    loss = policy_loss(advantages(R_GROUPS, OWNER_GROUPS, 4, "mean", "none"), torch.zeros(N, 3),
+                       lengths=torch.full((N,), 3), loss_type="sequence", num_sources=4, owner=OWNER_GROUPS,
+                       scored=keep)
+    # at rho = 1 the sequence's weight on log p is -A * scale: reinforce's coefficient
+    torch.testing.assert_close(-loss.advantages * loss.scale, objectives.reinforce(R_GROUPS, OWNER_GROUPS, 4, "mean"),
+                               rtol=1e-13, atol=1e-15)
+
+
+def test_policy_loss_without_token_scores_says_what_is_missing():
+    from twophase import Samples
+    from twophase.policy import policy_loss
+    s = Samples.from_completions([[4, 5], [6]], [0, 0], pad_id=0, eos_id=1)  # no token_logps
+    with pytest.raises(ValueError, match="old_token_logps .*Samples.token_scores.*token_logps"):
+        policy_loss(torch.zeros(2, dtype=torch.float64), s.token_scores, lengths=s.lengths)
+
+
+SBS_LP = torch.log(torch.tensor([0.3, 0.2, 0.15, 0.1, 0.25, 0.2, 0.05, 0.4, 0.1, 0.3, 0.2, 0.1, 0.3, 0.2, 0.1, 0.05],
+                                dtype=torch.float64))
+SBS_KAPPA = torch.tensor([-1.0, -1.5, float("-inf"), -2.0], dtype=torch.float64).repeat_interleave(K)
+
+
+@pytest.mark.parametrize("objective", ["priority", "self-normalised", "unordered-set"])
+def test_sbs_estimators_leave_an_unscored_candidate_out_as_if_removed(objective):
+    """A source with a None equals the same source without that candidate; an unscored candidate gets 0; a source
+    none of whose candidates is scored gets 0 everywhere (no NaN)."""
+    from twophase import estimators
+
+    def coef(r, lp, kappa, owner):
+        if objective == "unordered-set":
+            return estimators.unordered_set(r, lp, owner, 4)
+        return estimators.priority(r, lp, kappa, owner, 4, normalise=objective == "self-normalised")
+    keep = ~torch.isnan(R_GROUPS)
+    got = coef(R_GROUPS, SBS_LP, SBS_KAPPA, OWNER_GROUPS)
+    want = coef(R_GROUPS[keep], SBS_LP[keep], SBS_KAPPA[keep], OWNER_GROUPS[keep])
+    assert torch.equal(got[~keep], torch.zeros(int((~keep).sum()), dtype=torch.float64))
+    torch.testing.assert_close(got[keep], want, rtol=1e-10, atol=1e-13)
+    assert (got[keep] != 0).any()

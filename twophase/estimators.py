@@ -39,7 +39,7 @@ import math
 import torch
 from torch import Tensor
 
-from .objectives import group_sum
+from .objectives import group_sum, scored_values
 from .sbs import log1mexp
 
 STEP, LOW = 0.2, -36.0  # the trapezoid grid in y (see `_grid`)
@@ -57,23 +57,28 @@ def log_inclusion(scores: Tensor, threshold: Tensor) -> Tensor:
 def priority(rewards: Tensor, scores: Tensor, threshold: Tensor, owner: Tensor, num_sources: int,
              normalise: bool = False) -> Tensor:
     """Priority-sampling coefficients c_y = -(p_y / q_y) r_y / B (unbiased); normalise=True: the
-    self-normalised weights with their estimate of E[r] as baseline (biased, lower variance)."""
-    r = rewards.to(torch.float64)
+    self-normalised weights with their estimate of E[r] as baseline (biased, lower variance). A NaN reward (no
+    reward) gives coefficient 0 and leaves the candidate out of the normalised weights, as if not drawn."""
+    r, scored = scored_values(rewards)
     log_w = scores.to(torch.float64) - log_inclusion(scores, threshold)  # (N,) log p/q
     if not normalise:
-        return -torch.exp(log_w) * r / num_sources
+        return torch.where(scored, -torch.exp(log_w) * r / num_sources, torch.zeros_like(r))
+    log_w = torch.where(scored, log_w, torch.full_like(log_w, float("-inf")))  # an unscored candidate: weight 0
     peak = torch.full((num_sources,), float("-inf"), dtype=torch.float64, device=r.device)
     peak = peak.scatter_reduce(0, owner, log_w, reduce="amax")  # (B,) for a stable exp
-    e = torch.exp(log_w - peak[owner])
-    w = e / group_sum(e, owner, num_sources)[owner]  # (N,) sums to 1 per source
+    e = torch.where(scored, torch.exp(log_w - peak[owner]), torch.zeros_like(r))
+    w = e / group_sum(e, owner, num_sources)[owner].clamp(min=torch.finfo(e.dtype).tiny)  # (N,) sums to 1 per source
     return -w * (r - group_sum(w * r, owner, num_sources)[owner]) / num_sources
 
 
 def unordered_set(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int) -> Tensor:
     """Coefficients of the unordered set estimator with its built-in baseline (see the module docstring). The
-    candidates of a source must be distinct (a sample without replacement), in any order."""
-    r, log_p = rewards.to(torch.float64), scores.to(torch.float64)
+    candidates of a source must be distinct (a sample without replacement), in any order. A NaN reward (no
+    reward) leaves the candidate out: coefficient 0, and the others' as for the set without it."""
+    r, scored = scored_values(rewards)
+    log_p = scores.to(torch.float64)
     index, mask = _by_source(owner, num_sources)  # (B, K) rows of each source, where mask
+    mask = mask & scored[index]  # an unscored candidate is padding: out of S
     lp = torch.where(mask, log_p[index], torch.full(mask.shape, float("-inf"), dtype=torch.float64,
                                                     device=log_p.device))  # (B, K)
     rs = torch.where(mask, r[index], torch.zeros_like(lp))  # (B, K)

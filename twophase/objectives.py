@@ -76,7 +76,7 @@ def reinforce(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = 
     a sequence drawn twice counts twice.
     """
     check_owner(owner, num_sources)
-    r, scored = _scored(rewards)
+    r, scored = scored_values(rewards)
     count = group_sum(scored.to(torch.float64), owner, num_sources)[owner]  # (N,) scored samples of the source
     total = group_sum(r, owner, num_sources)[owner]  # (N,)
     if baseline == "none":
@@ -88,7 +88,7 @@ def reinforce(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = 
     elif baseline == "greedy":
         if greedy_rewards is None:
             raise ValueError("baseline 'greedy' needs greedy_rewards")
-        b = _scored(greedy_rewards)[0][owner]  # an unscored greedy decode: baseline 0
+        b = scored_values(greedy_rewards)[0][owner]  # an unscored greedy decode: baseline 0
     else:
         raise ValueError(f"unknown baseline {baseline!r}; choose from {', '.join(BASELINES)}")
     return torch.where(scored, -(r - b) / (num_sources * count.clamp(min=1)), torch.zeros_like(r))
@@ -119,7 +119,7 @@ def mrt(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int, alpha:
     u = len(copies)
     n = copies.to(torch.float64)
     owner_u = torch.zeros(u, dtype=owner.dtype, device=owner.device).scatter_(0, inverse, owner)  # (U,)
-    r, scored = _scored(group_sum(rewards.to(torch.float64), inverse, u) / n)  # (U,) each
+    r, scored = scored_values(group_sum(rewards.to(torch.float64), inverse, u) / n)  # (U,) each
     s = group_sum(scores.to(torch.float64), inverse, u) / n  # (U,)
     logit = torch.where(scored, alpha * s, torch.full_like(s, float("-inf")))  # an unscored candidate: Q = 0
     q = group_softmax(logit, owner_u, num_sources)  # (U,)
@@ -135,7 +135,7 @@ def beam(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int, *, to
     return mrt(rewards, scores, owner, num_sources, alpha=1.0, tokens=tokens)
 
 
-def _scored(rewards: Tensor) -> tuple[Tensor, Tensor]:
+def scored_values(rewards: Tensor) -> tuple[Tensor, Tensor]:
     """(rewards in float64 with NaN -> 0, where they are not NaN): a NaN reward means "no reward"."""
     r = rewards.to(torch.float64)
     scored = ~torch.isnan(r)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
-from .objectives import group_count
+from .objectives import group_sum, scored_values
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "sequence")
 
@@ -105,18 +105,26 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                 epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                 ref_token_logps: Tensor | None = None, kl_importance_weighted: bool = True,
                 max_len: int | None = None, num_sources: int | None = None, owner: Tensor | None = None,
-                num_items: float | None = None, num_rows: int | None = None) -> PolicyLoss:
+                num_items: float | None = None, num_rows: int | None = None,
+                scored: Tensor | None = None) -> PolicyLoss:
     """The token-level objective of N rows (see the module docstring) for `rescore_backward`.
 
     advantages (N,); old_token_logps (N, T) (`Samples.token_scores`); lengths (N,) the positions each row
     scores (`Samples.lengths`); ref_token_logps (N, T) needed when beta != 0; epsilon_high None = epsilon;
     max_len (dr_grpo) defaults to T; num_items (dapo, bnpo) to the rows' scored tokens and num_rows (grpo,
     dr_grpo) to N: several processes pass the global batch's, so that their summed gradients are one process's
-    (TRL's bnpo normalises by each process's own tokens); `sequence` needs owner (N,) and num_sources B."""
+    (TRL's bnpo normalises by each process's own tokens); `sequence` needs owner (N,) and num_sources B.
+    scored (N,) bool: the rows that have a reward (default all). A row without one has advantage 0 (`advantages`)
+    and stays in the token-level types' normalisers and KL, as TRL keeps it in its completion mask; `sequence`
+    averages over a source's scored rows only, as `objectives.reinforce` does."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(LOSS_TYPES)}")
     if beta != 0 and ref_token_logps is None:
         raise ValueError("beta != 0 needs ref_token_logps")
+    if old_token_logps is None:
+        raise ValueError("policy_loss needs old_token_logps (N, T), the generator's per-token log-probabilities: "
+                         "Samples.token_scores, which sample, beam_search and stochastic_beam_search fill and "
+                         "Samples.from_completions fills only when given token_logps")
     N = len(advantages)
     if old_token_logps.shape[0] != N or len(lengths) != N:
         raise ValueError(f"expected {N} rows of old_token_logps and lengths, got {tuple(old_token_logps.shape)}, "
@@ -133,7 +141,8 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
     else:
         if owner is None or num_sources is None:
             raise ValueError("loss_type 'sequence' needs owner and num_sources")
-        scale = 1.0 / (num_sources * group_count(owner, num_sources))
+        counted = torch.ones(N, dtype=torch.float64, device=owner.device) if scored is None else scored.double()
+        scale = 1.0 / (num_sources * group_sum(counted, owner, num_sources)[owner].clamp(min=1))
     high = epsilon if epsilon_high is None else epsilon_high
     return PolicyLoss(advantages.to(torch.float64), old_token_logps, ref_token_logps if beta != 0 else None,
                       scale, lengths, float(epsilon), float(high), float(beta), bool(kl_importance_weighted))
@@ -144,11 +153,15 @@ def advantages(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str =
     """(N,) advantages r - b divided by the reward std (TRL's `scale_rewards`): baseline "mean" (the source's
     mean reward), "loo" (the mean of the source's other rows, RLOO) or "none"; scale "group" (the source's
     std), "batch" (the whole batch's) or "none". Stds are unbiased (torch.std, as TRL); + 1e-4 as TRL. batch_std:
-    the whole batch's std where its rows are spread over processes."""
-    r = rewards.to(torch.float64)
-    count = group_count(owner, num_sources)  # (N,)
-    total = torch.zeros(num_sources, dtype=r.dtype, device=r.device).index_add_(0, owner, r)[owner]
-    mean = total / count
+    the whole batch's std where its rows are spread over processes (`scored_moments` of the whole batch).
+
+    A NaN reward (a TRL-style reward's None: no reward for that row) is left out as TRL's nanmean and nanstd
+    leave it out: it counts in no source's mean, count or std, nor in the batch std, and its advantage is 0
+    (TRL's nan_to_num). Its tokens stay in the loss's normalisers, as TRL keeps them in its completion mask."""
+    r, scored = scored_values(rewards)
+    count = group_sum(scored.to(r.dtype), owner, num_sources)[owner]  # (N,) scored rows of the row's source
+    total = group_sum(r, owner, num_sources)[owner]  # (N,)
+    mean = total / count.clamp(min=1)
     if baseline == "mean":
         a = r - mean
     elif baseline == "loo":
@@ -158,20 +171,36 @@ def advantages(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str =
     else:
         raise ValueError(f"unknown baseline {baseline!r}; choose from mean, loo, none")
     if scale == "group":
-        sq = torch.zeros(num_sources, dtype=r.dtype, device=r.device).index_add_(0, owner, (r - mean) ** 2)[owner]
+        dev = torch.where(scored, r - mean, torch.zeros_like(r))
+        sq = group_sum(dev ** 2, owner, num_sources)[owner]
         std = torch.sqrt(sq / (count - 1).clamp(min=1))
         a = a / (std + 1e-4)
     elif scale == "batch":
-        std = batch_std if batch_std is not None else (float(r.std()) if len(r) > 1 else 0.0)
-        a = a / (std + 1e-4)
+        if batch_std is None:  # this batch's, two-pass over the scored rows (no host read)
+            n = scored.to(r.dtype).sum()
+            dev = torch.where(scored, r - r.sum() / n.clamp(min=1), torch.zeros_like(r))
+            batch_std = torch.where(n > 1, torch.sqrt((dev ** 2).sum() / (n - 1).clamp(min=1)), torch.zeros_like(n))
+        a = a / (batch_std + 1e-4)
     elif scale != "none":
         raise ValueError(f"unknown advantage scale {scale!r}; choose from group, batch, none")
-    return a
+    return torch.where(scored, a, torch.zeros_like(a))
+
+
+def scored_moments(rewards: Tensor) -> tuple[int, float, float]:
+    """(count, sum, sum of squares) of the rewards that are not NaN: additive over processes, the batch std's
+    sufficient statistics (one host read)."""
+    r, scored = scored_values(rewards)
+    n, s, q = torch.stack([scored.to(r.dtype).sum(), r.sum(), (r * r).sum()]).tolist()
+    return int(n), s, q
 
 
 def zero_std_groups(rewards: Tensor, owner: Tensor, num_sources: int) -> Tensor:
-    """(B,) bool: sources whose rows' rewards are all equal (DAPO's dynamic sampling drops them: no signal)."""
-    r = rewards.to(torch.float64)
-    hi = torch.full((num_sources,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, owner, r, "amax")
-    lo = torch.full((num_sources,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, owner, r, "amin")
-    return hi == lo
+    """(B,) bool: sources whose scored rows' rewards are all equal, or that have fewer than two scored rows (DAPO's
+    dynamic sampling drops them: no signal). NaN rewards (no reward) are left out."""
+    r, scored = scored_values(rewards)
+    inf = torch.full_like(r, float("inf"))
+    hi = torch.full((num_sources,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(
+        0, owner, torch.where(scored, r, -inf), "amax")
+    lo = torch.full((num_sources,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(
+        0, owner, torch.where(scored, r, inf), "amin")
+    return hi <= lo  # no scored row: -inf <= inf

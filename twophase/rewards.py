@@ -52,22 +52,24 @@ def _scorer(kind: str) -> Any:
     return BLEU(effective_order=True) if kind == "bleu" else CHRF()
 
 
-def bleu(hypotheses: list[str], references: list[list[str]]) -> list[float]:
+def bleu(hypotheses: list[str], references: list[list[str]]) -> list[float | None]:
     """Sentence BLEU in [0, 1], identical to ``sacrebleu.sentence_bleu(h, refs).score / 100``."""
     scorer = _scorer("bleu")
-    return [scorer.sentence_score(h, list(refs)).score / 100 for h, refs in zip(hypotheses, references)]
+    return [scorer.sentence_score(h, list(refs)).score / 100 if refs else None
+            for h, refs in zip(hypotheses, references)]
 
 
-def chrf(hypotheses: list[str], references: list[list[str]]) -> list[float]:
+def chrf(hypotheses: list[str], references: list[list[str]]) -> list[float | None]:
     """Sentence chrF in [0, 1], identical to ``sacrebleu.sentence_chrf(h, refs).score / 100``."""
     scorer = _scorer("chrf")
-    return [scorer.sentence_score(h, list(refs)).score / 100 for h, refs in zip(hypotheses, references)]
+    return [scorer.sentence_score(h, list(refs)).score / 100 if refs else None
+            for h, refs in zip(hypotheses, references)]
 
 
-def exact(hypotheses: list[str], references: list[list[str]]) -> list[float]:
+def exact(hypotheses: list[str], references: list[list[str]]) -> list[float | None]:
     """1.0 if the hypothesis equals any reference token for token, else 0.0."""
     # Token lists rather than raw strings, so stray or doubled spaces do not turn a match into a miss.
-    return [float(h.split() in [r.split() for r in refs]) for h, refs in zip(hypotheses, references)]
+    return [float(h.split() in [r.split() for r in refs]) if refs else None for h, refs in zip(hypotheses, references)]
 
 
 def _edit_one(hyp: str, ref: str) -> float:
@@ -78,9 +80,21 @@ def _edit_one(hyp: str, ref: str) -> float:
     return max(0.0, 1.0 - Levenshtein.distance(hyp_toks, ref_toks) / len(ref_toks))
 
 
-def edit(hypotheses: list[str], references: list[list[str]]) -> list[float]:
+def edit(hypotheses: list[str], references: list[list[str]]) -> list[float | None]:
     """Best over references of ``max(0, 1 - token_edit_distance / len(ref))``."""
-    return [max(_edit_one(h, r) for r in refs) for h, refs in zip(hypotheses, references)]
+    return [max(_edit_one(h, r) for r in refs) if refs else None for h, refs in zip(hypotheses, references)]
+
+
+# The built-ins compare with references: a hypothesis whose example has none gets None (no reward), and train.py
+# refuses, before training, data whose rows only such rewards would score but which have no reference. A plug-in
+# may declare the same (`needs_references = True` on its function).
+for _fn in (bleu, chrf, exact, edit):
+    _fn.needs_references = True  # type: ignore[attr-defined]
+
+
+def needs_references(reward: Callable) -> bool:
+    """Whether a (validated) reward scores only hypotheses whose examples have references."""
+    return bool(getattr(reward, "needs_references", False))
 
 
 BUILTINS: dict[str, Reward] = {"bleu": bleu, "chrf": chrf, "exact": exact, "edit": edit}
@@ -197,7 +211,8 @@ def _check_inputs(label: str, hypotheses: list[str], references: list[list[str]]
 def validated(fn: Callable[..., Any], label: str) -> Reward:
     """Wrap ``fn`` so that any failure or malformed output becomes a ``RewardError`` naming ``label``; the
     wrapper takes ``(hypotheses, references, **context)`` and passes ``fn`` the context it declares. A function
-    in TRL's signature (``twophase.trlcall``) is called TRL's way, and its None entries become NaN."""
+    in TRL's signature (``twophase.trlcall``) is called TRL's way, and its None entries become NaN, as those of a
+    reward that declares ``needs_references`` (for the examples without references)."""
     try:
         params = list(inspect.signature(fn).parameters.values())  # read once, not per call
     except (TypeError, ValueError):
@@ -224,7 +239,9 @@ def validated(fn: Callable[..., Any], label: str) -> Reward:
         values = _as_list(out, label)
         if len(values) != len(hypotheses):
             raise RewardError(f"reward '{label}' returned {len(values)} values for {len(hypotheses)} hypotheses")
-        return [_to_float(v, i, label, none_ok=trl is not None) for i, v in enumerate(values)]
+        return [_to_float(v, i, label, none_ok=none_ok) for i, v in enumerate(values)]
 
+    none_ok = trl is not None or needs_references(fn)
     wrapper.name = label  # type: ignore[attr-defined]
+    wrapper.needs_references = needs_references(fn)  # type: ignore[attr-defined]
     return wrapper

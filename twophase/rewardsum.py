@@ -34,6 +34,8 @@ class WeightedSum:
             raise ValueError(f"{len(rewards)} rewards, {len(weights)} weights and {len(names)} names")
         self.rewards, self.weights, self.names = rewards, weights, names
         self.name = ",".join(names)
+        # a candidate without references can be scored only where some reward needs none
+        self.needs_references = all(getattr(fn, "needs_references", False) for fn in rewards)
         self.last: dict[str, list[float]] | None = None  # name -> the (N,) values of the last call
 
     def __call__(self, hypotheses: list[str], references: list[list[str]], **context: Any) -> list[float]:

@@ -20,10 +20,12 @@ class PromptTables:
     (their lengths in the model's tokens; it may rewrite the references as the model's tokens read them)."""
 
     chat = False  # whether the prompts are chat messages (decoding then wraps an input line as a user message)
+    unreferenced: dict = {}  # flag -> (FILE:LINE of its first row without a reference, such rows, rows kept)
 
     def load_tables(self) -> None:
         cfg = self.cfg
         splits = []
+        self.unreferenced = {}
         for flag, path in (("--train", cfg.train), ("--valid", cfg.valid), ("--test", cfg.test)):
             if path is None:
                 splits.append([])
@@ -46,7 +48,7 @@ class PromptTables:
         for r in rows:
             self.prompt_text(r.prompt, r.where)  # a prompt it cannot render is refused naming its row
         source_counts, ref_counts = self.count_tokens([r.prompt for r in rows], [r.references for r in rows])
-        out, skipped = [], 0
+        out, skipped, missing = [], 0, []  # missing: FILE:LINE of the kept rows without a reference
         for row, n_source, n_refs in zip(rows, source_counts, ref_counts):
             where = row.where.rpartition(":")
             line = where[2].removeprefix("row ")
@@ -55,10 +57,14 @@ class PromptTables:
                                 for n in n_refs)
             if keep:
                 out.append(Example(row.prompt, row.references, row.fields))
+                if not row.references:
+                    missing.append(row.where)
             else:
                 skipped += 1
         if skipped:
             self.notes.append(f"{flag}: skipped {skipped} rows longer than the limits (--too-long skip)")
         if not out:
             raise DataError(f"{rows[0].where.rpartition(':')[0]}: no data ({skipped} rows longer than the limits)")
+        if missing:
+            self.unreferenced[flag] = (missing[0], len(missing), len(out))
         return out

@@ -145,6 +145,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(task.train)):
         raise UsageError(f"--batch-size {cfg.batch_size} and --mle-batch-size {cfg.mle_batch_size} count the "
                          f"sources of a whole step; {distributed.world()} processes need at least one each")
+    startup.check_reward_references(cfg, reward, task, given)
     check_reward(reward, task)
     torch.manual_seed(cfg.seed)
     threads = cpu_threads(cfg, getattr(task, "model_width", None))

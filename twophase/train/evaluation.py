@@ -64,7 +64,7 @@ def nbest_hypotheses(model, task: Task, examples: list[Example], beam_size: int,
 def validate(model, task: Task, examples: list[Example], reward, beam_size: int, max_len: int,
              device: torch.device, limit: int = 0, batch_size: int = 256) -> dict:
     """The task's scores (from each example's n-best list), n, and the mean reward of the best hypotheses of
-    examples (the first `limit`)."""
+    examples (the first `limit`): None where the reward scored none of them (every one None), never 0."""
     n = min(limit, len(examples)) if limit else len(examples)
     share = [examples[i] for i in distributed.shard(list(range(n)))]
     nbest, ids = nbest_hypotheses(model, task, share, beam_size, max_len, device, batch_size)
@@ -76,7 +76,8 @@ def validate(model, task: Task, examples: list[Example], reward, beam_size: int,
     if names:
         sums.update(statistics(reward.last if share else {n: [] for n in names}))
     sums = distributed.reduce_sums(sums)
-    return {**task.scores(sums), "reward": sums["reward"] / max(sums["rewarded"], 1), **mean_std(sums, names)}
+    reward = sums["reward"] / sums["rewarded"] if sums["rewarded"] else None  # None: no hypothesis was scored
+    return {**task.scores(sums), "reward": reward, **mean_std(sums, names)}
 
 
 def test_beams(cfg) -> list[int]:

@@ -188,8 +188,8 @@ class RunLoop:
             self.summary[phase] = {**scores, "steps_per_s": st["steps"] / max(st["seconds"], 1e-9),
                                    "skipped": st["skipped"], "steps": st["steps"], "seconds": st["seconds"],
                                    "cpu_seconds": st.get("cpu_seconds", math.nan),
-                                   "reward_mean": st["reward_sum"] / max(st["reward_steps"], 1)
-                                   if phase == "rl" else math.nan}
+                                   "reward_mean": math.nan if phase != "rl" else  # None: no step scored anything
+                                   st["reward_sum"] / st["reward_steps"] if st["reward_steps"] else None}
         if phase_end or self.step % cfg.save_every == 0:
             self.log_step = self.step
             self.save()

@@ -6,7 +6,9 @@ per-token log-probabilities (the old policy, `Samples.token_scores`), their rewa
 of every batch comes first: the normalisers (rows, tokens, the reward std of --advantage-scale batch) are the
 whole generation's, so N batches of B give the gradient of one batch of N*B exactly. Each RL step is one update:
 a phase two over each batch's candidates in turn, gradients accumulated, with the token-level objective of
-`twophase.policy` (importance ratio to phase one, clipped; k3 KL), so the first update's ratio is exactly 1. The
+`twophase.policy` (importance ratio to phase one, clipped; k3 KL), so the first update's ratio is exactly 1. A
+candidate without a reward (NaN: a TRL reward's None) is left out of every reward statistic (`policy.advantages`,
+the batch std, the logged figures) and kept, with advantage 0, in the loss's normalisers, as TRL's GRPO. The
 generation lives in the checkpoint, so a run resumed between two of its updates continues bit-identically.
 Several processes: each holds its share of every batch; the normalisers are global, so the summed gradient is
 one process's; the checkpoint holds every process's part of the generation (a resume on another number of
@@ -24,7 +26,7 @@ import math
 import torch
 
 from . import distributed, fsdp
-from ..policy import advantages, policy_loss, zero_std_groups
+from ..policy import advantages, policy_loss, scored_moments, zero_std_groups
 from ..samples import Samples
 from .reference import Reference
 
@@ -61,8 +63,9 @@ class PolicyStep:
         with fsdp.gathered(t.model), t.section("phase 1: search"), t.autocast():  # --fsdp: gathered for the search
             cand = t.search(source)
         with t.section("rewards"):
-            rewards = t.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,)
-        return {"idx": idx, "source": source, "cand": cand, "rewards": rewards,
+            rewards = t.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,), NaN: no reward
+            parts = getattr(t.reward, "last", None)  # several rewards: each one's values, for the log
+        return {"idx": idx, "source": source, "cand": cand, "rewards": rewards, "parts": parts or {},
                 "zero": zero_std_groups(rewards, cand.owner, len(idx))}  # (B_local,)
 
     def new_generation(self) -> dict:
@@ -75,13 +78,17 @@ class PolicyStep:
         lengths = torch.cat([c.lengths for c in cands])
         ended = sum(int((c.tokens == t.model.eos_id).any(dim=1).sum()) for c in cands)  # rows that produced eos
         B = sum(len(batch) for batch in batches)
-        sums = distributed.reduce_sums({"reward": float(rewards.sum()), "reward_sq": float((rewards ** 2).sum()),
-                                        "rows": len(rewards), "zero_std": sum(int(f["zero"].sum()) for f in found),
+        scored, total, squares = scored_moments(rewards)  # the rewards' moments, None (NaN) left out as TRL's nanstd
+        sums = distributed.reduce_sums({"scored": scored, "reward": total, "reward_sq": squares, "rows": len(rewards),
+                                        "zero_std": sum(int(f["zero"].sum()) for f in found),
                                         "length": int(lengths.sum()), "ended": ended})
-        n = sums["rows"]
-        var = (sums["reward_sq"] - sums["reward"] ** 2 / n) / max(n - 1, 1)
-        metrics = {"reward_mean": sums["reward"] / n, "reward_max": distributed.reduce_max(float(rewards.max())),
-                   "candidates": int(n), "frac_reward_zero_std": sums["zero_std"] / B,
+        n, m = sums["rows"], sums["scored"]
+        var = (sums["reward_sq"] - sums["reward"] ** 2 / m) / (m - 1) if m > 1 else 0.0
+        parts = {}
+        for f in found:  # several rewards: each one's values over the generation's batches
+            for name, values in f["parts"].items():
+                parts.setdefault(name, []).extend(values)
+        metrics = {**t.reward_log.row(rewards, parts, t.step + 1), "frac_reward_zero_std": sums["zero_std"] / B,
                    "completion_length_mean": sums["length"] / n, "terminated": sums["ended"] / n,
                    "completion_length_min": -distributed.reduce_max(-float(lengths.min())),
                    "completion_length_max": distributed.reduce_max(float(lengths.max()))}
@@ -96,11 +103,12 @@ class PolicyStep:
         cfg, cand, idx = self.t.cfg, found["cand"], found["idx"]
         adv = advantages(found["rewards"], cand.owner, len(idx), cfg.baseline or "mean", cfg.advantage_scale,
                          batch_std=batch_std)
+        scored = ~torch.isnan(found["rewards"])  # (N,) rows with a reward
         if cfg.drop_zero_std:  # DAPO's dynamic sampling: groups without signal leave phase two (and its normalisers)
             keep = (~found["zero"][cand.owner]).nonzero().squeeze(1)
-            cand, adv = cand.select(keep), adv[keep]
+            cand, adv, scored = cand.select(keep), adv[keep], scored[keep]
         ref = self.reference_log_probs(found["source"], cand) if self.reference is not None else None
-        return {"idx": idx, **{k: getattr(cand, k) for k in FIELDS}, "advantages": adv, "ref": ref}
+        return {"idx": idx, **{k: getattr(cand, k) for k in FIELDS}, "advantages": adv, "scored": scored, "ref": ref}
 
     def objective(self, gen: dict, part: dict, counts: dict):
         """The token-level objective of one batch, normalised by the whole generation's counts."""
@@ -110,7 +118,7 @@ class PolicyStep:
                            beta=cfg.kl_beta, ref_token_logps=part["ref"],
                            kl_importance_weighted=cfg.kl_importance_weighted, max_len=cfg.max_len,
                            num_sources=gen["num_sources"], owner=part["owner"], num_items=counts["tokens"],
-                           num_rows=int(counts["rows"]))
+                           num_rows=int(counts["rows"]), scored=part.get("scored"))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict:

@@ -15,7 +15,9 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def fmt_scores(scores: dict) -> str:
-    return " ".join(f"{k}={v:.4f}" for k, v in scores.items() if isinstance(v, float) and k != "n")
+    """The floats of a validation's scores; a reward that scored nothing (None) as `reward=-`, not a number."""
+    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}=-" for k, v in scores.items()
+                    if (isinstance(v, float) or (k == "reward" and v is None)) and k != "n")
 
 
 OTHER_ROWS = [("reward_mean", "train reward (mean)", "{:.4f}"), ("steps", "training steps", "{:.0f}"),
@@ -50,7 +52,7 @@ def summary_table(summary: dict, metrics=()) -> str:
             cells = []
             for c, _ in cols:
                 v = table.get(c, {}).get(key, float("nan"))
-                cells.append(f"{'-' if v != v else fmt.format(v):>16}")
+                cells.append(f"{'-' if v is None or v != v else fmt.format(v):>16}")
             if any(cell.strip() != "-" for cell in cells):
                 lines.append(f"{prefix + label:{width}}" + "".join(cells))
     lines.append(f"{'peak memory':{width}}{summary.get('peak_memory_mb', float('nan')):>15.0f}M")

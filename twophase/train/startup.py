@@ -1,5 +1,6 @@
 """Start-up checks of `train.py` that need the task (and its model) built: the flags the user gave that the task
-does not read, the phases a task without references cannot run, and the model against the protocol on one
+does not read, the phases a task without references cannot run, a reward comparing with references on rows
+without one, and the model against the protocol on one
 batch (`twophase.check_model`). Each failure is one line (StartupError or ModelError), before any step is taken.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from . import distributed
 from .config import Config
 from .config_rules import _flag
 from ..modelcheck import check_model
+from ..rewards import needs_references
 from ..samples import Samples
 from ..tasks.base import SHAPING_FLAGS
 from ..vocab import pad_targets
@@ -63,6 +65,43 @@ def check_references(cfg: Config, task, given: frozenset[str]) -> None:
         if distributed.rank() == 0:
             print("note: --compare-mle cannot run: the training data has no references to continue MLE on; "
                   "skipped", flush=True)
+
+
+def check_reward_references(cfg: Config, reward, task, given: frozenset[str]) -> None:
+    """Refuse, before any step, a reward that compares with references (`rewards.needs_references`: the
+    built-ins) on rows that have none: with no reference anywhere in --train it would score nothing (--reward
+    forgotten: the task's default `edit`); a row without one in --train, --valid or --test would never be scored,
+    so the first is named (FILE:LINE). Several rewards (--reward a,b): a row needs a reference only where every
+    one of them needs references (the others score it; those that need them give it None, as TRL's rewards do for
+    rows they do not apply to), but one that needs references on a --train without any would never score."""
+    parts = list(zip(getattr(reward, "names", [cfg.reward]), getattr(reward, "rewards", [reward])))
+    needing = [name for name, fn in parts if needs_references(fn)]
+    if not needing:
+        return
+    default = "reward" not in given and cfg.reward == getattr(task, "default_reward", None)
+    spec = f"--reward {cfg.reward}" + (" (the task's default)" if default else "")
+    compares = f"{', '.join(needing)} compare{'s' if len(needing) == 1 else ''} candidates with references"
+    if not any(ex.references for ex in task.train):
+        if len(needing) < len(parts):
+            raise StartupError(f"{spec}: {compares}, and --train {cfg.train} has none: "
+                               f"{'it' if len(needing) == 1 else 'they'} would never score; leave "
+                               f"{'it' if len(needing) == 1 else 'them'} out")
+        raise StartupError(f"{spec}: {compares}, and --train {cfg.train} has none (no completion/target): "
+                           f"{'--reward is needed' if default else 'give --reward'}, one that scores without "
+                           "references (module:callable, e.g. a function in TRL's signature: docs/trl.md)")
+    if len(needing) < len(parts):
+        return
+    located = getattr(task, "unreferenced", None) or {}
+    for flag, examples in (("--train", task.train), ("--valid", task.valid), ("--test", getattr(task, "test", []))):
+        count = sum(not ex.references for ex in examples or [])
+        if not count:
+            continue
+        where, _, total = located.get(flag) or (
+            f"{flag}: example {next(i for i, ex in enumerate(examples) if not ex.references) + 1}", count,
+            len(examples))
+        raise StartupError(f"{where}: no reference (completion/target), which {spec} compares candidates with "
+                           f"({count} of {total} rows of {flag} have none): give every row one, or add a "
+                           "--reward that scores without references")
 
 
 def check_model_on_a_batch(task, model, device) -> None:

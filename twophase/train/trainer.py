@@ -28,7 +28,7 @@ from ..tasks.base import Example, Task
 from ..tasks.data import BatchSampler
 from .interrupt import Interrupted
 from .evaluation import completion_ids, score, validate
-from .rewardlog import reward_row
+from .rewardlog import RewardLog
 from .beststart import BestStart
 from .compare import Comparison
 from .loop import RunLoop
@@ -94,6 +94,7 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         self.is_main = distributed.rank() == 0  # the one process that logs, draws the bar and saves
         self.metrics = MetricsLog(self.save_dir / "metrics.jsonl", enabled=self.is_main)
         self.policy = PolicyStep(self) if cfg.objective == "policy" else None  # --objective policy's generations
+        self.reward_log = RewardLog(reward)  # the RL rows' reward figures, and the warning of a step scoring nothing
 
     # ------------------------------------------------------------------ batches
     def _sources(self, idx: list[int]):
@@ -151,7 +152,8 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
                     parts.setdefault(name, []).extend(values)
         # 5. Update (several processes: statistics summed here, gradients in _update).
         total = distributed.reduce_sums({"loss": loss})
-        return {"loss": total["loss"], **reward_row(torch.cat(rewards), parts), **self._update(total["loss"])}
+        return {"loss": total["loss"], **self.reward_log.row(torch.cat(rewards), parts, self.step + 1),
+                **self._update(total["loss"])}
 
     def rl_batch(self, batch: list[int]):
         """Steps 1-4 of the algorithm on one batch: .grad += its share of the step's loss gradient; returns the
