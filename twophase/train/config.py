@@ -246,7 +246,8 @@ class Config:
     log_every: int = arg(100, "when stdout is not a terminal (no progress bar), print a progress line every N "
                               "steps (0: never)", minimum=0)
     seed: int = arg(1, "seed of every random number generator")
-    device: str = arg("auto", "cpu, cuda, cuda:N, or auto (cuda where available)")
+    device: str = arg("auto", "cpu, cuda, cuda:N, mps, or auto (cuda where available); under torchrun each "
+                      "process takes cuda:LOCAL_RANK")
     save_dir: str | None = arg(None, "where checkpoints and metrics.jsonl are written (default: runs/<task>: "
                                      "runs/g2p, runs/tsv, runs/karel, or the custom task's name); a directory that "
                                      "holds another run is refused unless --resume or --overwrite")
