@@ -12,7 +12,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from . import distributed, fsdp
+from . import distributed, fsdp, peaks
 from .. import oom
 from ..protocol import ModelError
 from ..rewards import RewardError
@@ -135,7 +135,8 @@ class RunLoop:
             self.save()
             raise Interrupted(128 + signum, f"stopped by signal {signum} after step {self.step}; "
                                             f"saved {self.save_dir / 'checkpoint_last.pt'} (--resume continues)")
-        self.summary["peak_memory_mb"] = peak_memory_mb(self.device)
+        self.summary["peak_memory_mb"] = peak_memory_mb(self.device)  # CUDA's allocated, or the RSS
+        self.summary.update(peaks.overall_mb(self.device))  # and on CUDA the reserved: the closing table's rows
         return self.summary
 
     def saved_after(self, err: RewardError) -> RewardError:
