@@ -11,7 +11,7 @@ from dataclasses import fields
 
 import torch
 
-from . import amp, devices, distributed, fsdp, grammar, rundir, runs, startup
+from . import amp, devices, distributed, fsdp, grammar, numerics, rundir, runs, startup
 from .start import evaluate, init_state, recipe_defaults, resume_state, start_defaults, start_run_dir
 from ..protocol import ModelError
 from .. import rewards, rewardsum
@@ -113,6 +113,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         cfg.save_dir = os.path.dirname(os.path.abspath(cfg.init_from))
     device = pick_device(cfg.device)  # under torchrun: cuda:LOCAL_RANK
     try:
+        numerics.configure(cfg.deterministic, cfg.tf32)  # before any model runs: cuBLAS reads its workspace once
         amp.check_device(cfg.amp, device)
         fsdp.check(cfg)
     except ValueError as err:
