@@ -76,8 +76,8 @@ class StepProfiler:
                    (("rss_mb", "RSS MB"), ("rss_peak_mb", "RSS peak MB")))
         lines = [f"{'section':34}{'ms':>9}" + "".join(f"{head:>15}" for _, head in columns) + f"{'graph MB':>10}"]
         for r in self.rows:
-            lines.append(f"{r['section']:34}{1000 * r['seconds']:>9.1f}" + "".join(f"{r[key]:>15.1f}" for key, _ in columns)
-                         + f"{r['graph_mb']:>10.2f}")
+            cells = "".join(f"{r[key]:>15.1f}" for key, _ in columns)
+            lines.append(f"{r['section']:34}{1000 * r['seconds']:>9.1f}{cells}{r['graph_mb']:>10.2f}")
         top = max(self.rows, key=lambda r: r["graph_mb"], default=None)
         if top is not None and top["graph_mb"] > 0:
             lines.append(f"largest autograd graph: {top['section']} ({top['graph_mb']:.2f} MB)")
