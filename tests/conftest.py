@@ -1,13 +1,49 @@
+import contextlib
 import os
 
 import pytest
 import torch
+from torch import nn
 
 from twophase import Seq2Seq
 
 # train.py's end-of-run picture (matplotlib, about a second a run) is drawn only by the tests that look at it; set
 # here, before any test, so the suite's subprocesses inherit it too
 os.environ["TWOPHASE_PICTURE"] = "off"
+
+
+def _refuse_eval_rnn_graph(module, args):
+    """What cuDNN does on a GPU, done on every device: an nn.LSTM/GRU/RNN that records a graph in evaluation
+    mode cannot be back-propagated there ("cudnn RNN backward can only be called in training mode"). Phase two
+    and the one-phase baseline must run such a module in training mode with its dropout at 0 (the same
+    arithmetic); this hook makes every test that records such a graph fail on the CPU as it would on a GPU."""
+    if not isinstance(module, nn.RNNBase) or module.training or not torch.is_grad_enabled():
+        return None
+    if any(p.requires_grad for p in module.parameters(recurse=False)):
+        raise RuntimeError(f"cudnn RNN backward can only be called in training mode: {type(module).__name__} "
+                           f"records a graph in evaluation mode (tests/conftest.py's guard)")
+    return None
+
+
+# For the whole suite, every test: a module-level global hook, called before every module's forward.
+_EVAL_RNN_GUARD = torch.nn.modules.module.register_module_forward_pre_hook(_refuse_eval_rnn_graph)
+
+
+@contextlib.contextmanager
+def rnn_graph_mode(model):
+    """A test's own reference pass that records a graph: the model in evaluation mode, its nn.LSTM/GRU/RNN modules
+    in training mode (what cuDNN back-propagates through), each checked to have no inter-layer dropout, so the
+    arithmetic is evaluation mode's; the modes restored afterwards."""
+    model.eval()
+    rnns = [m for m in model.modules() if isinstance(m, nn.RNNBase)]
+    for m in rnns:
+        assert m.dropout == 0 or m.num_layers == 1, f"{m} would drop out in training mode"
+        m.train()
+    try:
+        yield model
+    finally:
+        for m in rnns:
+            m.eval()
 
 
 def tiny_model(src_vocab=9, tgt_vocab=7, hidden=16, embed=8, bidirectional=False, seed=0):

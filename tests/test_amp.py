@@ -3,6 +3,7 @@
 
 bf16 keeps 8 significant bits: one rounding is off by at most u = 2^-9 ~ 2e-3 relative. Tolerances below are
 stated against u, or against float32 where both sides run the very same bf16 products."""
+import contextlib
 import json
 import math
 
@@ -17,7 +18,7 @@ from twophase.train.checkpoint import load, save_atomic
 from twophase.train.config import Config
 from twophase.vocab import BOS, PAD
 
-from conftest import tiny_model, toy_batch
+from conftest import rnn_graph_mode, tiny_model, toy_batch
 from tasks import task_dir
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
@@ -45,10 +46,49 @@ def test_phase_one_scores_equal_teacher_forced_log_probs_under_bf16(one_thread, 
     model, (src, lens) = _model(), toy_batch()
     with torch.autocast(**BF16):
         s = _candidates(model, src, lens, kind)
-        lp = model.sequence_log_probs(src, lens, s.tokens, s.owner)
+        with torch.no_grad():
+            lp = model.sequence_log_probs(src, lens, s.tokens, s.owner)
     assert s.scores.dtype == lp.dtype == torch.float32
-    torch.testing.assert_close(s.scores, lp.detach(), rtol=0, atol=1e-4)
-    assert (s.scores - model.sequence_log_probs(src, lens, s.tokens, s.owner).detach()).abs().max() > 1e-3
+    torch.testing.assert_close(s.scores, lp, rtol=0, atol=1e-4)
+    with torch.no_grad():
+        assert (s.scores - model.sequence_log_probs(src, lens, s.tokens, s.owner)).abs().max() > 1e-3
+
+
+@pytest.fixture
+def cuda_autocast_policy():
+    """CUDA's autocast casts the fused LSTM cell (aten::lstm_cell: inputs, weights and c) to the autocast dtype;
+    the CPU's leaves it to its parts (two products in bf16, c as it came). The CPU made to cast it as CUDA does."""
+    lib = torch.library.Library("aten", "IMPL")
+
+    def cast_cell(x, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+        low = torch.get_autocast_dtype("cpu")
+        cast = lambda t: t.to(low) if t is not None and t.is_floating_point() else t  # noqa: E731
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
+            return torch.lstm_cell(cast(x), [cast(h) for h in hx], cast(w_ih), cast(w_hh), cast(b_ih), cast(b_hh))
+
+    lib.impl("lstm_cell", cast_cell, "AutocastCPU")
+    with torch.autocast(**BF16):
+        assert torch.nn.LSTMCell(2, 2)(torch.ones(1, 2))[1].dtype == torch.bfloat16  # the policy is CUDA's
+    yield
+    lib._destroy()
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_phase_two_log_probs_equal_search_scores_under_cudas_autocast_policy(one_thread, cuda_autocast_policy,
+                                                                             share):
+    """Each row's phase-two log-probability (a one-hot coefficient), over the prefix tree or row by row, against
+    its search score under bf16 autocast with CUDA's cast of the LSTM cell: the same arithmetic on the same
+    inputs, float32 sums in another order, so 1e-5 (scores ~10; a cell computed in bf16 in one path only is
+    ~4e-3 away)."""
+    model, (src, lens) = _model(), toy_batch()
+    with torch.autocast(**BF16):
+        s = _candidates(model, src, lens, "beam")
+        got = []
+        for i in range(len(s)):
+            one_hot = torch.zeros(len(s), dtype=torch.float64)
+            one_hot[i] = 1
+            got.append(rescore_backward(model, (src, lens), s, one_hot, chunk_size=len(s), prefix_sharing=share))
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), s.scores.double(), rtol=0, atol=1e-5)
 
 
 def test_chunked_gradient_equals_one_piece_under_bf16(one_thread):
@@ -62,7 +102,8 @@ def test_chunked_gradient_equals_one_piece_under_bf16(one_thread):
         c = objectives.beam(torch.rand(len(s), dtype=torch.float64, generator=torch.Generator().manual_seed(5)),
                             s.scores, s.owner, 3, tokens=s.tokens)
         model.zero_grad()
-        (c * model.sequence_log_probs(src, lens, s.tokens, s.owner)).sum().backward()
+        with rnn_graph_mode(model):
+            (c * model.sequence_log_probs(src, lens, s.tokens, s.owner)).sum().backward()
         want = [p.grad.clone() for p in model.parameters()]
         # The prefix tree (prefix_sharing) decodes nodes in batches of other shapes than the rows': its bf16 products
         # may round differently even in one chunk (measured 6e-3), so the several-chunk tolerance.
@@ -102,6 +143,18 @@ def test_fused_output_layer_under_bf16_close_to_float32(h_dtype):
     for a, b, c in zip(got, want, auto):
         assert _rel(a, b) <= 1e-2
         torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_is_refused_where_a_gpu_only_emulates_it(monkeypatch):
+    """A T4 or V100: `is_bf16_supported()` says True (emulation counted), without emulation False."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    with pytest.raises(ValueError, match=r"^--amp bf16: Tesla T4 has no native bfloat16 .*use --amp fp16$"):
+        amp.check_device("bf16", torch.device("cuda", 0))
+    amp.check_device("fp16", torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100
+    amp.check_device("bf16", torch.device("cuda", 0))
 
 
 def test_scale_coefficients_and_bad_step_rule():

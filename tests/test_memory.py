@@ -8,7 +8,7 @@ from twophase.models import fused, outputlayer
 from twophase.train.memstats import AllocationPeak, SavedTensorMeter, graph_bytes
 from twophase.vocab import BOS, EOS, PAD
 
-from conftest import tiny_model, toy_batch
+from conftest import rnn_graph_mode, tiny_model, toy_batch
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -75,7 +75,8 @@ def test_fused_score_matches_plain_autograd(dtype, tol):
     grads = []
     for score in (model.score, lambda enc, tgt, owner: _plain_score(model, enc, tgt, owner)):
         model.zero_grad()
-        lp = score(model.encode((src, lens)), s.tokens, s.owner)
+        with rnn_graph_mode(model):
+            lp = score(model.encode((src, lens)), s.tokens, s.owner)
         (c * lp).sum().backward()
         grads.append([lp.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
     assert len(grads[0]) == len(grads[1])
@@ -87,7 +88,8 @@ def test_graph_and_graph_free_attention_agree_bitwise():
     model = tiny_model()
     src, lens = toy_batch()
     owner = torch.tensor([0, 2, 2, 1])
-    enc = model.encode((src, lens))
+    with rnn_graph_mode(model):
+        enc = model.encode((src, lens))
     h = torch.randn(4, 16, dtype=torch.float64)
     with torch.no_grad():
         plain = model.attend(enc, owner, h)

@@ -61,10 +61,11 @@ def test_resume_is_bit_identical_with_sampling(task, tmp_path):
     assert continued == list(range(7, 7 + len(continued))) and continued
 
 
-def test_resume_is_bit_identical_with_beam(task, tmp_path):
-    _train(task, tmp_path / "full", "--mle-steps", "4", "--rl-steps", "5")
-    _train(task, tmp_path / "part", "--mle-steps", "4", "--rl-steps", "2")
-    _train(task, tmp_path / "part", "--mle-steps", "4", "--rl-steps", "5", "--resume")
+@pytest.mark.parametrize("flags", [[], ["--deterministic"]])  # deterministic algorithms: no op refuses to run
+def test_resume_is_bit_identical_with_beam(task, tmp_path, flags):
+    _train(task, tmp_path / "full", "--mle-steps", "4", "--rl-steps", "5", *flags)
+    _train(task, tmp_path / "part", "--mle-steps", "4", "--rl-steps", "2", *flags)
+    _train(task, tmp_path / "part", "--mle-steps", "4", "--rl-steps", "5", "--resume", *flags)
     _assert_identical(_params(tmp_path / "part" / "checkpoint_last.pt"),
                       _params(tmp_path / "full" / "checkpoint_last.pt"))
 

@@ -5,7 +5,7 @@ import torch
 from twophase import Samples, beam_search, objectives, rescore_backward, sample
 from twophase.vocab import PAD
 
-from conftest import tiny_model, toy_batch
+from conftest import rnn_graph_mode, tiny_model, toy_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: a second thread only stalls on a busy machine
 
@@ -47,7 +47,8 @@ def test_chunked_gradient_equals_one_piece_gradient(kind, objective):
     N = len(s)
 
     model.zero_grad()
-    lp = model.sequence_log_probs(src, lens, s.tokens, s.owner)  # one graph over every row
+    with rnn_graph_mode(model):
+        lp = model.sequence_log_probs(src, lens, s.tokens, s.owner)  # one graph over every row
     (c * lp).sum().backward()
     want = _grads(model)
     assert sum(float(g.abs().sum()) for g in want) > 0
@@ -110,8 +111,9 @@ def test_mixed_reference_and_candidate_rows():
     c = objectives.mix(rl, objectives.mle(refs.owner, 3), mle_weight=0.3)
     both = Samples.cat([s, refs], PAD)
     model.zero_grad()
-    lp = torch.cat([model.sequence_log_probs(src, lens, s.tokens, s.owner),
-                    model.sequence_log_probs(src, lens, refs.tokens, refs.owner)])
+    with rnn_graph_mode(model):
+        lp = torch.cat([model.sequence_log_probs(src, lens, s.tokens, s.owner),
+                        model.sequence_log_probs(src, lens, refs.tokens, refs.owner)])
     (c * lp).sum().backward()
     want = _grads(model)
     model.zero_grad()

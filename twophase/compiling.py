@@ -18,7 +18,9 @@ compiled and `compile_seconds` the backend's time compiling them (what a run pay
 Guarded: where compiling fails (no C++ compiler, an inductor error, a construct dynamo does not support), the call
 runs eagerly; when the eager call succeeds the compiler was at fault, so the wrapper logs one warning line naming
 the error (logger "twophase") and runs eagerly from then on. An error the eager model raises too is the model's,
-raised as it would be without the wrapper.
+raised as it would be without the wrapper. An out-of-memory error (`twophase.oom`) is the device's, not the
+compiler's: it is raised to the caller, whose own handling (phase two's halving, the trainer's skipped batch)
+applies, and compiling goes on.
 
 The wrapper registers the model as its submodule `inner` (train/eval and devices follow); its `state_dict`,
 `named_parameters` and `named_buffers` are the model's, names included (checkpoints and LoRA's trainable-name
@@ -34,6 +36,8 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+
+from . import oom
 
 log = logging.getLogger("twophase")
 
@@ -114,9 +118,11 @@ class Compiled(nn.Module):
         try:
             return self._compiled(name)(*args)
         except Exception as err:  # noqa: BLE001  (the eager call below tells the compiler's errors from the model's)
-            failed = err
+            if oom.is_out_of_memory(err):
+                raise  # the device's shortage, not the compiler's fault: the caller's out-of-memory handling
+            failed = reason(err)  # a line, not the exception: its traceback holds the failed call's tensors
         out = eager(*args)  # the model's own error, where it has one, is raised here as without the wrapper
-        self.failure = reason(failed)
+        self.failure = failed
         log.warning("twophase.compiled: torch.compile failed (%s); the decode step runs eagerly", self.failure)
         return out
 

@@ -152,13 +152,45 @@ def num_sources(enc: Any) -> int:
 def scoring_mode(model: Any, keep: bool = False):
     """The model in evaluation mode (no dropout) for the block, then back in the mode it had. Search and phase
     two must score with one function, or search scores stop being the log-probabilities phase two
-    differentiates; `keep=True` leaves the mode alone (the MLE steps' dropout, where no search scored)."""
+    differentiates; `keep=True` leaves the mode alone (the MLE steps' dropout, where no search scored).
+
+    Either way every recurrent module (nn.LSTM, nn.GRU, nn.RNN) that would run in evaluation mode runs in
+    training mode with its dropout at 0 instead (`recurrent_training_mode`): the same arithmetic, and the one
+    mode cuDNN back-propagates through."""
     was = getattr(model, "training", None)
-    if keep or not was:
-        yield
-        return
-    model.train(False)
+    switched = not keep and bool(was)
+    if switched:
+        model.train(False)
     try:
+        with recurrent_training_mode(model):
+            yield
+    finally:
+        if switched:
+            model.train(was)
+
+
+def _modules(model: Any) -> list[torch.nn.Module]:
+    """Every nn.Module of a model: its own tree, or that of each nn.Module attribute of a plain object."""
+    if isinstance(model, torch.nn.Module):
+        return list(model.modules())
+    found = [m for value in vars(model).values() if isinstance(value, torch.nn.Module) for m in value.modules()] \
+        if hasattr(model, "__dict__") else []
+    return list({id(m): m for m in found}.values())
+
+
+@contextlib.contextmanager
+def recurrent_training_mode(model: Any):
+    """Every nn.RNNBase of the model that is in evaluation mode put in training mode with dropout 0 for the
+    block, then restored (also after an exception). cuDNN refuses to back-propagate through an RNN run in
+    evaluation mode ("cudnn RNN backward can only be called in training mode"), and the only difference
+    between the modes of an nn.RNNBase is its inter-layer dropout, so at dropout 0 the two compute the same."""
+    switched = [(m, m.dropout) for m in _modules(model) if isinstance(m, torch.nn.RNNBase) and not m.training]
+    try:
+        for module, _ in switched:
+            module.dropout = 0.0
+            module.training = True
         yield
     finally:
-        model.train(was)
+        for module, dropout in switched:
+            module.training = False
+            module.dropout = dropout

@@ -41,7 +41,7 @@ import itertools
 import torch
 from torch import Tensor
 
-from . import prefixtree, protocol, tokenweights, tree
+from . import oom, prefixtree, protocol, tokenweights, tree
 from .samples import Samples
 
 
@@ -58,7 +58,8 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     (T the longest row), the steps chunk_size full-length rows decode without sharing, so the graph stays
     within the same bound. Without it, a chunk is at most chunk_size rows, each decoded from its first token.
 
-    On CUDA out-of-memory inside a chunk, the chunk is freed and redone at half the size (down to one row).
+    On CUDA out-of-memory inside a chunk (`oom.is_out_of_memory`: cuBLAS's allocation failures too), the chunk is
+    freed and redone at half the size (down to one row).
     oom_retry (default: on for CUDA tensors) chooses that retry-safe accumulation; off, an out-of-memory error
     propagates and the chunk's gradient goes straight into .grad, saving a chunk-time copy of the gradients.
     The model runs in evaluation mode, as search ran it, unless keep_mode (e.g. MLE rows with dropout).
@@ -96,15 +97,18 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
         total, start, size, sums = 0.0, 0, chunk_size, {}
         while start < len(samples):
             end, nodes = plan.chunk(start, size)
+            failed = False
             try:
                 with section(f"phase 2: chunk of {end - start} rows" + (f", {nodes} nodes" if plan.tree else "")):
                     total += _chunk(model, boundary, samples, coefficients, slice(start, end), params, oom_retry,
                                     plan.tree, counts)
-            except torch.cuda.OutOfMemoryError:
-                if size == 1 or not oom_retry:
+            except Exception as err:  # noqa: BLE001  (any error but out-of-memory is raised again)
+                if not oom.is_out_of_memory(err) or size == 1 or not oom_retry:
                     raise
-                size //= 2  # the failed chunk's graph is unreachable now; the cache is returned to the GPU
-                torch.cuda.empty_cache()
+                failed = True
+            if failed:  # out of the except block: its traceback, holding the failed chunk's graph, is gone
+                size //= 2
+                oom.release()
                 continue
             _bank_boundary_grads(boundary, sums)
             start = end

@@ -26,6 +26,7 @@ import torch
 
 from .. import estimators, objectives, prefixtree
 from ..models.seq2seq import Seq2Seq
+from ..protocol import scoring_mode
 from ..samples import Samples
 from ..sbs import stochastic_beam_search
 from ..search import beam_search, sample
@@ -52,7 +53,8 @@ def _space() -> torch.Tensor:
 
 def _jacobian(model, source, rows) -> tuple[torch.Tensor, torch.Tensor]:
     """(M,) p_y and (M, P) grad log p_y."""
-    log_p = model.sequence_log_probs(*source, rows, torch.zeros(len(rows), dtype=torch.long))
+    with scoring_mode(model):  # a graph through the encoder's nn.LSTM: training mode at dropout 0, as cuDNN needs
+        log_p = model.sequence_log_probs(*source, rows, torch.zeros(len(rows), dtype=torch.long))
     params = [p for p in model.parameters()]
     J = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(lp, params, retain_graph=True,
                                                                           allow_unused=False)])

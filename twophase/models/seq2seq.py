@@ -126,7 +126,7 @@ class Seq2Seq(nn.Module):
         """`advance` from the previous tokens' embeddings emb (N, E), dropout applied."""
         ctx = self.attend(enc, owner, state[0])
         x = torch.cat([emb, ctx], dim=-1)  # (N, E + D)
-        return self.cell(x, state)
+        return _lstm_cell(self.cell, x, state)
 
     def log_probs(self, state: tuple[Tensor, Tensor]) -> Tensor:
         """Next-token log-probabilities (N, V) from decoder states (h, c), each (N, H)."""
@@ -242,11 +242,16 @@ class Seq2Seq(nn.Module):
                                                 collect, late=weights.gradients if weights is not None else None)
 
 
-def _lstm_cell(cell: nn.LSTMCell, x: Tensor, state: tuple[Tensor, Tensor], weights: deferred.DeferredWeights):
-    """`cell(x, state)` with its two weight products through `weights`: torch's CPU arithmetic, in its order
-    (gates i, f, g, o; under autocast, the same products and sums in the same dtypes), so search's numbers."""
+def _lstm_cell(cell: nn.LSTMCell, x: Tensor, state: tuple[Tensor, Tensor],
+               weights: deferred.DeferredWeights | None = None):
+    """`cell(x, state)` written out, its two weight products through `weights` where given: torch's CPU
+    arithmetic, in its order (gates i, f, g, o). Every path (search, teacher forcing, the prefix tree) runs this
+    one function rather than the fused `cell`: CUDA's autocast casts the fused cell's c to bf16/fp16 as well,
+    while here under any device's autocast only the products do and c keeps its dtype, so search's scores are
+    the log-probabilities phase two differentiates on every device."""
     h, c = state
-    gates = weights.linear(h, cell.weight_hh, cell.bias_hh) + weights.linear(x, cell.weight_ih, cell.bias_ih)
+    linear = weights.linear if weights is not None else F.linear
+    gates = linear(h, cell.weight_hh, cell.bias_hh) + linear(x, cell.weight_ih, cell.bias_ih)
     i, f, g, o = gates.chunk(4, dim=1)  # (n, H) each
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     return torch.sigmoid(o) * torch.tanh(c), c

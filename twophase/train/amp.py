@@ -26,8 +26,16 @@ def check_device(mode: str, device: torch.device) -> None:
     """Refuse an --amp the device cannot run; ValueError naming the flag."""
     if mode == "fp16" and device.type != "cuda":
         raise ValueError(f"--amp fp16 needs a CUDA device, not {device}; use --amp bf16 on CPU")
-    if mode == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"--amp bf16: {torch.cuda.get_device_name(device)} has no bfloat16; use --amp fp16")
+    if mode == "bf16" and device.type == "cuda" and not native_bf16(device):
+        raise ValueError(f"--amp bf16: {torch.cuda.get_device_name(device)} has no native bfloat16 (only emulated, "
+                         "slower than float32); use --amp fp16")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether the CUDA device computes in bfloat16 itself (compute capability 8.0 on, or ROCm's), not by
+    emulation in float32 as a T4 or V100 does (what `is_bf16_supported()` also counts by default)."""
+    with torch.cuda.device(device):
+        return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def autocast(mode: str, device: torch.device):

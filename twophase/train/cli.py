@@ -11,7 +11,7 @@ from dataclasses import fields
 
 import torch
 
-from . import amp, distributed, fsdp, grammar, rundir, runs, startup
+from . import amp, devices, distributed, fsdp, grammar, numerics, rundir, runs, startup
 from .start import evaluate, init_state, recipe_defaults, resume_state, start_defaults, start_run_dir
 from ..protocol import ModelError
 from .. import plot, rewards, rewardsum
@@ -42,15 +42,11 @@ def build_parser() -> OneLineParser:
 
 
 def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """--device's device, refused in one line (a UsageError) where this machine or torchrun process lacks it."""
     try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"--device: unknown device {name!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: CUDA is not available on this machine")
-    return device
+        return devices.for_rank(devices.pick(name))
+    except devices.DeviceError as err:
+        raise UsageError(str(err)) from None
 
 
 def check_reward(reward, task) -> None:
@@ -115,8 +111,9 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         raise UsageError(str(err)) from None
     if cfg.eval_only and cfg.init_from and not (cfg.resume or cfg.resume_from):  # no new directory: its own
         cfg.save_dir = os.path.dirname(os.path.abspath(cfg.init_from))
-    device = distributed.local_device(pick_device(cfg.device))  # under torchrun: cuda:LOCAL_RANK
+    device = pick_device(cfg.device)  # under torchrun: cuda:LOCAL_RANK
     try:
+        numerics.configure(cfg.deterministic, cfg.tf32)  # before any model runs: cuBLAS reads its workspace once
         amp.check_device(cfg.amp, device)
         fsdp.check(cfg)
     except ValueError as err:

@@ -249,7 +249,15 @@ class Config:
     log_every: int = arg(100, "when stdout is not a terminal (no progress bar), print a progress line every N "
                               "steps (0: never)", minimum=0)
     seed: int = arg(1, "seed of every random number generator")
-    device: str = arg("auto", "cpu, cuda, cuda:N, or auto (cuda where available)")
+    device: str = arg("auto", "cpu, cuda, cuda:N, mps, or auto (cuda where available); under torchrun each "
+                      "process takes cuda:LOCAL_RANK")
+    deterministic: bool = arg(False, "CUDA's deterministic algorithms (torch.use_deterministic_algorithms, "
+                                     "CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN deterministic): repeated GPU runs, "
+                                     "--resume and torchrun give the same bits, at some speed; the CPU is "
+                                     "deterministic without it")
+    tf32: bool = arg(False, "let CUDA float32 matmuls and convolutions use TF32 tensor cores (Ampere on): faster, "
+                            "~1e-3 relative rounding, so search scores match phase two's log-probabilities only "
+                            "to that; default off: full float32")
     save_dir: str | None = arg(None, "where checkpoints and metrics.jsonl are written (default: runs/<task>: "
                                      "runs/g2p, runs/tsv, runs/karel, or the custom task's name); a directory that "
                                      "holds another run is refused unless --resume or --overwrite")

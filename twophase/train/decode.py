@@ -22,7 +22,7 @@ from . import grammar
 from .checkpoint import CheckpointError, load
 from .cli import UsageError, compile_step, pick_device
 from .config import DEFAULT_BEAM, OneLineParser, config_from_dict
-from .. import tasks
+from .. import oom, tasks
 from ..tasks.base import Example
 from ..tasks.data import DataError, read_lines, split_utf8_lines
 from .params import load_saved
@@ -172,10 +172,10 @@ def ranked(model, task, todo: list[tuple[int, Example]], beam_size: int, nbest: 
             s = beam_search(model, task.collate([ex for _, ex in batch], device), beam_size, max_len)
         except ModelError:
             raise
-        except torch.cuda.OutOfMemoryError:
-            raise UsageError(f"{name}:{batch[0][0]}-{batch[-1][0]}: out of memory decoding {len(batch)} lines "
-                             "together; lower --batch-size (or --beam-size)") from None
         except Exception as exc:  # a task's collate (or the ids it made) failing on some line
+            if oom.is_out_of_memory(exc):
+                raise UsageError(f"{name}:{batch[0][0]}-{batch[-1][0]}: out of memory decoding {len(batch)} lines "
+                                 "together; lower --batch-size (or --beam-size)") from None
             raise culprit(model, task, batch, beam_size, max_len, device, name, exc) from None
         per = [[] for _ in batch]
         for row, owner, score in zip(s.tokens.tolist(), s.owner.tolist(), s.scores.tolist()):

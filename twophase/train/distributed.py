@@ -45,13 +45,6 @@ def world() -> int:
     return dist.get_world_size() if active() else 1
 
 
-def local_device(device: torch.device) -> torch.device:
-    """Under torchrun, an unindexed CUDA device (`--device cuda` or `auto`) becomes this rank's own GPU."""
-    if launched() and device.type == "cuda" and device.index is None:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device
-
-
 def init(device: torch.device, timeout_minutes: float = 30.0) -> None:
     """Join the process group torchrun describes (NCCL for CUDA, gloo otherwise); a no-op without torchrun."""
     global _device

@@ -12,7 +12,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from . import distributed, fsdp
+from . import distributed, fsdp, peaks
+from .. import oom
 from ..protocol import ModelError
 from ..rewards import RewardError
 from .evaluation import test_beams, test_scores
@@ -44,13 +45,15 @@ class RunLoop:
             self.profiler = StepProfiler(self.device)
         start, cpu_start = time.perf_counter(), time.process_time()
         self.step_counts = {}  # phase two's decoded prefix-tree nodes and candidate token positions
+        row = None  # None after an out-of-memory error
         try:
             row = self.rl_step() if phase == "rl" else self.mle_step()
         except ModelError as err:  # NaN log-probabilities, say: the model and the step, never a dropped source
             raise ModelError(f"step {self.step + 1} [{phase}]: {err}") from None
-        except torch.cuda.OutOfMemoryError:
-            if distributed.world() > 1:
-                raise  # one process cannot skip alone: the others would wait for it in the all-reduce
+        except Exception as err:  # noqa: BLE001  (any error but out-of-memory is raised again)
+            if not oom.is_out_of_memory(err) or distributed.world() > 1:
+                raise  # several processes: one cannot skip alone, the others would wait for it in the all-reduce
+        if row is None:  # out of the except block: the failed step's tensors, held by its traceback, are gone
             row = self.skip_out_of_memory(phase)
         if self.cfg.rescore_chunk == "auto":
             row["chunk"] = self.last_chunk
@@ -76,7 +79,7 @@ class RunLoop:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             summary = torch.cuda.memory_summary(self.device, abbreviated=True)
-            torch.cuda.empty_cache()
+            oom.release()
         else:
             summary = f"peak memory {peak_memory_mb(self.device):.0f} MB"
         self.stats[phase]["out_of_memory"] += 1
@@ -132,7 +135,8 @@ class RunLoop:
             self.save()
             raise Interrupted(128 + signum, f"stopped by signal {signum} after step {self.step}; "
                                             f"saved {self.save_dir / 'checkpoint_last.pt'} (--resume continues)")
-        self.summary["peak_memory_mb"] = peak_memory_mb(self.device)
+        self.summary["peak_memory_mb"] = peak_memory_mb(self.device)  # CUDA's allocated, or the RSS
+        self.summary.update(peaks.overall_mb(self.device))  # and on CUDA the reserved: the closing table's rows
         return self.summary
 
     def saved_after(self, err: RewardError) -> RewardError:

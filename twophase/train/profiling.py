@@ -4,19 +4,20 @@
 A `StepProfiler` cuts a step into named sections (encoder, phase one, every phase-two chunk, optimizer step) and
 records for each its wall time, its memory and the bytes the autograd graph saved for backward inside it.
 Sections do not nest: the innermost saved-tensor hook wins. Memory is what the device can tell:
-- CUDA: `allocated_mb` (bytes held by tensors at the section's end) and `peak_allocated_mb` (their peak inside
-  it), from the caching allocator;
+- CUDA: `allocated_mb` (bytes held by tensors at the section's end), `peak_allocated_mb` (their peak inside
+  it) and `peak_reserved_mb` (the allocator's own peak inside it, cached blocks included: what runs out), from
+  the caching allocator;
 - CPU: `rss_mb` (the process's resident set at the section's end) and `rss_peak_mb` (its peak inside the
   section: Linux lets the high-water mark be reset at the section's start). The CPU has no record of tensor bytes
   short of the slow allocation profiler (`memstats.AllocationPeak`, which the benchmark uses), so the resident
   set, which also holds what the C allocator keeps after tensors are freed, is all a row can show cheaply.
+Each section's reset keeps the run's overall peak (`peaks`), which the closing table reports.
 
 Letters: N candidate rows, C rows per chunk, T target length, S source length.
 """
 from __future__ import annotations
 
 import json
-import resource
 import time
 from contextlib import contextmanager
 
@@ -26,31 +27,10 @@ from tqdm import tqdm
 from .. import tree
 from ..protocol import scoring_mode
 from ..rescoring import chunk_gradients
+from . import peaks
 from .memstats import SavedTensorMeter
+from .peaks import MB, reset_rss_peak, rss_bytes, rss_peak_bytes  # noqa: F401 (the benchmarks' readings)
 
-MB = 2**20
-
-
-def rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:  # not Linux: fall back to the peak
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def rss_peak_bytes() -> int:
-    """The resident set's high-water mark since the last reset_rss_peak() (or since the process began)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def reset_rss_peak() -> None:
-    """Linux lets a process reset its resident-set high-water mark, so each section gets its own CPU peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # elsewhere the CPU peak is the process's peak so far
 
 
 class StepProfiler:
@@ -63,9 +43,7 @@ class StepProfiler:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            reset_rss_peak()
+        peaks.reset(self.device)  # the run's overall peak is kept through it (the closing table's)
         start = time.perf_counter()
         with SavedTensorMeter() as meter:
             yield
@@ -74,7 +52,8 @@ class StepProfiler:
         row = {"section": name, "seconds": time.perf_counter() - start}
         if cuda:
             row.update(allocated_mb=torch.cuda.memory_allocated(self.device) / MB,
-                       peak_allocated_mb=torch.cuda.max_memory_allocated(self.device) / MB)
+                       peak_allocated_mb=torch.cuda.max_memory_allocated(self.device) / MB,
+                       peak_reserved_mb=torch.cuda.max_memory_reserved(self.device) / MB)
         else:
             row.update(rss_mb=rss_bytes() / MB, rss_peak_mb=rss_peak_bytes() / MB)
             # The kernel keeps resident-set counts per CPU and folds them in batches, so the reset high-water
@@ -91,12 +70,14 @@ class StepProfiler:
             tqdm.write(f"memory profile of step {step} ({phase}):\n{self.table()}")
 
     def table(self) -> str:
-        now, peak = ("allocated_mb", "peak_allocated_mb") if self.device.type == "cuda" else ("rss_mb", "rss_peak_mb")
-        heads = ("allocated MB", "peak alloc MB") if self.device.type == "cuda" else ("RSS MB", "RSS peak MB")
-        lines = [f"{'section':34}{'ms':>9}{heads[0]:>14}{heads[1]:>15}{'graph MB':>10}"]
+        cuda = self.device.type == "cuda"
+        columns = ((("allocated_mb", "allocated MB"), ("peak_allocated_mb", "peak alloc MB"),
+                    ("peak_reserved_mb", "peak resv MB")) if cuda else
+                   (("rss_mb", "RSS MB"), ("rss_peak_mb", "RSS peak MB")))
+        lines = [f"{'section':34}{'ms':>9}" + "".join(f"{head:>15}" for _, head in columns) + f"{'graph MB':>10}"]
         for r in self.rows:
-            lines.append(f"{r['section']:34}{1000 * r['seconds']:>9.1f}{r[now]:>14.1f}{r[peak]:>15.1f}"
-                         f"{r['graph_mb']:>10.2f}")
+            cells = "".join(f"{r[key]:>15.1f}" for key, _ in columns)
+            lines.append(f"{r['section']:34}{1000 * r['seconds']:>9.1f}{cells}{r['graph_mb']:>10.2f}")
         top = max(self.rows, key=lambda r: r["graph_mb"], default=None)
         if top is not None and top["graph_mb"] > 0:
             lines.append(f"largest autograd graph: {top['section']} ({top['graph_mb']:.2f} MB)")

@@ -6,12 +6,17 @@ import datetime
 
 import torch
 
+from . import peaks
+
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process: CUDA's allocator where training runs on a GPU, else the peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource  # POSIX only; Linux reports kilobytes
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Peak memory of this process since it began (--profile-memory's resets kept, `peaks`): CUDA's allocated
+    bytes where training runs on a GPU, else the peak RSS."""
+    figures = peaks.overall_mb(device)
+    return figures.get("peak_allocated_mb", figures.get("peak_rss_mb", float("nan")))
+
+
+PEAK_ROWS = (("peak_allocated_mb", "peak memory allocated (CUDA)"), ("peak_reserved_mb", "peak memory reserved (CUDA)"),
+             ("peak_rss_mb", "peak memory (process RSS)"))
 
 
 def fmt_scores(scores: dict) -> str:
@@ -55,7 +60,9 @@ def summary_table(summary: dict, metrics=()) -> str:
                 cells.append(f"{'-' if v is None or v != v else fmt.format(v):>16}")
             if any(cell.strip() != "-" for cell in cells):
                 lines.append(f"{prefix + label:{width}}" + "".join(cells))
-    lines.append(f"{'peak memory':{width}}{summary.get('peak_memory_mb', float('nan')):>15.0f}M")
+    # CUDA's allocated and reserved, or the CPU's resident set (RunLoop.run's summary)
+    for key, label in [row for row in PEAK_ROWS if row[0] in summary] or [("peak_memory_mb", "peak memory")]:
+        lines.append(f"{label:{width}}{summary.get(key, float('nan')):>15.0f}M")
     return "\n".join(lines)
 
 

@@ -23,7 +23,8 @@ RULES = {
     "profile_memory": FREE, "compare_mle": FREE, "test": FREE, "export": FREE,
     # resources: the same gradient computed with other memory, speed or precision
     "threads": FREE, "device": FREE, "rescore_chunk": FREE, "memory_budget": FREE, "no_prefix_sharing": FREE,
-    "one_phase": FREE, "amp": FREE, "max_bad_steps": FREE, "fsdp": FREE, "compile": FREE,
+    "one_phase": FREE, "amp": FREE, "max_bad_steps": FREE, "fsdp": FREE, "compile": FREE, "deterministic": FREE,
+    "tf32": FREE,
     # what this command does with the run
     "save_dir": FREE, "resume": FREE, "resume_from": FREE, "overwrite": FREE, "eval_only": FREE,
 }
