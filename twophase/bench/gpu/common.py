@@ -52,6 +52,18 @@ def deterministic(on: bool = True):
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = was[1], was[2]
 
 
+@contextlib.contextmanager
+def full_float32():
+    """TF32 off for the block, for matmuls and for cuDNN (whose convolutions, the Karel encoders', use TF32 by
+    PyTorch's default): float32 figures that are float32's. Restored after."""
+    was = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = was
+
+
 class MemoryWindow:
     """Peak memory of a block: on CUDA `max_memory_allocated` and `max_memory_reserved` (what an OOM is about)
     after emptying the cache and resetting the peaks, both in MiB, and the allocation above the start; on the CPU

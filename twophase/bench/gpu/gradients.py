@@ -8,7 +8,8 @@ scorer, no chunks, no prefix tree, no hand-written output layer); each case is `
 rows, decoding through the prefix tree ("tree", where the model shares prefixes) or row by row ("rows"), its
 chunks' gradients collected before being added ("collect", the OOM-safe way CUDA defaults to) or added straight
 into .grad ("direct"). Every case runs twice: `repeat_bitwise_equal` says whether the two gradients are the same
-bits, which deterministic algorithms must make true on any device.
+bits, which deterministic algorithms must make true on any device. TF32 is off throughout (cuDNN's
+convolutions use it by default), so float32 means float32.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from ... import protocol
 from ...rescoring import rescore_backward, shares_prefixes
 from ...search import beam_search
-from .common import (bitwise_equal, deterministic, grads, one_line, relative_error, seed_lstm, tiny_hf,
+from .common import (bitwise_equal, deterministic, full_float32, grads, one_line, relative_error, seed_lstm, tiny_hf,
                      tiny_hf_source)
 
 SIZES = {  # per model; chunks: rows per chunk (N: the whole batch in one chunk)
@@ -78,7 +79,7 @@ def chunked_gradient(model, source, samples, coefficients, chunk: int, tree: boo
 def model_rows(name: str, sizes: dict, device: torch.device, setting: str) -> list[dict]:
     """One model's rows under one setting ('default' or 'deterministic'): the reference's repeat, then every
     (mode, chunk) case's error against it and its repeat. A failing case is a row with its one-line error."""
-    with deterministic(setting == "deterministic"):
+    with deterministic(setting == "deterministic"), full_float32():
         model, source, K, T = build(name, sizes, device)
         with torch.no_grad():
             samples = beam_search(model, source, K, T)

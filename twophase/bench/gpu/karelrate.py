@@ -4,7 +4,7 @@ paper's whole schedule (PRESETS["karel-paper"]: its MLE steps, then its RL steps
 Two runs of the command, each stopped (SIGINT: the trainer's graceful stop) after half of --karel-seconds of
 training, counted from its first step's row in metrics.jsonl (so the data's generation and the start are not
 counted): the preset as it is (MLE steps), then with --mle-steps 1 (one MLE step, the end-of-MLE validation,
-then RL steps). Only flags train.py has had all along are used; --valid-size keeps the validations short.
+then RL steps; `--quick`: one run, --mle-steps 4, for both). Only flags train.py has had all along are used; --valid-size keeps the validations short.
 A phase's rate is 1 / the median seconds between its consecutive step rows (a validation's pause does not
 count); `paper_schedule_hours` is the preset's MLE steps / the MLE rate + its RL steps / the RL rate, without
 validation and test. `--quick` shrinks the model and data so each run takes seconds.
@@ -31,6 +31,7 @@ TINY = ["--train-size", "8", "--valid-size", "2", "--hidden-size", "8", "--embed
         "--karel-blocks", "1", "--karel-pair-dim", "8", "--karel-layers", "1", "--mle-batch-size", "4",
         "--batch-size", "2", "--beam-size", "2", "--eval-beam", "2", "--threads", "1"]
 RUNS = {"mle": [], "rl": ["--mle-steps", "1"]}  # the phase a run measures: its extra flags
+QUICK_RUNS = {"mle+rl": ["--mle-steps", "4"]}  # --quick: one run measures both (a few MLE steps, then RL)
 
 
 def step_rows(metrics: Path) -> list[dict]:
@@ -92,12 +93,16 @@ def rate(rows: list[dict], phase: str) -> dict:
 def run(options: dict) -> dict:
     seconds, quick = options["karel_seconds"], options["quick"]
     flags = [*BASE, "--device", options["device"], *(TINY if quick else [])]
-    out = {"preset": PRESET, "flags": flags, "seconds_per_run": seconds / 2}
+    runs = QUICK_RUNS if quick else RUNS
+    out = {"preset": PRESET, "flags": flags, "seconds_per_run": seconds / len(runs), "runs": {}}
+    rows = {}
     with tempfile.TemporaryDirectory(prefix="twophase-gpu-karel-") as tmp:
-        for phase, extra in RUNS.items():
-            limit = max(10.0, (options["limit_s"] - 5) / 2)
-            rows, ended = train_for(seconds / 2, [*flags, *extra], Path(tmp) / phase, limit)
-            out[phase] = dict(rate(rows, phase), ended=ended)
+        for name, extra in runs.items():
+            limit = max(10.0, (options["limit_s"] - 5) / len(runs))
+            rows[name], ended = train_for(seconds / len(runs), [*flags, *extra], Path(tmp) / name, limit)
+            out["runs"][name] = {"extra_flags": extra, "ended": ended}
+    for phase in ("mle", "rl"):
+        out[phase] = rate(rows[phase if phase in rows else "mle+rl"], phase)
     paper = PRESETS[PRESET]
     mle, rl = out["mle"]["steps_per_s"], out["rl"]["steps_per_s"]
     out["paper_steps"] = {"mle": paper["mle_steps"], "rl": paper["rl_steps"]}

@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from .common import one_line
 
@@ -88,8 +90,10 @@ def run_isolated(letter: str, options: dict) -> dict:
     """The section in a fresh `python -m twophase.bench.gpu --worker` process, killed at its time limit."""
     start = time.perf_counter()
     command = [sys.executable, "-m", __package__, "--worker", json.dumps(dict(options, section=letter))]
+    root = str(Path(__file__).resolve().parents[3])  # this checkout's twophase, wherever the command runs from
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=options["limit_s"])
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=options["limit_s"], env=env)
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "error": f"over the section's limit of {options['limit_s']:.0f} s",
                 "seconds": round(time.perf_counter() - start, 3)}

