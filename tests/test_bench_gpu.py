@@ -122,3 +122,21 @@ def test_the_wheels_cover_every_requirement_the_gpu_machine_lacks():
     assert all(pin in wheels.REQUIREMENTS for pin in pins)  # the same pinned release
     command = wheels.command(Path("w"))
     assert command[command.index("--python-version") + 1] == "3.12" and "--only-binary=:all:" in command
+
+
+def test_a_cudnn_refusal_of_eval_mode_rnn_backward_is_measured_again_without_cudnn():
+    import torch
+    from twophase.bench.gpu.common import CUDNN_EVAL_BACKWARD, cudnn_retry
+    calls = []
+
+    def case(x):
+        calls.append(torch.backends.cudnn.enabled)
+        if len(calls) == 1:
+            raise RuntimeError(CUDNN_EVAL_BACKWARD)
+        return x + 1
+
+    was = torch.backends.cudnn.enabled
+    assert cudnn_retry(case, 1) == (2, f"RuntimeError: {CUDNN_EVAL_BACKWARD}")
+    assert calls == [was, False] and torch.backends.cudnn.enabled == was
+    with pytest.raises(RuntimeError, match="other"):
+        cudnn_retry(lambda: (_ for _ in ()).throw(RuntimeError("other")))

@@ -123,6 +123,23 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
+CUDNN_EVAL_BACKWARD = "cudnn RNN backward can only be called in training mode"
+
+
+def cudnn_retry(fn, *args):
+    """(fn(*args), None); where cuDNN refuses an RNN's backward in evaluation mode (phase two's mode), (fn(*args)
+    run again with cuDNN off, that refusal as one line), so the figures exist either way and the report says
+    which. Any other error propagates."""
+    try:
+        return fn(*args), None
+    except RuntimeError as err:
+        if CUDNN_EVAL_BACKWARD not in str(err):
+            raise
+        refusal = one_line(err)
+    with torch.backends.cudnn.flags(enabled=False):
+        return fn(*args), refusal
+
+
 def grads(model) -> list:
     return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
 

@@ -8,7 +8,8 @@ scorer, no chunks, no prefix tree, no hand-written output layer); each case is `
 rows, decoding through the prefix tree ("tree", where the model shares prefixes) or row by row ("rows"), its
 chunks' gradients collected before being added ("collect", the OOM-safe way CUDA defaults to) or added straight
 into .grad ("direct"). Every case runs twice: `repeat_bitwise_equal` says whether the two gradients are the same
-bits, which deterministic algorithms must make true on any device. TF32 is off throughout (cuDNN's
+bits, which deterministic algorithms must make true on any device. Where cuDNN refuses an RNN's backward in
+evaluation mode, the model's rows are measured again with cuDNN off and carry the refusal (`cudnn_refused`). TF32 is off throughout (cuDNN's
 convolutions use it by default), so float32 means float32.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from ... import protocol
 from ...rescoring import rescore_backward, shares_prefixes
 from ...search import beam_search
-from .common import (bitwise_equal, deterministic, full_float32, grads, one_line, relative_error, seed_lstm, tiny_hf,
+from .common import (bitwise_equal, cudnn_retry, deterministic, full_float32, grads, one_line, relative_error, seed_lstm, tiny_hf,
                      tiny_hf_source)
 
 SIZES = {  # per model; chunks: rows per chunk (N: the whole batch in one chunk)
@@ -114,7 +115,8 @@ def run(options: dict) -> dict:
     for setting in ("default", "deterministic"):
         for name in MODELS:
             try:
-                rows.extend(model_rows(name, sizes, device, setting))
+                found, refusal = cudnn_retry(model_rows, name, sizes, device, setting)
+                rows.extend(dict(r, cudnn_refused=refusal) if refusal else r for r in found)
             except Exception as err:  # noqa: BLE001 (a model that cannot even search or score: one row)
                 rows.append(dict(model=name, setting=setting, mode="setup", error=one_line(err)))
     errors = [r["rel_error"] for r in rows if "rel_error" in r]
@@ -125,7 +127,8 @@ def run(options: dict) -> dict:
             worst[key] = max(worst.get(key, 0.0), r["rel_error"])
     determ = [r["repeat_bitwise_equal"] for r in rows if r["setting"] == "deterministic" and
               "repeat_bitwise_equal" in r]
-    return {"dtype": "float32", "rows": rows, "max_rel_error": max(errors) if errors else None,
+    return {"dtype": "float32", "rows": rows,
+            "cudnn_refused": sorted({r["model"] for r in rows if r.get("cudnn_refused")}), "max_rel_error": max(errors) if errors else None,
             "max_rel_error_by_model": worst,
             "deterministic_repeats_bitwise_equal": all(determ) if determ else None,
             "failed_cases": sum("error" in r for r in rows)}

@@ -24,7 +24,7 @@ from ...blocks import block_bytes
 from ...rescoring import rescore_backward
 from ...search import beam_search
 from ...train.profiling import ChunkPlanner
-from .common import grads, relative_error, seed_lstm, synchronize
+from .common import cudnn_retry, grads, relative_error, seed_lstm, synchronize
 
 FULL = dict(batch=16, beam=64, src_len=50, max_len=50, hidden=512, embed=256, vocab=10000, src_vocab=1000)
 QUICK = dict(batch=2, beam=4, src_len=5, max_len=6, hidden=16, embed=8, vocab=40, src_vocab=20)
@@ -58,6 +58,11 @@ class ChunkLog:
 
 
 def run(options: dict) -> dict:
+    out, refusal = cudnn_retry(halving, options)
+    return dict(out, cudnn_refused=refusal, cudnn="off") if refusal else out
+
+
+def halving(options: dict) -> dict:
     device = torch.device(options["device"])
     sizes = QUICK if options["quick"] else FULL
     model, _, source = seed_lstm(sizes, device)

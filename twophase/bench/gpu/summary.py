@@ -10,7 +10,9 @@ def gradients(r: dict) -> list[str]:
     worst = ", ".join(f"{k} {_g(v, '.1e')}" for k, v in r["max_rel_error_by_model"].items())
     return [f"max relative gradient error {_g(r['max_rel_error'], '.1e')} ({worst})",
             f"deterministic repeats bitwise equal: {r['deterministic_repeats_bitwise_equal']}; "
-            f"failed cases: {r['failed_cases']}"]
+            f"failed cases: {r['failed_cases']}"] + \
+        ([f"cuDNN refused eval-mode RNN backward (rows measured with cuDNN off): {', '.join(r['cudnn_refused'])}"]
+         if r.get("cudnn_refused") else [])
 
 
 def memory(r: dict) -> list[str]:
@@ -22,7 +24,8 @@ def memory(r: dict) -> list[str]:
         s = m["host_syncs"]
         syncs = (f"syncs/decoder step {_g(s['phase_one_per_decoder_step'])}, /chunk {_g(s['phase_two_per_chunk'])}"
                  if "phase_two_per_chunk" in s else f"syncs/decoder step {_g(s['search_per_decoder_step'])}")
-        lines.append(f"{m['method']}: {mem}, step {_g(m['step_s'])} s, {syncs}")
+        off = " (cuDNN off: it refused eval-mode RNN backward)" if m.get("cudnn") == "off" else ""
+        lines.append(f"{m['method']}{off}: {mem}, step {_g(m['step_s'])} s, {syncs}")
     lines += [f"{k}: {v}" for k, v in r["errors"].items()]
     if "ratios_one_over_two" in r:
         q = r["ratios_one_over_two"]
