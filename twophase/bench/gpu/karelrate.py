@@ -48,32 +48,35 @@ def step_rows(metrics: Path) -> list[dict]:
     return rows
 
 
-def train_for(seconds: float, flags: list, save: Path, limit: float) -> tuple[list[dict], str]:
-    """train.py with flags until `seconds` after its first step row (or its end, or `limit` in all); its step
-    rows and how it ended."""
+def train_for(seconds: float, flags: list, save: Path, deadline: float) -> tuple[list[dict], str]:
+    """train.py with flags until `seconds` after its first step row, its end or the monotonic `deadline`,
+    whichever comes first; its step rows and how it ended. Its stderr goes to a file (a pipe nobody reads
+    while it runs could fill and stall it)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, str(TRAIN), *flags, "--save-dir", str(save)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=save.parent)
-    start, first = time.monotonic(), None
-    while proc.poll() is None and time.monotonic() - start < limit:
-        time.sleep(0.2)
-        if first is None and step_rows(save / "metrics.jsonl"):
-            first = time.monotonic()
-        if first is not None and time.monotonic() - first >= seconds:
-            break
-    ended = "finished"
-    if proc.poll() is None:
-        ended = "stopped"
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            ended = "killed"
-    err = proc.stderr.read() if proc.stderr else ""
+    save.mkdir(parents=True, exist_ok=True)
+    log = save.parent / f"{save.name}.stderr"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(TRAIN), *flags, "--save-dir", str(save)],
+                                stdout=subprocess.DEVNULL, stderr=stderr, env=env, cwd=save.parent)
+        first = None
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            if first is None and step_rows(save / "metrics.jsonl"):
+                first = time.monotonic()
+            if first is not None and time.monotonic() - first >= seconds:
+                break
+        ended = "finished"
+        if proc.poll() is None:
+            ended = "stopped"
+            proc.send_signal(signal.SIGINT)  # the trainer's graceful stop
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                ended = "killed"
     if ended == "finished" and proc.returncode != 0:
-        tail = (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        tail = (log.read_text().strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         raise RuntimeError(f"train.py {' '.join(flags)}: {tail[:250]}")
     return step_rows(save / "metrics.jsonl"), ended
 
@@ -96,10 +99,12 @@ def run(options: dict) -> dict:
     runs = QUICK_RUNS if quick else RUNS
     out = {"preset": PRESET, "flags": flags, "seconds_per_run": seconds / len(runs), "runs": {}}
     rows = {}
+    end = time.monotonic() + options["limit_s"] - 10  # the section's own limit, less time to stop and report
     with tempfile.TemporaryDirectory(prefix="twophase-gpu-karel-") as tmp:
-        for name, extra in runs.items():
-            limit = max(10.0, (options["limit_s"] - 5) / len(runs))
-            rows[name], ended = train_for(seconds / len(runs), [*flags, *extra], Path(tmp) / name, limit)
+        for i, (name, extra) in enumerate(runs.items()):
+            later = len(runs) - 1 - i  # each later run keeps its share and ~40 s to start and validate
+            deadline = end - later * (seconds / len(runs) + 40)
+            rows[name], ended = train_for(seconds / len(runs), [*flags, *extra], Path(tmp) / name, deadline)
             out["runs"][name] = {"extra_flags": extra, "ended": ended}
     for phase in ("mle", "rl"):
         out[phase] = rate(rows[phase if phase in rows else "mle+rl"], phase)

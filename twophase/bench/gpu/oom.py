@@ -7,7 +7,7 @@ staying exact because a chunk's gradient is only added once it is whole (`oom_re
 
 Here phase two is asked for all N rows in one chunk while the device may hold only what the budget's chunk
 needs: on CUDA the caching allocator is capped (`torch.cuda.set_per_process_memory_fraction`) at what is
-allocated now plus the parameters' gradient twice, the output layer's blocks and twice the budget, so real
+allocated now plus the parameters' gradient twice, two output-layer blocks and 1.5 times the budget, so real
 OOMs halve the chunk until it fits. On the CPU, whose allocator failures are not CUDA's, the OOM is simulated:
 a chunk of more rows than the budget's chunk raises `OutOfMemoryError` as it starts (`simulated` true). The
 report lists every chunk tried (rows, and whether it ran out of memory) and the halved run's gradient against
@@ -84,7 +84,7 @@ def halving(options: dict) -> dict:
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         synchronize(device)
         torch.cuda.empty_cache()
-        cap = torch.cuda.memory_allocated(device) + 2 * param_bytes + 2 * block_bytes(device) + 2 * budget
+        cap = torch.cuda.memory_allocated(device) + 2 * param_bytes + 2 * block_bytes(device) + 3 * budget // 2
         total = torch.cuda.get_device_properties(device).total_memory
         out["allocator_cap_bytes"] = cap
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
