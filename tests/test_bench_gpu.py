@@ -96,9 +96,12 @@ def test_a_failing_skipped_or_hanging_section_is_recorded_and_the_rest_go_on(mon
     assert out["d"]["status"] == "ok" and out["d"]["result"] == {"fine": 1}
 
 
-def test_an_isolated_section_reports_from_its_own_process(tmp_path):
+def test_an_isolated_section_reports_from_its_own_process_and_is_killed_at_its_limit():
     outcome = runner.run_isolated("f", {"device": "cpu", "quick": True, "limit_s": 120})
     assert outcome["status"] == "skipped" and "2 CUDA devices" in outcome["reason"]
+    start = time.perf_counter()
+    outcome = runner.run_isolated("f", {"device": "cpu", "quick": True, "limit_s": 0.05})  # still importing
+    assert outcome["status"] == "timeout" and time.perf_counter() - start < 30
 
 
 @pytest.mark.parametrize("argv, flag", [(["--sections", "a,z"], "--sections"), (["--device", "tpu:x"], "--device"),

@@ -59,12 +59,17 @@ def train_for(seconds: float, flags: list, save: Path, deadline: float) -> tuple
         proc = subprocess.Popen([sys.executable, str(TRAIN), *flags, "--save-dir", str(save)],
                                 stdout=subprocess.DEVNULL, stderr=stderr, env=env, cwd=save.parent)
         first = None
-        while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-            if first is None and step_rows(save / "metrics.jsonl"):
-                first = time.monotonic()
-            if first is not None and time.monotonic() - first >= seconds:
-                break
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+                if first is None and step_rows(save / "metrics.jsonl"):
+                    first = time.monotonic()
+                if first is not None and time.monotonic() - first >= seconds:
+                    break
+        except BaseException:  # the inline time limit, ^C: the run goes with this section
+            proc.kill()
+            proc.wait()
+            raise
         ended = "finished"
         if proc.poll() is None:
             ended = "stopped"

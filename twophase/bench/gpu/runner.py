@@ -92,15 +92,23 @@ def run_isolated(letter: str, options: dict) -> dict:
     command = [sys.executable, "-m", __package__, "--worker", json.dumps(dict(options, section=letter))]
     root = str(Path(__file__).resolve().parents[3])  # this checkout's twophase, wherever the command runs from
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    # its own process group: at the limit the worker goes with what it started (train.py, torchrun's ranks)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=hasattr(os, "killpg"))
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=options["limit_s"], env=env)
+        stdout, stderr = proc.communicate(timeout=options["limit_s"])
     except subprocess.TimeoutExpired:
+        if hasattr(os, "killpg"):
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+        proc.communicate()
         return {"status": "timeout", "error": f"over the section's limit of {options['limit_s']:.0f} s",
                 "seconds": round(time.perf_counter() - start, 3)}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    lines = [line for line in stdout.splitlines() if line.startswith(MARK)]
     if lines:
         return json.loads(lines[-1][len(MARK):])
-    tail = (proc.stderr.strip().splitlines() or [f"the worker exited with status {proc.returncode}"])[-1]
+    tail = (stderr.strip().splitlines() or [f"the worker exited with status {proc.returncode}"])[-1]
     return {"status": "error", "error": tail[:300], "seconds": round(time.perf_counter() - start, 3)}
 
 
