@@ -88,7 +88,8 @@ def test_a_failing_skipped_or_hanging_section_is_recorded_and_the_rest_go_on(mon
 
     _sections(monkeypatch, {"a": broken, "b": skipped, "c": hangs, "d": lambda options: {"fine": 1}})
     start = time.perf_counter()
-    out = runner.run_all("abcd", {"device": "cpu"}, inline=True, limits=dict(a=5, b=5, c=0.3, d=5), log=lambda *a, **k: None)
+    out = runner.run_all("abcd", {"device": "cpu"}, inline=True, limits=dict(a=5, b=5, c=0.3, d=5),
+                         log=lambda *a, **k: None)
     assert time.perf_counter() - start < 10
     assert out["a"]["status"] == "error" and out["a"]["error"] == "ValueError: no such kernel"
     assert out["b"] == {"status": "skipped", "reason": "needs a GPU", "seconds": out["b"]["seconds"]}

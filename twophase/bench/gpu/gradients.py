@@ -1,15 +1,15 @@
-"""Section (a): phase two's chunked gradient against the whole batch's, on the device, in float32, with and
-without deterministic algorithms.
+"""Section (a): phase two's chunked gradient against the whole batch's, on the device, in float32, with and without
+deterministic algorithms.
 
-For each model (the seed's LSTM, the pooled Karel model, the paper's Karel model, a tiny GPT-2 and a tiny T5),
-beam search gives N candidates; fixed random coefficients c make the loss sum_i c_i log p(y_i | x_i). The
-reference is one backward of that loss over all rows at once (`protocol.score`: the model's teacher-forced
-scorer, no chunks, no prefix tree, no hand-written output layer); each case is `rescore_backward` in chunks of C
-rows, decoding through the prefix tree ("tree", where the model shares prefixes) or row by row ("rows"), its
-chunks' gradients collected before being added ("collect", the OOM-safe way CUDA defaults to) or added straight
-into .grad ("direct"). Every case runs twice: `repeat_bitwise_equal` says whether the two gradients are the same
-bits, which deterministic algorithms must make true on any device. Where cuDNN refuses an RNN's backward in
-evaluation mode, the model's rows are measured again with cuDNN off and carry the refusal (`cudnn_refused`). TF32 is off throughout (cuDNN's
+For each model (the seed's LSTM, the pooled Karel model, the paper's Karel model, a tiny GPT-2 and a tiny T5), beam
+search gives N candidates; fixed random coefficients c make the loss sum_i c_i log p(y_i | x_i). The reference is
+one backward of that loss over all rows at once (`protocol.score`: the model's teacher-forced scorer, no chunks, no
+prefix tree, no hand-written output layer); each case is `rescore_backward` in chunks of C rows, decoding through
+the prefix tree ("tree", where the model shares prefixes) or row by row ("rows"), its chunks' gradients collected
+before being added ("collect", the OOM-safe way CUDA defaults to) or added straight into .grad ("direct"). Every
+case runs twice: `repeat_bitwise_equal` says whether the two gradients are the same bits, which deterministic
+algorithms must make true on any device. Where cuDNN refuses an RNN's backward in evaluation mode, the model's rows
+are measured again with cuDNN off and carry the refusal (`cudnn_refused`). TF32 is off throughout (cuDNN's
 convolutions use it by default), so float32 means float32.
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 from ... import protocol
 from ...rescoring import rescore_backward, shares_prefixes
 from ...search import beam_search
-from .common import (bitwise_equal, cudnn_retry, deterministic, full_float32, grads, one_line, relative_error, seed_lstm, tiny_hf,
-                     tiny_hf_source)
+from .common import (bitwise_equal, cudnn_retry, deterministic, full_float32, grads, one_line, relative_error,
+                     seed_lstm, tiny_hf, tiny_hf_source)
 
 SIZES = {  # per model; chunks: rows per chunk (N: the whole batch in one chunk)
     "full": dict(lstm=dict(batch=4, beam=8, src_len=12, max_len=12, hidden=256, embed=128, vocab=2000, src_vocab=200),
@@ -127,8 +127,8 @@ def run(options: dict) -> dict:
             worst[key] = max(worst.get(key, 0.0), r["rel_error"])
     determ = [r["repeat_bitwise_equal"] for r in rows if r["setting"] == "deterministic" and
               "repeat_bitwise_equal" in r]
-    return {"dtype": "float32", "rows": rows,
-            "cudnn_refused": sorted({r["model"] for r in rows if r.get("cudnn_refused")}), "max_rel_error": max(errors) if errors else None,
+    return {"dtype": "float32", "rows": rows, "max_rel_error": max(errors) if errors else None,
             "max_rel_error_by_model": worst,
+            "cudnn_refused": sorted({r["model"] for r in rows if r.get("cudnn_refused")}),
             "deterministic_repeats_bitwise_equal": all(determ) if determ else None,
             "failed_cases": sum("error" in r for r in rows)}

@@ -1,13 +1,13 @@
-"""Section (g): `train.py --task karel --preset karel-paper` on the device, its steps per second, to size the
-paper's whole schedule (PRESETS["karel-paper"]: its MLE steps, then its RL steps).
+"""Section (g): `train.py --task karel --preset karel-paper` on the device, its steps per second, to size the paper's
+whole schedule (PRESETS["karel-paper"]: its MLE steps, then its RL steps).
 
 Two runs of the command, each stopped (SIGINT: the trainer's graceful stop) after half of --karel-seconds of
 training, counted from its first step's row in metrics.jsonl (so the data's generation and the start are not
-counted): the preset as it is (MLE steps), then with --mle-steps 1 (one MLE step, the end-of-MLE validation,
-then RL steps; `--quick`: one run, --mle-steps 4, for both). Only flags train.py has had all along are used; --valid-size keeps the validations short.
-A phase's rate is 1 / the median seconds between its consecutive step rows (a validation's pause does not
-count); `paper_schedule_hours` is the preset's MLE steps / the MLE rate + its RL steps / the RL rate, without
-validation and test. `--quick` shrinks the model and data so each run takes seconds.
+counted): the preset as it is (MLE steps), then with --mle-steps 1 (one MLE step, the end-of-MLE validation, then RL
+steps; `--quick`: one run, --mle-steps 4, for both). Only flags train.py has had all along are used; --valid-size
+keeps the validations short. A phase's rate is 1 / the median seconds between its consecutive step rows (a
+validation's pause does not count); `paper_schedule_hours` is the preset's MLE steps / the MLE rate + its RL steps /
+the RL rate, without validation and test. `--quick` shrinks the model and data so each run takes seconds.
 """
 from __future__ import annotations
 

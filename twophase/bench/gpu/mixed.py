@@ -1,12 +1,11 @@
 """Section (d): one RL step of the LSTM under autocast in bf16 and in fp16 (train.py's --amp, `train.amp`).
 
-Phase one (beam search) and phase two (`rescore_backward`, fp16 with the loss scale carried by the coefficients
-as the trainer does) both run under the same autocast. Reported per precision: whether the loss and every
-gradient are finite (fp16's after unscaling), the gradient's relative distance from float32's on the same candidates, and how
-far phase one's search scores are from phase two's log-probabilities of the same candidates, per sequence in
-nats: through `rescore_backward` itself (a one-hot coefficient gives back one row's log p; a few rows) and
-through the model's teacher-forced scorer (`protocol.score`, every row). The float32 row gives the scale of
-plain rounding.
+Phase one (beam search) and phase two (`rescore_backward`, fp16 with the loss scale carried by the coefficients as
+the trainer does) both run under the same autocast. Reported per precision: whether the loss and every gradient are
+finite (fp16's after unscaling), the gradient's relative distance from float32's on the same candidates, and how far
+phase one's search scores are from phase two's log-probabilities of the same candidates, per sequence in nats:
+through `rescore_backward` itself (a one-hot coefficient gives back one row's log p; a few rows) and through the
+model's teacher-forced scorer (`protocol.score`, every row). The float32 row gives the scale of plain rounding.
 """
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ def mixed(r: dict) -> list[str]:
         elif m:
             lines.append(f"{mode}: loss finite {m['loss_finite']}, grads finite {m['gradients_finite']}, grad vs "
                          f"fp32 {_g(m['grad_rel_diff_vs_float32'], '.1e')}, |score - log p| max "
-                         f"{_g(m['score_max_abs_diff_nats'], '.1e')} nats (phase two {_g(m['rescore_max_abs_diff_nats'], '.1e')})")
+                         f"{_g(m['score_max_abs_diff_nats'], '.1e')} nats (phase two "
+                         f"{_g(m['rescore_max_abs_diff_nats'], '.1e')})")
     return lines
 
 
