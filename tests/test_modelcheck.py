@@ -9,7 +9,7 @@ import foreign_models as fm
 from twophase import ModelError, Samples, beam_search, check_model, greedy, objectives, rescore_backward, sample
 from twophase.models.karel import KarelModel
 from twophase.models.seq2seq import Seq2Seq
-from twophase.protocol import step_score
+from twophase.protocol import step_score, step_token_scores
 from twophase.vocab import pad_batch
 
 
@@ -194,3 +194,21 @@ def test_library_misuse_names_the_argument():
     c[1] = float("nan")
     with pytest.raises(ValueError, match="^coefficients must be finite; row 1 is nan"):
         rescore_backward(model, source, s, c, chunk_size=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_log_probs_pass_and_search_sums_them_in_float32(dtype):
+    """A model returning fp16/bf16 log-probabilities (a half-precision model) passes the check (bf16's rounding
+    is not "not normalised") and every search runs, its scores the float32 sums of the 16-bit log-probs."""
+    inner, source = _transformer()
+    model = Broken(inner, lambda logp: logp.to(dtype))
+    check_model(model, source)
+    with pytest.raises(ModelError, match="^model check: normalised"):
+        check_model(Broken(inner, lambda logp: (logp + 0.5).to(dtype)), source)
+    for s in (beam_search(model, source, 3, 5), greedy(model, source, 5),
+              sample(model, source, 3, 5, generator=torch.Generator().manual_seed(0))):
+        assert s.scores.dtype == torch.float32
+        with torch.no_grad():
+            model.eval()
+            want = step_token_scores(model, model.encode(source), s.tokens, s.owner).float().sum(1)
+        assert torch.allclose(s.scores, want, rtol=0, atol=1e-5)
