@@ -130,7 +130,7 @@ def test_cut_rows_train_on_their_own_tokens_only_through_gpt2(one_thread):
     (lambda: Samples.from_completions(torch.tensor([[4, 5, -100], [5, 6, 7]]), [0, 1], PAD, EOS),
      "completion_ids row 0 holds id -100 at position 2: ids must be >= 0"),
     (lambda: Samples.from_completions([[4, 5], [5, 7]], [0, 1], PAD, EOS, vocab_size=7),
-     r"completion_ids row 1 holds id 7 at position 1: ids must be \[0, 7\)"),
+     r"completion_ids row 1 holds id 7 at position 1: ids must be in \[0, 7\)"),
     (lambda: Samples.from_completions([[4, "x"]], [0], PAD, EOS), "completion_ids must be N rows of numbers"),
     (lambda: Samples.from_completions(torch.tensor([4, 5]), [0, 1], PAD, EOS),
      r"completion_ids must be N rows, an \(N, T\) tensor or N lists; got shape \(2,\)"),

@@ -172,7 +172,7 @@ def _check_ids(tokens: Tensor, kept: Tensor, vocab_size: int | None) -> None:
     if bool(bad.any()):
         i = _first(bad.any(1))
         t = _first(bad[i])
-        bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        bound = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
         raise ValueError(f"completion_ids row {i} holds id {int(tokens[i, t])} at position {t}: ids must be "
                          f"{bound} (end a row with eos_id or pad it with pad_id, not -100)")
 
