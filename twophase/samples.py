@@ -57,7 +57,7 @@ class Samples:
         (N, T) tensor padded with pad_id == eos_id the first eos_id is taken as generated: pass lists to keep
         rows cut without one.)
 
-        token_logps (the same layout): the generator's log-probability (<= 0) of each id, at least one per kept
+        token_logps (the same layout): the generator's log-probability (finite, <= 0) of each id, one per kept
         id: the token_scores (0 past a row's end), and the scores their sums. Without them the scores are NaN,
         unknown: `objectives.reinforce` never reads them, `beam` and `mrt` refuse them. vocab_size, where given,
         bounds the ids. The rows are built on `device`: by default owner's (a tensor), else completion_ids',
@@ -101,12 +101,13 @@ class Samples:
                              f"{int(lengths[i])} tokens")
         logps = logps[:, :T]
         kept = kept[:, :T]
-        bad = kept & ~(logps <= 0)  # positive, +inf or NaN
+        bad = kept & ~((logps <= 0) & (logps > float("-inf")))  # positive, infinite or NaN
         if bool(bad.any()):
             i = _first(bad.any(1))
             t = _first(bad[i])
             raise ValueError(f"token_logps row {i} position {t} is {float(logps[i, t])}: log-probabilities are "
-                             f"<= 0 (the generator's logprobs, not probabilities or logits)")
+                             f"finite and <= 0 (the generator's logprobs of the ids it drew, not probabilities "
+                             f"or logits)")
         token_scores = logps.masked_fill(~kept, 0.0)  # (N, T)
         return Samples(tokens, lengths, owner, token_scores.sum(1), token_scores)
 
