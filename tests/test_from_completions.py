@@ -54,20 +54,25 @@ def test_rows_cut_without_eos_get_no_eos_where_pad_is_eos():
     assert Samples.from_completions(CUT, CUT_OWNER, 0, 0, token_logps=logps).scores.tolist() == [-1.5, -2, -1, -1]
 
 
-def _own_tokens_log_p(model, source, rows, owner):
-    """(N,) log p of each row's own tokens, decoded alone by `step` without any padding: independent of
-    Samples and of phase two's chunks and trees."""
+def _own_token_log_probs(model, source, rows, owner):
+    """N lists of (1,) log p of each row's own tokens, decoded alone by `step` without any padding:
+    independent of Samples and of phase two's chunks and trees."""
     enc = model.encode(source)
     out = []
     for row, o in zip(rows, owner):
         own = torch.tensor([o])
-        state, prev, total = model.init_state(enc, own), torch.tensor([model.bos_id]), 0.0
+        state, prev, terms = model.init_state(enc, own), torch.tensor([model.bos_id]), []
         for tok in row:
             state, logp = model.step(enc, own, prev, state)
-            total = total + logp[0, tok]
+            terms.append(logp[0, tok])
             prev = torch.tensor([tok])
-        out.append(total)
-    return torch.stack(out)
+        out.append(terms)
+    return out
+
+
+def _own_tokens_log_p(model, source, rows, owner):
+    """(N,) the sums of `_own_token_log_probs`."""
+    return torch.stack([sum(terms) for terms in _own_token_log_probs(model, source, rows, owner)])
 
 
 @pytest.mark.parametrize("prefix_sharing", [True, False])
@@ -81,6 +86,31 @@ def test_cut_rows_train_on_their_own_tokens_only(prefix_sharing, one_thread):
     want = take_grads(model)
     for chunk in (1, 2, 4):
         rescore_backward(model, source, s, c, chunk_size=chunk, prefix_sharing=prefix_sharing)
+        assert all(torch.allclose(g, w, rtol=1e-12, atol=1e-14) for g, w in zip(take_grads(model), want)), chunk
+
+
+@pytest.mark.parametrize("prefix_sharing", [True, False])
+def test_cut_rows_train_a_policy_loss_on_their_own_tokens_only(prefix_sharing, one_thread):
+    """DAPO over rows cut without eos: the tokens counted and differentiated are the rows' own."""
+    import foreign_models as fm
+    from twophase.policy import policy_loss
+    model, source = fm.make("end-is-pad").eval(), fm.sources("end-is-pad")
+    g = torch.Generator().manual_seed(3)
+    old = [[-0.5 - float(torch.rand((), generator=g)) for _ in r] for r in CUT]
+    s = Samples.from_completions(CUT, CUT_OWNER, model.pad_id, model.eos_id, token_logps=old)
+    adv = torch.tensor([0.9, -1.1, 0.3, 1.7], dtype=torch.float64)
+    terms = _own_token_log_probs(model, source, CUT, CUT_OWNER)
+    loss = 0.0
+    for row_terms, row_old, a in zip(terms, old, adv):  # TRL's clipped surrogate, summed over 11 tokens
+        for lp, o in zip(row_terms, row_old):
+            ratio = (lp - o).exp()
+            loss = loss - torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a)
+    (loss / sum(map(len, CUT))).backward()
+    want = take_grads(model)
+    objective = policy_loss(adv, s.token_scores, lengths=s.lengths, loss_type="dapo", epsilon=0.2,
+                            epsilon_high=0.28)
+    for chunk in (1, 4):
+        rescore_backward(model, source, s, objective, chunk_size=chunk, prefix_sharing=prefix_sharing)
         assert all(torch.allclose(g, w, rtol=1e-12, atol=1e-14) for g, w in zip(take_grads(model), want)), chunk
 
 
