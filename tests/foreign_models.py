@@ -9,6 +9,11 @@ exactness checks on them as on the LSTM, so nothing in the library may assume th
   dataclass (float + long tensors); the state a dict of a float hidden and a long counter; `advance`/`log_probs`.
 - `EndIsPadRNN`: an Elman RNN over a float tensor, pad_id == eos_id (GPT-2 style), enc and state bare tensors.
 
+Broken on purpose (`twophase.check_model` must refuse it, see tests/test_modelcheck.py):
+- `RowMixingDecoder`: a `torch.nn.TransformerEncoderLayer` left at batch_first=False run on an (N, t, H) state:
+  it attends across the N rows at each position (a common real bug). Reversing the rows changes nothing, so a
+  reordering test alone misses it; search then scores each row by its neighbours.
+
 All have dropout, so a search or phase two that forgot evaluation mode would score with noise.
 
 Letters: B sources, P feature positions, F features, N rows, t steps so far, T target length, H hidden, V vocab.
@@ -155,6 +160,30 @@ class EndIsPadRNN(nn.Module):
         return h, _masked_log_softmax(self.out(self.drop(h)), [self.bos_id])
 
 
+class RowMixingDecoder(nn.Module):
+    pad_id, bos_id, eos_id = 0, 1, 2
+
+    def __init__(self, feat_dim: int = 4, vocab: int = 6, hidden: int = 8, max_len: int = 6, dropout: float = 0.3):
+        super().__init__()
+        self.feat_proj = nn.Linear(feat_dim, hidden)  # encoder only
+        self.embed = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(max_len + 1, hidden)
+        self.layer = nn.TransformerEncoderLayer(hidden, nhead=2, dim_feedforward=16, dropout=dropout)  # (S, B, E)
+        self.out = nn.Linear(hidden, vocab)
+
+    def encode(self, source: Tensor) -> Tensor:
+        return torch.tanh(self.feat_proj(source))  # (B, H)
+
+    def init_state(self, enc: Tensor, owner: Tensor) -> Tensor:
+        return enc[owner][:, None, :]  # (N, 1, H): the source, then one embedding per token fed
+
+    def step(self, enc: Tensor, owner: Tensor, prev: Tensor, state: Tensor):
+        t = torch.full_like(prev, state.shape[1] - 1)
+        state = torch.cat([state, (self.embed(prev) + self.pos(t))[:, None, :]], dim=1)  # (N, t + 1, H)
+        h = self.layer(state)  # read as (S = N, B = t + 1, H): attention over the rows
+        return state, _masked_log_softmax(self.out(h[:, -1]), [self.pad_id, self.bos_id])
+
+
 NAMES = ("transformer", "gru", "end-is-pad")
 ENCODER_ONLY = {"transformer": "feat_proj", "gru": "src_proj", "end-is-pad": "feat_proj"}
 
@@ -163,7 +192,7 @@ def make(name: str, scale: float = 2.0, seed: int = 0, **kwargs) -> nn.Module:
     """A tiny fp64 model, left in TRAINING mode: the library must switch dropout off itself."""
     torch.manual_seed(seed)
     cls = {"transformer": FeatureDecoder, "scored-transformer": ScoredFeatureDecoder, "gru": DigitGRU,
-           "end-is-pad": EndIsPadRNN}[name]
+           "end-is-pad": EndIsPadRNN, "row-mixing": RowMixingDecoder}[name]
     return _scaled(cls(**kwargs), scale).train()
 
 

@@ -9,6 +9,7 @@ import foreign_models as fm
 from twophase import ModelError, Samples, beam_search, check_model, greedy, objectives, rescore_backward, sample
 from twophase.models.karel import KarelModel
 from twophase.models.seq2seq import Seq2Seq
+from twophase.protocol import step_score, step_token_scores
 from twophase.vocab import pad_batch
 
 
@@ -29,6 +30,15 @@ class Broken(nn.Module):
     def step(self, enc, owner, prev, state):
         state, logp = self.inner.step(enc, owner, prev, state if self.state_fix is None else self.state_fix(state))
         return state, logp if self.fix is None else self.fix(logp)
+
+
+class BreaksLater(Broken):
+    """A good model whose `step` output passes through `fix` once every row is past bos: e.g. a model that
+    applies log_softmax at the first step only."""
+
+    def step(self, enc, owner, prev, state):
+        state, logp = self.inner.step(enc, owner, prev, state)
+        return state, self.fix(logp) if bool((prev != self.bos_id).all()) else logp
 
 
 class WrongScore(fm.ScoredFeatureDecoder):
@@ -85,6 +95,43 @@ def test_a_state_that_is_not_reorderable_is_named():
     inner, source = fm.make("end-is-pad"), fm.sources("end-is-pad")
     model = Broken(inner, state_fix=lambda h: h.roll(1, 0))  # each row reads its neighbour's state
     assert _rule(model, source).startswith("model check: reorder: Broken.")
+
+
+@pytest.mark.parametrize("fix, rule", [
+    (lambda logp: logp + 3, "normalised"),  # log_softmax forgotten after the first step
+    (lambda logp: logp.index_fill(1, torch.tensor([0]), float("nan")), "finite"),
+    (lambda logp: logp.index_fill(1, torch.tensor([0]), -0.1).log_softmax(1), "specials"),  # pad unbanned later
+])
+def test_a_distribution_broken_after_the_first_step_is_named(fix, rule):
+    inner, source = _transformer()
+    line = _rule(BreaksLater(inner, fix), source)
+    assert line.startswith(f"model check: {rule}: BreaksLater.") and "at step 2 of 3" in line, line
+
+
+def test_rows_that_attend_to_each_other_are_named():
+    """nn.TransformerEncoderLayer at batch_first=False over (N, t, H): reversing the rows changes nothing, but
+    search's scores are not the rows' own (teacher-forced alone) log-probabilities."""
+    model, source = fm.make("row-mixing"), fm.sources("row-mixing")
+    s = beam_search(model, source, 3, 4)
+    with torch.no_grad():
+        model.eval()
+        enc = model.encode(source)
+        alone = torch.stack([step_score(model, enc, s.tokens[i:i + 1], s.owner[i:i + 1])[0] for i in range(len(s))])
+        assert float((alone - s.scores).abs().max()) > 1e-3  # what the check must catch
+    with pytest.raises(ModelError) as err:
+        check_model(model, source)
+    rules = [line.split(":")[1].strip() for line in str(err.value).splitlines()]
+    assert "rows" in rules, str(err.value)
+    assert "depend on the other rows of the batch" in str(err.value)
+
+
+def test_a_statistic_over_the_rows_is_named():
+    """Each step's state centred over the batch: the same set of rows reversed gives the same numbers, a subset
+    or repeats do not."""
+    inner, source = fm.make("end-is-pad"), fm.sources("end-is-pad")
+    model = Broken(inner, state_fix=lambda h: h - h.mean(0, keepdim=True))
+    lines = str(pytest.raises(ModelError, check_model, model, source).value).splitlines()
+    assert any(line.startswith("model check: rows: Broken.") for line in lines), lines
 
 
 @pytest.mark.parametrize("name", ["transformer", "scored-transformer", "gru", "end-is-pad"])
@@ -147,3 +194,21 @@ def test_library_misuse_names_the_argument():
     c[1] = float("nan")
     with pytest.raises(ValueError, match="^coefficients must be finite; row 1 is nan"):
         rescore_backward(model, source, s, c, chunk_size=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_log_probs_pass_and_search_sums_them_in_float32(dtype):
+    """A model returning fp16/bf16 log-probabilities (a half-precision model) passes the check (bf16's rounding
+    is not "not normalised") and every search runs, its scores the float32 sums of the 16-bit log-probs."""
+    inner, source = _transformer()
+    model = Broken(inner, lambda logp: logp.to(dtype))
+    check_model(model, source)
+    with pytest.raises(ModelError, match="^model check: normalised"):
+        check_model(Broken(inner, lambda logp: (logp + 0.5).to(dtype)), source)
+    for s in (beam_search(model, source, 3, 5), greedy(model, source, 5),
+              sample(model, source, 3, 5, generator=torch.Generator().manual_seed(0))):
+        assert s.scores.dtype == torch.float32
+        with torch.no_grad():
+            model.eval()
+            want = step_token_scores(model, model.encode(source), s.tokens, s.owner).float().sum(1)
+        assert torch.allclose(s.scores, want, rtol=0, atol=1e-5)

@@ -1,17 +1,24 @@
 """`check_model(model, source)`: a cheap test of a model against the `SequenceModel` protocol, run by train.py on
 one batch at start-up, so that a broken model is named in seconds rather than trained to a silent exit 0.
 
-Rules (each violation is one line naming its rule):
+Rules (each violation is one line naming its rule), read over STEPS decoder steps: each row fed bos, then a
+token of its own (a source's first copy its best open token, its second copy the next best):
     shapes       encode's output leads with B, init_state's and step's state with N, step's log-probabilities
                  are a floating (N, V) tensor, V holds the special ids (and `vocab_size`, where the model has one)
-    finite       no NaN or +inf (-inf is a banned token)
-    normalised   every row's logsumexp is 0: log-probabilities, not logits, probabilities or shifted values
-    specials     pad_id and bos_id (unless equal to eos_id) have probability zero: search never proposes them,
-                 so probability there means sampling draws from a renormalised distribution while scores keep
-                 the full log p. A model that knowingly leaves them to search sets `bans_specials = False`
-                 (the Hugging Face wrappers: a pretrained head gives pad some mass)
+    finite       no NaN or +inf (-inf is a banned token), at every step
+    normalised   every row's logsumexp is 0 at every step: log-probabilities, not logits, probabilities or
+                 shifted values (to a tolerance of the dtype's precision)
+    specials     pad_id and bos_id (unless equal to eos_id) have probability zero at every step: search never
+                 proposes them, so probability there means sampling draws from a renormalised distribution while
+                 scores keep the full log p. A model that knowingly leaves them to search sets
+                 `bans_specials = False` (the Hugging Face wrappers: a pretrained head gives pad some mass)
     vocabulary   the target ids given (a task's references) are below V
-    reorder      the state is a tree of rows: selecting rows then stepping equals stepping then selecting
+    reorder      the state is a tree of rows: selecting rows (reversed, then with repeats) before a step equals
+                 selecting the rows of the steps' output
+    rows         a row's log-probabilities do not depend on which other rows share its batch: a subset of the
+                 rows, a permutation with repeats and single rows, teacher-forced on the same tokens, give what
+                 the full batch gave (a layer mixing the batch dimension fails this, and search would score rows
+                 by their neighbours)
     score        the model's own `score` (where it has one) equals `step` teacher-forced on the same rows
 
 Letters: B sources, N = 2B rows (each source twice), V vocabulary, T target length.
@@ -25,6 +32,8 @@ from . import tree
 from .protocol import ModelError, model_name, num_sources, scoring_mode, step_score
 from .samples import Samples
 from .search import beam_search
+
+STEPS = 3  # decoder steps the rules read: bos, then two tokens of each row's own
 
 
 def check_model(model, source, targets: Samples | None = None) -> None:
@@ -42,15 +51,19 @@ def problems(model, source, targets: Samples | None = None) -> list[str]:
         found = _shapes(model, source)
         if found:  # nothing else can be read from a model whose shapes are wrong
             return [f"model check: shapes: {name}.{line}" for line in found]
-        enc, owner, logp = _first_step(model, source)
-        found = [f"model check: {rule}: {name}.{line}" for rule, line in _distribution(model, logp)]
-        if targets is not None and len(targets) and int(targets.tokens.max()) >= logp.shape[1]:
-            found.append(f"model check: vocabulary: {name}.step returns {logp.shape[1]} log-probabilities per row, "
+        enc = model.encode(source)
+        owner = _owner(enc)
+        prefix, steps = _free_run(model, enc, owner)
+        found = [f"model check: {rule}: {name}.{line}" for rule, line in _distribution(model, steps)]
+        V = steps[0].shape[1]
+        if targets is not None and len(targets) and int(targets.tokens.max()) >= V:
+            found.append(f"model check: vocabulary: {name}.step returns {V} log-probabilities per row, "
                          f"but a target id is {int(targets.tokens.max())}")
             return found
         if not found or all(": specials:" in line for line in found):
             found += [f"model check: {rule}: {name}.{line}" for rule, line in _consistency(model, source, enc,
-                                                                                         owner, logp, targets)]
+                                                                                         owner, prefix, steps,
+                                                                                         targets)]
     return found
 
 
@@ -91,54 +104,136 @@ def _shapes(model, source) -> list[str]:
     return found
 
 
-def _first_step(model, source):
-    enc = model.encode(source)
-    owner = _owner(enc)
-    prev = torch.full((len(owner),), model.bos_id, dtype=torch.long, device=owner.device)
-    return enc, owner, model.step(enc, owner, prev, model.init_state(enc, owner))[1]
-
-
 def _tolerance(logp: Tensor) -> float:
-    return 1e-6 if logp.dtype == torch.float64 else 1e-3
+    """What rounding allows in a log-probability: 1e-6 in float64, 1e-3 in float32, 8 units in the last place of
+    a 16-bit dtype's 1 (bf16: 0.0625, float16: 0.0078): each log p rounded to 8 or 11 bits moves a row's
+    logsumexp by about that much, and a shifted or unnormalised row by far more."""
+    if logp.dtype == torch.float64:
+        return 1e-6
+    return max(1e-3, 8 * torch.finfo(logp.dtype).eps)
 
 
-def _distribution(model, logp: Tensor) -> list[tuple[str, str]]:
-    """finite, normalised and specials on the first step's (N, V) log-probabilities."""
+def _distribution(model, steps: list[Tensor]) -> list[tuple[str, str]]:
+    """finite, normalised and specials on every step's (N, V) log-probabilities (the first broken step named)."""
+    for t, logp in enumerate(steps):
+        found = _distribution_at(model, logp, f"step {t + 1} of {len(steps)}")
+        if found:
+            return found
+    return []
+
+
+def _distribution_at(model, logp: Tensor, at: str) -> list[tuple[str, str]]:
     x, tol = logp.double(), _tolerance(logp)
     if bool(torch.isnan(x).any() | torch.isposinf(x).any()):
-        return [("finite", "step returned NaN or +inf log-probabilities (only -inf, a banned token, may be "
-                           "non-finite)")]
+        return [("finite", f"step returned NaN or +inf log-probabilities at {at} (only -inf, a banned token, may "
+                           "be non-finite)")]
     found = []
     total = torch.logsumexp(x, dim=1)  # (N,) 0 for normalised rows
     worst = float(total[total.abs().argmax()])
     if abs(worst) > tol:
-        found.append(("normalised", f"step's log-probabilities are not normalised: a row's logsumexp is "
+        found.append(("normalised", f"step's log-probabilities are not normalised at {at}: a row's logsumexp is "
                                     f"{worst:.4g}, not 0 (return log_softmax of the logits)"))
-    banned = sorted({model.pad_id, model.bos_id} - {model.eos_id})
+    banned = _banned(model)
     if banned and getattr(model, "bans_specials", True):
         mass = float(torch.softmax(x, dim=1)[:, banned].sum(1).max())
         if mass > tol:
-            found.append(("specials", f"step gives pad_id/bos_id {banned} probability up to {mass:.3g}; search never "
-                                      "proposes them: set their logits to -inf (or bans_specials = False)"))
+            found.append(("specials", f"step gives pad_id/bos_id {banned} probability up to {mass:.3g} at {at}; "
+                                      "search never proposes them: set their logits to -inf (or bans_specials = "
+                                      "False)"))
     return found
 
 
-def _consistency(model, source, enc, owner: Tensor, logp: Tensor, targets) -> list[tuple[str, str]]:
-    found, tol = [], _tolerance(logp)
-    banned = sorted({model.pad_id, model.bos_id} - {model.eos_id})
-    open_logp = logp.index_fill(1, torch.tensor(banned, dtype=torch.long, device=logp.device), float("-inf")) \
-        if banned else logp
-    if open_logp.shape[1] - len(banned) >= 2:
-        # Rows of one source differ: the first copy continues with its best token, the second with its next best.
-        second = torch.arange(len(owner), device=owner.device) >= len(owner) // 2
-        prev = open_logp.topk(2, dim=1).indices.gather(1, second.long()[:, None]).squeeze(1)  # (N,)
-        perm = torch.arange(len(owner) - 1, -1, -1, device=owner.device)  # (N,) the rows reversed
-        selected = _state_after_one_step(model, enc, owner, perm)
-        a = model.step(enc, owner[perm], prev[perm], selected)[1]
-        b = model.step(enc, owner, prev, _state_after_one_step(model, enc, owner))[1][perm]
-        if not torch.allclose(a.double(), b.double(), rtol=0, atol=tol, equal_nan=True):
-            found.append(("reorder", "step after selecting rows of the state differs from selecting rows after "
-                                     "step: every state tensor must lead with the rows (N, ...)"))
+def _banned(model) -> list[int]:
+    return sorted({model.pad_id, model.bos_id} - {model.eos_id})
+
+
+def _free_run(model, enc, owner: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """STEPS steps of the N rows from bos, each row continuing with a token of its own: the first copy of a
+    source its best open token, the second its next best (never a special id, where enough others remain), so
+    that the rows of one source differ from the second step on. Returns (prefix (N, STEPS): the token each
+    step was fed, steps: STEPS (N, V) log-probabilities)."""
+    N = len(owner)
+    prev = torch.full((N,), model.bos_id, dtype=torch.long, device=owner.device)
+    second = (torch.arange(N, device=owner.device) >= N // 2).long()  # (N,) 1 for each source's second copy
+    state, fed, steps = model.init_state(enc, owner), [], []
+    for _ in range(STEPS):
+        fed.append(prev)
+        state, logp = model.step(enc, owner, prev, state)
+        steps.append(logp)
+        prev = _continuation(model, logp, second)
+    return torch.stack(fed, 1), steps
+
+
+def _continuation(model, logp: Tensor, second: Tensor) -> Tensor:
+    """(N,) each row's best (second == 0) or next best (second == 1) token, specials excluded where at least two
+    others remain (the eos too, so that every row keeps going)."""
+    V = logp.shape[1]
+    specials = sorted({model.pad_id, model.bos_id, model.eos_id})
+    if V - len(specials) < 2:
+        specials = _banned(model)
+    if V - len(specials) < 2:
+        return logp.double().nan_to_num(nan=0.0).argmax(1)
+    closed = torch.tensor(specials, dtype=torch.long, device=logp.device)
+    scores = logp.double().nan_to_num(nan=0.0, posinf=0.0).index_fill(1, closed, float("-inf"))
+    return scores.topk(2, dim=1).indices.gather(1, second[:, None]).squeeze(1)
+
+
+def _teacher_forced(model, enc, owner: Tensor, prefix: Tensor, rows: Tensor | None = None,
+                    reorders: tuple = ()) -> list[Tensor]:
+    """The log-probabilities of every step of rows (all when None) fed their prefix (N, STEPS), decoded in a
+    batch of their own; reorders[k - 1] (rows of the batch so far), where given, selects the state's rows
+    before step k (repeats allowed), as search does. Returns STEPS (n, V), the rows as they end up."""
+    rows = torch.arange(len(owner), device=owner.device) if rows is None else rows
+    state, out = model.init_state(enc, owner[rows]), []
+    for t in range(prefix.shape[1]):
+        if 0 < t <= len(reorders):
+            rows = rows[reorders[t - 1]]
+            state = tree.select_rows(state, reorders[t - 1])
+        state, logp = model.step(enc, owner[rows], prefix[rows, t], state)
+        out.append(logp)
+    return out
+
+
+def _gap(got: list[Tensor], want: list[Tensor], tol: float) -> tuple[int, float] | None:
+    """(step, largest difference) at the first step where got differs from want by more than tol; None."""
+    for t, (a, b) in enumerate(zip(got, want)):
+        a, b = a.double(), b.double()
+        if not torch.allclose(a, b, rtol=0, atol=tol, equal_nan=True):
+            diff = torch.where((a == b) | (a.isnan() & b.isnan()), 0.0, (a - b).abs()).nan_to_num(nan=float("inf"))
+            return t + 1, float(diff.max())
+    return None
+
+
+def _row_sets(N: int, device) -> list[tuple[str, Tensor]]:
+    """Batches of rows that must decode as they do in the full batch: a subset, a permutation with repeats,
+    and single rows (the first and last few)."""
+    sets = [("the rows " + ", ".join(map(str, range(0, N, 2))), torch.arange(0, N, 2, device=device)),
+            ("a reordering with repeats", torch.tensor([N - 1, 0, 0, N // 2, N - 1], device=device))]
+    singles = range(N) if N <= 8 else [0, 1, N - 2, N - 1]
+    return sets + [(f"row {i} alone", torch.tensor([i], device=device)) for i in singles]
+
+
+def _consistency(model, source, enc, owner: Tensor, prefix: Tensor, steps: list[Tensor],
+                 targets) -> list[tuple[str, str]]:
+    found, tol = [], _tolerance(steps[0])
+    N, device = len(owner), owner.device
+    # reorder: the state's rows selected before steps 2 and 3 (reversed, then with repeats), as search does
+    reorders = (torch.arange(N - 1, -1, -1, device=device), torch.tensor([N - 1, 0, 0, N // 2], device=device))
+    reorders = reorders[:STEPS - 1]
+    got = _teacher_forced(model, enc, owner, prefix, reorders=reorders)
+    gap = _gap(got, [s.index_select(0, _composed(reorders[:t], N, device)) for t, s in enumerate(steps)], tol)
+    if gap is not None:
+        found.append(("reorder", f"step after selecting rows of the state differs from selecting rows after "
+                                 f"step (by {gap[1]:.4g} at step {gap[0]}): every state tensor must lead with the "
+                                 f"rows (N, ...)"))
+    for what, rows in _row_sets(N, device):
+        gap = _gap(_teacher_forced(model, enc, owner, prefix, rows), [s[rows] for s in steps], tol)
+        if gap is not None:
+            found.append(("rows", f"step's log-probabilities for a row depend on the other rows of the batch: "
+                                  f"{what} decoded without the others differ from the full batch by {gap[1]:.4g} "
+                                  f"at step {gap[0]} (a layer that mixes the batch dimension: nn.Transformer* or "
+                                  f"MultiheadAttention without batch_first=True, a statistic over rows)"))
+            break
     if callable(getattr(model, "score", None)):
         rows = targets if targets is not None and len(targets) else beam_search(model, source, 2, 4)
         if len(rows):
@@ -151,9 +246,9 @@ def _consistency(model, source, enc, owner: Tensor, logp: Tensor, targets) -> li
     return found
 
 
-def _state_after_one_step(model, enc, owner: Tensor, rows: Tensor | None = None):
-    """The state after the bos step, computed afresh (a model may consume the state it is given), optionally
-    with its rows selected."""
-    prev = torch.full((len(owner),), model.bos_id, dtype=torch.long, device=owner.device)
-    state = model.step(enc, owner, prev, model.init_state(enc, owner))[0]
-    return tree.select_rows(state, rows) if rows is not None else state
+def _composed(reorders: tuple, N: int, device) -> Tensor:
+    """The full batch's rows after the selections so far."""
+    rows = torch.arange(N, device=device)
+    for perm in reorders:
+        rows = rows[perm]
+    return rows

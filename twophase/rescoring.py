@@ -78,8 +78,9 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
         return 0.0
     samples, coefficients = samples.select(live), coefficients[live]
     plan = _Plan(model, samples, prefix_sharing and shares_prefixes(model))
+    samples = plan.samples  # each row's scored length, sorted where a tree decodes them
     if plan.tree:
-        samples, coefficients = plan.samples, coefficients[plan.order]
+        coefficients = coefficients[plan.order]
     if oom_retry is None:
         oom_retry = device.type == "cuda"
     section = profiler.section if profiler is not None else (lambda name: contextlib.nullcontext())
@@ -152,22 +153,33 @@ class _Plan:
     source's shared prefixes fall in one chunk) and never more than size * T nodes."""
 
     def __init__(self, model, samples: Samples, tree: bool):
-        self.tree, self.samples, self.n = tree, samples, len(samples)
+        # A row scores its `lengths` positions, but never past its first eos_id (a hand-made Samples' lengths may
+        # count more). A row whose lengths stops short of that (one cut without eos_id while pad_id == eos_id,
+        # see `Samples.from_completions`) would read its padding as an eos_id wherever its tokens are scored
+        # alone: a chunk of rows then stops at its longest row, which must be such a row's own length.
+        ends = protocol.target_mask(samples.tokens, model.pad_id, model.eos_id).sum(dim=1)  # (N,)
+        lengths = torch.minimum(samples.lengths.to(ends.device), ends)  # (N,)
+        self.tree, self.n = tree, len(samples)
+        self.samples = Samples(samples.tokens, lengths, samples.owner, samples.scores)
+        self.cut = None  # per row, whether it is cut (rows scored alone only; None: no row is)
         if tree:
-            # The tree scores what the protocol says a row scores (up to its first eos_id), whatever `lengths`
-            # a hand-made Samples carries.
-            lengths = protocol.target_mask(samples.tokens, model.pad_id, model.eos_id).sum(dim=1)  # (N,)
             self.order = prefixtree.sort_rows(samples.tokens, samples.owner, lengths)  # (N,)
-            self.samples = s = Samples(samples.tokens, lengths, samples.owner, samples.scores).select(self.order)
+            self.samples = s = self.samples.select(self.order)
             self.T = int(s.lengths.max())
             self.added = list(itertools.accumulate(prefixtree.new_nodes(s.tokens, s.owner, s.lengths).tolist()))
-        self.lengths = self.samples.lengths.tolist()
+            self.lengths = s.lengths.tolist()
+        else:
+            self.lengths, ends = torch.stack([lengths, ends]).tolist()  # one read for both
+            if any(n < e for n, e in zip(self.lengths, ends)):
+                self.cut = [n < e for n, e in zip(self.lengths, ends)]
         self.positions = sum(self.lengths)
 
     def chunk(self, start: int, size: int) -> tuple[int, int]:
         """(end, nodes) of the chunk that starts at row `start`; nodes = the positions it decodes."""
         if not self.tree:
             end = min(start + size, self.n)
+            if self.cut is not None:
+                end = self._uncut_end(start, end)
             return end, sum(self.lengths[start:end])
         # rows start..b have lengths[start] + added[b] - added[start] nodes; at least row `start` (<= T). At most
         # `size` rows too: a level of the tree holds up to one node per row, and a level's transients (attention
@@ -175,6 +187,17 @@ class _Plan:
         limit = size * self.T - self.lengths[start] + self.added[start]
         end = min(bisect.bisect_right(self.added, limit, lo=start + 1), start + size)
         return end, self.lengths[start] + self.added[end - 1] - self.added[start]
+
+    def _uncut_end(self, start: int, end: int) -> int:
+        """The first row from `start` on (at most `end`) that would make a chunk longer than one of its cut rows:
+        every cut row of a chunk must be as long as its longest row, which the chunk's width is."""
+        longest, cut_length = self.lengths[start], self.lengths[start] if self.cut[start] else None
+        for r in range(start + 1, end):
+            longest_r = max(longest, self.lengths[r])
+            if (self.cut[r] and self.lengths[r] != longest_r) or cut_length not in (None, longest_r):
+                return r
+            longest, cut_length = longest_r, self.lengths[r] if self.cut[r] else cut_length
+        return end
 
 
 def _encoder_backward(enc, boundary, sums: dict) -> None:

@@ -230,7 +230,7 @@ def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: 
     kept = (torch.arange(K, device=act.device) * V + pad_id).expand(B, K)  # (B, K) row k extended by padding
     flat = kept.index_copy(0, act, torch.cat([f for _, f, _ in top]))  # (B, K)
     scores = scores.index_copy(0, act, torch.cat([s for s, _, _ in top]))  # (B, K)
-    picked = scores.new_zeros(B, K).index_copy(0, act, torch.cat([p for _, _, p in top]))  # (B, K)
+    picked = scores.new_zeros(B, K).index_copy(0, act, torch.cat([p for _, _, p in top]).to(scores.dtype))  # (B, K)
     # A dead row's descendants are dead: whatever finite state they get (an open row's), nothing reads it but
     # a full step, which discards what it computes from it.
     slot = torch.zeros(B * K, dtype=torch.long, device=act.device).index_copy_(

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ... import tokenweights, tree
 from ...protocol import scoring_mode, target_mask
-from . import cache, grouped, heads, lora
+from . import cache, grouped, heads, lora, precision
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
 
@@ -48,6 +48,7 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         super().__init__()
         model, adapter = lora.unwrap(model)  # a LoRA PeftModel: the transformers model it adapts, called directly
         self.model = model
+        precision.keep_float64_norms(model)  # a float64 model's norms in float64, not transformers' float32
         object.__setattr__(self, "adapter", adapter)  # not a submodule: its parameters are self.model's
         self.recompute_source = recompute_source
         ids = {name: getattr(tokenizer, name, None) for name in ("pad_token_id", "eos_token_id")}

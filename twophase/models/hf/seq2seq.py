@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ... import tree
 from ...protocol import scoring_mode, target_mask, teacher_forced_inputs
-from . import cache, grouped, heads, lora
+from . import cache, grouped, heads, lora, precision
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
 
@@ -40,6 +40,7 @@ class HFSeq2Seq(heads.FastPath, torch.nn.Module):
         super().__init__()
         model, adapter = lora.unwrap(model)  # a LoRA PeftModel: the transformers model it adapts, called directly
         self.model = model
+        precision.keep_float64_norms(model)  # a float64 model's norms in float64, not transformers' float32
         object.__setattr__(self, "adapter", adapter)  # not a submodule: its parameters are self.model's
         self.recompute_source = recompute_source
         self.pad_id = special_id(model, "pad_token_id")
