@@ -143,9 +143,12 @@ def test_a_declared_layout_is_not_read_and_dies_with_its_tensor():
     from twophase.models import fused
 
     owner = owners.declare(torch.tensor([3, 3, 4, 4]), (3, 2))
+    searched = owners.repeated(3, 2, "cpu")  # a search's B x K rows
     with count_host_syncs() as syncs:
-        assert fused.groups(owner) == (3, 2)
+        assert fused.groups(owner) == (3, 2) and fused.groups(searched) == (0, 2)
+        assert owners.known_blocks(searched, 3) == 2 and owners.known_blocks(owner, 2) == 0
     assert syncs.total == 0, syncs.report()
+    assert owners.known(owner.clone()) is owners.UNKNOWN and owners.known_blocks(owner.clone(), 2) is None
     key = id(owner)
     del owner
-    assert key not in owners._declared
+    assert key not in owners._KNOWN
