@@ -158,10 +158,10 @@ def build(tokens: Tensor, owner: Tensor, lengths: Tensor, coefficients: Tensor,
     per_depth = opens.sum(dim=0)  # (T,)
     base = per_depth.cumsum(0) - per_depth  # (T,) offsets[:-1], computed where the nodes are
     # (M, 2) (depth, row) of every node, depth-major, rows in order = node order; M known, so no size read
-    depth, row = opens.t().nonzero_static(size=M).unbind(1)  # (M,) each
+    depth, row = _nonzero(opens.t(), M).unbind(1)  # (M,) each
     parent = torch.where(depth > 0, index[row, (depth - 1).clamp_min(0)], torch.zeros_like(row))
     # every active position adds its row's coefficient to its node: weights summed over the rows through it
-    pos_row, pos_col = active.nonzero_static(size=P).unbind(1)  # (P,) each, row-major
+    pos_row, pos_col = _nonzero(active, P).unbind(1)  # (P,) each, row-major
     at = base[pos_col] + index[pos_row, pos_col]  # (P,) global node of each scored position
     if isinstance(coefficients, Tensor):
         weights = coefficients.new_zeros(M).index_add_(0, at, coefficients.index_select(0, pos_row))
@@ -171,6 +171,15 @@ def build(tokens: Tensor, owner: Tensor, lengths: Tensor, coefficients: Tensor,
     level_owners = [owners.declare(node_owner[offsets[t]:offsets[t + 1]], layout.groups[t]) for t in range(T)]
     return PrefixTree(tokens=tokens[row, depth], owner=node_owner, parent=parent, weights=weights,
                       offsets=offsets, positions=P, level_owners=level_owners)
+
+
+def _nonzero(mask: Tensor, size: int) -> Tensor:
+    """(size, 2) the indices of mask's `size` True entries, row-major, their count known on the host, so nothing
+    is read back (`nonzero_static`); a torch without it for this device reads the count (`nonzero`)."""
+    try:
+        return mask.nonzero_static(size=size)
+    except (NotImplementedError, RuntimeError):
+        return mask.nonzero()
 
 
 def step_loss(model, enc, nodes: PrefixTree) -> Tensor:
