@@ -47,6 +47,35 @@ def test_without_torchrun_everything_is_single_process():
     assert distributed.gather_objects("x") == ["x"]
 
 
+def test_gradients_are_reduced_in_bounded_buckets_without_a_copy_of_all(monkeypatch):
+    """The all-reduce's extra memory is one bucket: a large gradient is reduced in its own .grad, small ones
+    through a flat buffer of at most BUCKET_BYTES; the sums and the None gradients are as before. The
+    collective is replaced by a stand-in for two ranks with equal gradients (it doubles what it is given)."""
+    reduced = []
+
+    def all_reduce(t):
+        reduced.append(t)
+        t.mul_(2)
+
+    monkeypatch.setattr(distributed, "active", lambda: True)
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in [(8,), (16, 16), (8,), (4, 2), (3,), (8,), (5,)]]
+    for i, p in enumerate(params):
+        p.grad = None if i == 4 else torch.randn(p.shape, generator=g)
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    own = {p.grad.data_ptr() for p in params if p.grad is not None}
+    monkeypatch.setattr(distributed, "BUCKET_BYTES", 100, raising=False)
+    distributed.all_reduce_grads(params)
+    for p, b in zip(params, before):
+        assert (p.grad is None) if b is None else torch.equal(p.grad, 2 * b)
+    flags, *buckets = reduced
+    assert len(flags) == len(params)
+    assert any(t.data_ptr() in own for t in buckets)  # the (16, 16) gradient, in place
+    for t in buckets:
+        assert t.data_ptr() in own or t.numel() * t.element_size() <= 100, t.shape
+
+
 def _collectives(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     distributed._device = torch.device("cpu")

@@ -92,3 +92,41 @@ def test_energies_in_row_blocks_equal_one_piece(monkeypatch, grouped):
     monkeypatch.setattr(fused_module, "BLOCK_BYTES", S * A * 8 * 3)  # three rows' worth: several blocks
     blocked = fused_module.energies(q, keys, v, owner, grp)
     torch.testing.assert_close(blocked, whole, rtol=1e-12, atol=1e-12)  # blocked and whole matmuls round differently on some CPUs
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_block_sizes_follow_the_device(monkeypatch, device):
+    """The output layer's logit blocks and the attention's tanh blocks are `blocks.block_bytes` of the device:
+    the module's BLOCK_BYTES on the CPU (here shrunk to force many blocks), far larger on an accelerator (the
+    meta device stands in for one: shapes only, nothing computed)."""
+    from twophase import blocks
+    from twophase.models import outputlayer
+
+    monkeypatch.setattr(fused, "BLOCK_BYTES", 4096)
+    M, H, V, S, A = 64, 4, 256, 8, 4
+    calls = {"logits": 0, "tanh": 0}
+    real_logits, real_tanh = outputlayer.logits, fused._tanh_pre
+
+    def logits(*args):
+        calls["logits"] += 1
+        return real_logits(*args)
+
+    def tanh_pre(*args):
+        calls["tanh"] += 1
+        return real_tanh(*args)
+
+    monkeypatch.setattr(outputlayer, "logits", logits)
+    monkeypatch.setattr(fused, "_tanh_pre", tanh_pre)
+    opts = dict(device=device, dtype=torch.float32)
+    if device == "cpu":
+        h, weight, bias = torch.zeros(M, H, **opts), torch.zeros(V, H, **opts), torch.zeros(V, **opts)
+        target, banned = torch.zeros(M, dtype=torch.long), torch.zeros(V, dtype=torch.bool)
+        outputlayer.target_log_probs_and_grads(h, weight, bias, target, banned, torch.ones(M, **opts))
+    else:  # the output layer asks autocast about its device, which meta has not: its block size directly
+        calls["logits"] = -(-M // outputlayer._block_rows(M, V, torch.float32, torch.device(device)))
+    fused.energies(torch.zeros(M, A, **opts), torch.zeros(2, S, A, **opts), torch.zeros(1, A, **opts),
+                   torch.zeros(M, dtype=torch.long, device=device))
+    block = blocks.block_bytes(device, 4096)
+    assert calls["logits"] == -(-M // max(1, block // (V * 4)))
+    assert calls["tanh"] == -(-M // max(1, block // (S * A * 4)))
+    assert (calls["logits"], calls["tanh"]) == ((16, 2) if device == "cpu" else (1, 1))

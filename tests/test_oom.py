@@ -51,13 +51,13 @@ def test_phase_two_halves_a_failed_chunk_after_releasing_it(monkeypatch, one_thr
     want = take_grads(model)
     watch, sizes, real = _Watch(monkeypatch), [], rescoring._chunk
 
-    def failing_chunk(model_, boundary, samples, coefficients, rows, *rest):
+    def failing_chunk(model_, boundary, samples, coefficients, plan, rows, *rest):
         sizes.append(rows.stop - rows.start)
         if rows.stop - rows.start > 3:
             graph = torch.ones(1000, requires_grad=True) * 2  # what the failed chunk's frame holds
             watch.hold(graph)
             raise type(error)(*error.args)  # a fresh one: the parameter's instance would keep the traceback
-        return real(model_, boundary, samples, coefficients, rows, *rest)
+        return real(model_, boundary, samples, coefficients, plan, rows, *rest)
 
     monkeypatch.setattr(rescoring, "_chunk", failing_chunk)
     rescore_backward(model, source, s, c, chunk_size=len(s), oom_retry=True, prefix_sharing=False)

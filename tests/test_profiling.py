@@ -119,3 +119,21 @@ def test_train_with_profile_and_auto_chunk(tmp_path, capsys):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["phase"] == "rl"]
     assert all(1 <= r["chunk"] < r["candidates"] for r in rl)  # 60KB forces several chunks
+
+
+def test_budget_includes_the_gradient_copy_of_retried_chunks(monkeypatch):
+    """Where phase two retries out-of-memory chunks (CUDA), each chunk's gradient is collected before it is
+    added: a copy of the trainable parameters' gradients alive with the chunk's graph, taken off the budget."""
+    from twophase import rescoring
+
+    model = _model()
+    src, lens = toy_batch(lengths=(5, 5, 5))
+    s = beam_search(model, (src, lens), beam_size=16, max_len=8)
+    copy = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    planner = ChunkPlanner(copy + 200_000)
+    plain = planner.chunk_size(model, (src, lens), s)  # the CPU: chunks go straight into .grad, no copy
+    monkeypatch.setattr(rescoring, "retries_out_of_memory", lambda device: True, raising=False)  # as on CUDA
+    retried = planner.chunk_size(model, (src, lens), s)
+    row_step = planner.per_row_step * s.tokens.shape[1]
+    assert plain == min(len(s), int((copy + 200_000) // row_step))
+    assert retried == max(1, min(len(s), int(200_000 // row_step))) < plain

@@ -201,3 +201,29 @@ def test_out_of_memory_with_a_single_row_is_raised(monkeypatch):
     monkeypatch.setattr(model, "weighted_tree_backward", None)  # a model with its own `score` scores rows
     with pytest.raises(torch.cuda.OutOfMemoryError):
         rescore_backward(model, (src, lens), s, torch.ones(len(s), dtype=torch.float64), chunk_size=2, oom_retry=True)
+
+
+def test_rows_and_coefficients_go_to_the_encoder_outputs_device(monkeypatch):
+    """Samples and coefficients made on the CPU (`Samples.from_completions`, rewards computed on the host) for
+    a model elsewhere are moved to the device of its encoder output before anything is decoded. The meta device
+    stands in for a GPU: the model runs there shape-only, and the plan sees where the rows went."""
+    from twophase import rescoring
+    from twophase.models.karel import KarelModel
+
+    model = KarelModel(12, 4, 4, embed_dim=4, hidden_size=6, channels=(3, 3)).to("meta")
+    source = torch.zeros(2, 2, 32, 4, 4, device="meta")
+    s = Samples.of_targets(torch.tensor([[5, 6, 1], [7, 1, 0], [5, 1, 0]]), torch.tensor([0, 0, 1]),
+                           model.pad_id, model.eos_id)
+    seen = []
+
+    class Seen(Exception):
+        pass
+
+    def plan(model, samples, tree):
+        seen.append({f: getattr(samples, f).device.type for f in ("tokens", "lengths", "owner", "scores")})
+        raise Seen
+
+    monkeypatch.setattr(rescoring, "_Plan", plan)
+    with pytest.raises(Seen):
+        rescore_backward(model, source, s, torch.ones(3), chunk_size=2)
+    assert seen == [{"tokens": "meta", "lengths": "meta", "owner": "meta", "scores": "meta"}]

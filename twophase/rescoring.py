@@ -9,7 +9,8 @@ back-propagated once at the end. The result equals one backward over all rows, w
 
 On a GPU a chunk's gradient is computed with `torch.autograd.grad` and only then added to `.grad`: if the GPU
 runs out of memory half-way through a chunk, nothing of it has been accumulated, so the chunk is redone at half
-the size and the step's gradient stays exact. That costs a second, transient copy of the gradients. Where no
+the size and the step's gradient stays exact. That costs a second, transient copy of the gradients (which
+`--memory-budget` counts: `collected_bytes`). Where no
 out-of-memory error can be caught and retried (the CPU, whose allocator failures are not CUDA's), autograd adds
 each chunk's gradient straight into `.grad` instead, and the output layer's by hand into the same tensors.
 
@@ -30,6 +31,10 @@ paths read each block's weights from the log-probs they have just computed, a tr
 derivatives of the rows through it; autograd differentiates the objective at the per-token log-probs of `step`
 (depth by depth over the tree) or of the model's `token_scores`.
 
+Every chunk's sizes (its rows, its tree's nodes per depth, each depth's owner layout) come from a plan made on
+the host from one read of the rows' lengths, shared prefixes and sources per batch, and the chunks' losses are
+summed on the device: a chunk makes the host wait only for what its model reads (the LSTM: one size).
+
 Letters: B sources, N candidate rows, C rows per chunk, T target length, M prefix-tree nodes.
 """
 from __future__ import annotations
@@ -41,7 +46,7 @@ import itertools
 import torch
 from torch import Tensor
 
-from . import oom, prefixtree, protocol, tokenweights, tree
+from . import oom, owners, prefixtree, protocol, tokenweights, tree
 from .samples import Samples
 
 
@@ -58,10 +63,11 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     (T the longest row), the steps chunk_size full-length rows decode without sharing, so the graph stays
     within the same bound. Without it, a chunk is at most chunk_size rows, each decoded from its first token.
 
-    On CUDA out-of-memory inside a chunk (`oom.is_out_of_memory`: cuBLAS's allocation failures too), the chunk is
-    freed and redone at half the size (down to one row).
-    oom_retry (default: on for CUDA tensors) chooses that retry-safe accumulation; off, an out-of-memory error
-    propagates and the chunk's gradient goes straight into .grad, saving a chunk-time copy of the gradients.
+    The samples and coefficients are moved to the device of the model's encoder output (rows built on the CPU
+    for a model on a GPU, say). On CUDA out-of-memory inside a chunk (`oom.is_out_of_memory`: cuBLAS's allocation
+    failures too), the chunk is freed and redone at half the size (down to one row). oom_retry (default: on where the encoder output is on CUDA) chooses that retry-safe
+    accumulation; off, an out-of-memory error propagates and the chunk's gradient goes straight into .grad,
+    saving a chunk-time copy of the gradients.
     The model runs in evaluation mode, as search ran it, unless keep_mode (e.g. MLE rows with dropout).
     `profiler` (optional, see twophase.train.profiling) gets a section per encoder pass and per chunk. `stats`
     (optional dict) gets "rows", "chunks", "positions" (token positions the rows score) and "nodes" (positions
@@ -70,39 +76,41 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    device = samples.tokens.device
-    coefficients, token_level = _checked(coefficients, len(samples), device)
+    coefficients, token_level = _checked(coefficients, len(samples), samples.tokens.device)
     # Rows with a zero coefficient add nothing to the gradient (e.g. every candidate of a source equally good).
     live = (coefficients.live() if token_level else coefficients != 0).nonzero().squeeze(1)  # (N',)
     if len(live) == 0:
         return 0.0
     samples, coefficients = samples.select(live), coefficients[live]
-    plan = _Plan(model, samples, prefix_sharing and shares_prefixes(model))
-    samples = plan.samples  # each row's scored length, sorted where a tree decodes them
-    if plan.tree:
-        coefficients = coefficients[plan.order]
-    if oom_retry is None:
-        oom_retry = device.type == "cuda"
     section = profiler.section if profiler is not None else (lambda name: contextlib.nullcontext())
-    counts = {"rows": len(samples), "chunks": 0, "positions": plan.positions, "nodes": 0}
-    if token_level:
-        counts.update(tokens=0, clip_low=0, clip_high=0, kl=0.0)
     with torch.enable_grad(), protocol.scoring_mode(model, keep=keep_mode):
         with section("phase 2: encoder forward"):
             enc = model.encode(source)
-        if int(samples.owner.max()) >= protocol.num_sources(enc):
-            raise ValueError(f"samples.owner names source {int(samples.owner.max())}, but the source holds "
+        # the rows go where the model computes (samples or coefficients built on the CPU for a model on a GPU)
+        device = tree.device_of(enc)
+        samples, coefficients = tree.map_tensors(lambda x: x.to(device), (samples, coefficients))
+        plan = _Plan(model, samples, prefix_sharing and shares_prefixes(model))
+        samples, coefficients = plan.samples, coefficients[plan.order] if plan.tree else coefficients
+        if max(plan.owners) >= protocol.num_sources(enc):
+            raise ValueError(f"samples.owner names source {max(plan.owners)}, but the source holds "
                              f"{protocol.num_sources(enc)}")
+        if oom_retry is None:
+            oom_retry = retries_out_of_memory(device)
+        counts = {"rows": len(samples), "chunks": 0, "positions": plan.positions, "nodes": 0}
+        if token_level:
+            counts.update(tokens=0, clip_low=0, clip_high=0, kl=0.0)
         boundary = tree.cut_floating(enc)
         params = [p for p in model.parameters() if p.requires_grad]
-        total, start, size, sums = 0.0, 0, chunk_size, {}
+        # the chunks' losses summed where they are computed, read once at the end (not a host sync per chunk)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        start, size, sums = 0, chunk_size, {}
         while start < len(samples):
             end, nodes = plan.chunk(start, size)
             failed = False
             try:
                 with section(f"phase 2: chunk of {end - start} rows" + (f", {nodes} nodes" if plan.tree else "")):
-                    total += _chunk(model, boundary, samples, coefficients, slice(start, end), params, oom_retry,
-                                    plan.tree, counts)
+                    loss = _chunk(model, boundary, samples, coefficients, plan, slice(start, end), params,
+                                  oom_retry, counts)
             except Exception as err:  # noqa: BLE001  (any error but out-of-memory is raised again)
                 if not oom.is_out_of_memory(err) or size == 1 or not oom_retry:
                     raise
@@ -111,6 +119,7 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
                 size //= 2
                 oom.release()
                 continue
+            total = total + loss.detach().to(total.dtype)
             _bank_boundary_grads(boundary, sums)
             start = end
             counts["chunks"] += 1
@@ -120,7 +129,18 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     if stats is not None:
         for key, value in counts.items():
             stats[key] = stats.get(key, 0) + value
-    return total
+    return float(total)
+
+
+def retries_out_of_memory(device: torch.device) -> bool:
+    """oom_retry's default on `device`: on for CUDA, whose out-of-memory errors can be caught and the chunk redone.
+    It costs a chunk-time copy of the trainable parameters' gradients (`collected_bytes`)."""
+    return torch.device(device).type == "cuda"
+
+
+def collected_bytes(model) -> int:
+    """Bytes of the chunk-time gradient copy oom_retry makes: one gradient per trainable parameter."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def _checked(coefficients, n: int, device):
@@ -149,8 +169,10 @@ def shares_prefixes(model) -> bool:
 
 
 class _Plan:
-    """Where each chunk ends: at most `size` rows; with a tree, rows sorted by `prefixtree.sort_rows` (so a
-    source's shared prefixes fall in one chunk) and never more than size * T nodes."""
+    """Where each chunk ends, and each chunk's layout, on the host: the rows' lengths and sources (and, with a
+    tree, their shared prefixes) are read back once for the whole batch, so a chunk needs no size from the
+    device. At most `size` rows a chunk; with a tree, rows sorted by `prefixtree.sort_rows` (so a source's shared
+    prefixes fall in one chunk) and never more than size * T nodes."""
 
     def __init__(self, model, samples: Samples, tree: bool):
         # A row scores its `lengths` positions, but never past its first eos_id (a hand-made Samples' lengths may
@@ -165,11 +187,13 @@ class _Plan:
         if tree:
             self.order = prefixtree.sort_rows(samples.tokens, samples.owner, lengths)  # (N,)
             self.samples = s = self.samples.select(self.order)
-            self.T = int(s.lengths.max())
-            self.added = list(itertools.accumulate(prefixtree.new_nodes(s.tokens, s.owner, s.lengths).tolist()))
-            self.lengths = s.lengths.tolist()
-        else:
-            self.lengths, ends = torch.stack([lengths, ends]).tolist()  # one read for both
+            common = prefixtree.common_prefix(s.tokens, s.owner, s.lengths)  # (N,)
+            self.lengths, self.common, self.owners = torch.stack(
+                [s.lengths, common, s.owner.to(s.lengths.dtype)]).tolist()
+            self.T = max(self.lengths)
+            self.added = list(itertools.accumulate(n - min(c, n) for n, c in zip(self.lengths, self.common)))
+        else:  # one read for the three
+            self.lengths, ends, self.owners = torch.stack([lengths, ends, samples.owner.to(lengths.dtype)]).tolist()
             if any(n < e for n, e in zip(self.lengths, ends)):
                 self.cut = [n < e for n, e in zip(self.lengths, ends)]
         self.positions = sum(self.lengths)
@@ -199,6 +223,17 @@ class _Plan:
             longest, cut_length = longest_r, self.lengths[r] if self.cut[r] else cut_length
         return end
 
+    def shape(self, rows: slice) -> prefixtree.Shape:
+        """The prefix tree's shape of a chunk's rows."""
+        return prefixtree.shape(self.lengths[rows], self.common[rows], self.owners[rows])
+
+    def longest(self, rows: slice) -> int:
+        return max(self.lengths[rows])
+
+    def groups(self, rows: slice) -> owners.Groups | None:
+        """The layout of a chunk's rows' owners (`twophase.owners`)."""
+        return owners.of_list(self.owners[rows])
+
 
 def _encoder_backward(enc, boundary, sums: dict) -> None:
     """The encoder's graph, once, from the gradients the chunks left at its cut outputs."""
@@ -222,22 +257,24 @@ def _bank_boundary_grads(boundary, sums: dict) -> None:
             leaf.grad = None
 
 
-def _chunk(model, boundary, samples: Samples, coefficients, rows: slice, params, collect: bool,
-           shared: bool, counts: dict) -> float:
-    """Decode rows (as their prefix tree when shared), then add d(sum c_i log p_i)/d(params, boundary) into
-    their .grad; returns the sum. With collect, the whole chunk's gradient exists before any of it is added (see
-    the module docstring). A token-level objective's statistics go into counts once the chunk succeeded."""
+def _chunk(model, boundary, samples: Samples, coefficients, plan: _Plan, rows: slice, params, collect: bool,
+           counts: dict) -> Tensor:
+    """Decode rows (as their prefix tree with plan.tree), then add d(sum c_i log p_i)/d(params, boundary) into
+    their .grad; returns the sum (0-dim, on the device). With collect, the whole chunk's gradient exists before
+    any of it is added (see the module docstring). A token-level objective's statistics go into counts once the
+    chunk succeeded. Every size comes from the plan: nothing is read back from the device here."""
     inputs = params + [x for x in tree.floating(boundary) if x.requires_grad]
     c = coefficients[rows]
     if not isinstance(c, Tensor):
         c = tokenweights.ChunkLoss(c)  # this attempt's loss and statistics (an OOM retry starts afresh)
-    if shared:
-        nodes = prefixtree.build(samples.tokens[rows], samples.owner[rows], samples.lengths[rows], c)
+    if plan.tree:
+        nodes = prefixtree.build(samples.tokens[rows], samples.owner[rows], samples.lengths[rows], c,
+                                 plan.shape(rows))
         loss, grads = tree_gradients(model, boundary, nodes, inputs, collect)
     else:
-        T = int(samples.lengths[rows].max())  # no steps past the chunk's longest row
-        loss, grads = chunk_gradients(model, boundary, samples.tokens[rows, :T], samples.owner[rows], c, inputs,
-                                      collect)
+        T = plan.longest(rows)  # no steps past the chunk's longest row
+        owner = owners.declare(samples.owner[rows], plan.groups(rows))
+        loss, grads = chunk_gradients(model, boundary, samples.tokens[rows, :T], owner, c, inputs, collect)
     if isinstance(c, tokenweights.ChunkLoss):
         for key, value in c.sums.items():
             counts[key] += value
@@ -249,7 +286,7 @@ def _chunk(model, boundary, samples: Samples, coefficients, rows: slice, params,
                 x.grad = g
             else:
                 x.grad.add_(g)
-    return loss.item()
+    return loss
 
 
 def tree_gradients(model, enc, nodes: prefixtree.PrefixTree, inputs: list, collect: bool):

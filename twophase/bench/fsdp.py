@@ -6,8 +6,8 @@
 
 A step is the trainer's: each process samples K completions for its share of the B prompts (the Llama-style
 causal LM of `twophase.bench.hf`, random weights), REINFORCE coefficients normalised by the global B,
-`rescore_backward` in chunks of C rows, the gradient summed over processes (DDP-style: one all-reduce of the
-whole gradient; FSDP: inside `fsdp.gathered`, each process keeping its slice), global-norm clipping, Adam.
+`rescore_backward` in chunks of C rows, the gradient summed over processes (DDP-style: the whole gradient
+all-reduced in place, in buckets; FSDP: inside `fsdp.gathered`, each process keeping its slice), global-norm clipping, Adam.
 Reported by rank 0 for each process: `state` = bytes of the parameters and Adam's moments it holds between steps,
 `peak` = that plus the peak of bytes held by tensors during a step above it (`memstats.AllocationPeak`, on a step
 after the first, whose Adam moments already exist), and the median wall seconds of the timed steps.

@@ -18,18 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Logit (and attention tanh) blocks up to this size: big enough to keep the matmuls efficient, small enough to
+from .. import blocks, owners
+
+# Logit (and attention tanh) blocks on the CPU up to this size (on an accelerator `blocks.block_bytes` makes them
+# larger): big enough to keep the matmuls efficient, small enough to
 # be transient. At the speed configuration 8 MB took the same time as 32 MB (1.21 / 0.99 s vs 1.21 / 1.19 s a step)
 # and lowered the seed configuration's tensor peak from 243 to 187 MB (chunk 64, torch 2.13, 2 CPU threads).
 BLOCK_BYTES = 8 * 2**20
 
 
-Groups = tuple  # (first source b0, rows per source G): owner == b0 + arange(N // G).repeat_interleave(G)
-
-# The last owner tensor `groups` examined and its answer. The tensor itself is held, so `is` cannot match a new
-# tensor that reuses its id; owners are index tensors nobody writes into, so no version check (inference-mode
-# tensors have no version counter). On CUDA this saves a host sync per decoding step.
-_last_groups: list = [None, None]
+Groups = owners.Groups  # (first source b0, rows per source G)
 
 
 def groups(owner: Tensor) -> Groups | None:
@@ -37,11 +35,16 @@ def groups(owner: Tensor) -> Groups | None:
     beam search's B x K layout, or a chunk of it); None for any other owner. Grouped rows read their sources'
     keys and values as broadcast views (and their gradients are plain sums and matmuls) instead of per-row
     gathers and scatter-adds. None while torch.compile traces (`twophase.compiled`): the general path, the
-    same numbers, needs no host read of owner, so the step stays one graph and the compiler fuses its gathers."""
+    same numbers, needs no host read of owner, so the step stays one graph and the compiler fuses its gathers.
+
+    A layout `owners.declare`d for this tensor (phase two's chunks, planned on the host) is taken as it is;
+    otherwise owner is read (three host syncs on an accelerator) and the answer kept for this tensor object,
+    so a search that passes the same owner at every step reads it once."""
     if torch.compiler.is_compiling():
         return None
-    if _last_groups[0] is owner:
-        return _last_groups[1]
+    found = owners.known(owner)
+    if found is not owners.UNKNOWN:
+        return found
     found = None
     n = owner.numel()
     if n and owner.dim() == 1:
@@ -50,7 +53,7 @@ def groups(owner: Tensor) -> Groups | None:
         if nb > 0 and n % nb == 0:
             expect = torch.arange(b0, b1 + 1, device=owner.device).repeat_interleave(n // nb)
             found = (b0, n // nb) if torch.equal(owner, expect) else None
-    _last_groups[:] = [owner, found]
+    owners.declare(owner, found)
     return found
 
 
@@ -85,10 +88,11 @@ def energies(q: Tensor, keys: Tensor, v: Tensor, owner: Tensor, grp: Groups | No
     """e[n, s] = v . tanh(q[n] + keys[owner[n], s]): q (N, A), keys (B, S, A), v (1, A) -> (N, S).
     grp = groups(owner) or None (the general path); both give the same numbers.
 
-    The (N, S, A) tanh is only a temporary, built for at most BLOCK_BYTES worth of rows at a time: in a wide
-    search (N = B*K rows every step) it would otherwise be the largest tensor of phase one."""
+    The (N, S, A) tanh is only a temporary, built for at most a block's worth of rows at a time (BLOCK_BYTES on
+    the CPU, `blocks.block_bytes` on q's device): in a wide search (N = B*K rows every step) it would otherwise
+    be the largest tensor of phase one."""
     N, (S, A) = q.shape[0], keys.shape[1:]
-    rows = max(1, BLOCK_BYTES // max(1, S * A * q.element_size()))
+    rows = max(1, blocks.block_bytes(q.device, BLOCK_BYTES) // max(1, S * A * q.element_size()))
     if grp is not None:
         rows = max(grp[1], rows // grp[1] * grp[1])  # whole groups per block, so each block stays grouped
     if N <= rows:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import blocks
 from . import fused
 from .fused import amp_backward, amp_forward
 
@@ -45,10 +46,11 @@ def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.add_(a @ b)
 
 
-def _block_rows(M: int, V: int, dtype: torch.dtype) -> int:
-    """Rows per logit block: as many as fit in BLOCK_BYTES, at least one."""
+def _block_rows(M: int, V: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Rows per logit block: as many as fit in a block on `device` (fused.BLOCK_BYTES on the CPU, larger on an
+    accelerator: `blocks.block_bytes`), at least one."""
     itemsize = (torch.finfo(dtype).bits + 7) // 8
-    return max(1, min(M, fused.BLOCK_BYTES // max(1, V * itemsize)))
+    return max(1, min(M, blocks.block_bytes(device, fused.BLOCK_BYTES) // max(1, V * itemsize)))
 
 
 def logits(h: Tensor, weight: Tensor, bias: Tensor, banned: Tensor) -> Tensor:
@@ -70,7 +72,7 @@ class TargetLogProbs(torch.autograd.Function):
         M, V = h.shape[0], weight.shape[0]
         acc, mm = sum_dtype(weight), _matmul_dtype(h, weight)
         hm, wm = h.to(mm), weight.to(mm)
-        block = block or _block_rows(M, V, acc)
+        block = block or _block_rows(M, V, acc, h.device)
         lse = h.new_empty(M, dtype=acc)
         picked = h.new_empty(M, dtype=acc)
         for i in range(0, M, block):
@@ -134,7 +136,7 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
     hm, wm = h.to(mm), weight.to(mm)
     if not dynamic:
         w = w.to(acc)
-    block = block or _block_rows(M, V, acc)
+    block = block or _block_rows(M, V, acc, h.device)
     tok, dh = h.new_empty(M, dtype=acc), torch.empty_like(h)
     dw = torch.zeros_like(weight) if dw is None else dw
     db = torch.zeros_like(bias) if db is None else db

@@ -153,7 +153,8 @@ class Seq2Seq(nn.Module):
         for t in range(T):
             state = self._advance_embedded(enc, owner, embs[t], state)
             hs.append(state[0])
-        # Only real targets are scored: PAD positions would cost V-sized work and contribute 0.
+        # Only real targets are scored: PAD positions would cost V-sized work and contribute 0. (M is read on the
+        # host: a sync per chunk.)
         valid = (tgt != PAD).reshape(-1).nonzero().squeeze(1)  # (M,) indices into the N*T positions
         h = torch.stack(hs, dim=1).reshape(N * T, -1).index_select(0, valid)  # (N, T, H) -> (N*T, H) -> (M, H)
         return self.drop(h), tgt.reshape(-1).index_select(0, valid), valid // T
@@ -187,7 +188,7 @@ class Seq2Seq(nn.Module):
         hs, state = [], None
         for t in range(nodes.depth):
             here = nodes.level(t)
-            owner = nodes.owner[here]  # (n_t,)
+            owner = nodes.level_owner(t)  # (n_t,)
             if t == 0:
                 state = self.init_state(enc, owner)
             else:
@@ -227,7 +228,7 @@ class Seq2Seq(nn.Module):
         w, target = nodes.weights, nodes.tokens
         if not tokenweights.is_token_level(w):  # a token-level objective's weights are known only from log p
             w = w.to(outputlayer.sum_dtype(self.out.weight))  # (M,)
-            scored = (w != 0).nonzero().squeeze(1)
+            scored = (w != 0).nonzero().squeeze(1)  # its size is read on the host: the chunk's one sync
             if len(scored) < len(w):
                 h, w, target = h.index_select(0, scored), w[scored], target[scored]
         tok, grads = self._output_layer_backward(h, target, w, inputs, collect, weights)

@@ -9,8 +9,9 @@ Why one explicit all-reduce and not DistributedDataParallel: phase two (`rescore
 `model.encode` / `model.score` directly and runs one backward per chunk plus one for the encoder. DDP's reducer
 hooks into `forward()` and expects one backward per forward; it would not see these backwards properly (or would
 communicate once per chunk). Instead, after phase two has accumulated the whole local gradient in `.grad`,
-`all_reduce_grads` sums every gradient over ranks with a single all-reduce of one flat buffer per optimizer step,
-so the chunk size never changes the amount of communication. Clipping and the non-finite-skip decision come after
+`all_reduce_grads` sums every gradient over ranks once per optimizer step, in buckets of bounded size (in place
+for a large gradient, through one small flat buffer for several small ones: no copy of every gradient), so the
+chunk size never changes the amount of communication. Clipping and the non-finite-skip decision come after
 it, on identical numbers, so every rank takes the same decision and the parameters stay identical.
 
 Without torchrun (no WORLD_SIZE > 1 in the environment) nothing here creates a process group: every helper
@@ -87,25 +88,57 @@ def broadcast_parameters(module: torch.nn.Module) -> None:
         dist.broadcast(tensor, src=0)
 
 
-def all_reduce_grads(params: list[Tensor]) -> None:
-    """Sum .grad of `params` over all ranks with ONE all-reduce of a flat buffer.
+# Gradients travel in buckets of at most this many bytes: a bucket of several small gradients is flattened into one
+# buffer (the only copy made), a gradient at least this large is reduced in place in its own .grad.
+BUCKET_BYTES = 25 * 2**20
+
+
+def all_reduce_grads(params: list[Tensor], bucket_bytes: int | None = None) -> None:
+    """Sum .grad of `params` over all ranks, in place, in buckets: the extra memory is one bucket's flat buffer
+    (at most `bucket_bytes`, default BUCKET_BYTES), never a copy of every gradient.
 
     A rank whose share had nothing to back-propagate (every coefficient zero) has .grad None; it contributes zeros.
-    A flag per parameter travels in the same buffer, so a parameter that no rank gave a gradient keeps .grad None,
-    exactly as in a single process (Adam treats None and zero differently).
+    A flag per parameter goes first in a small all-reduce of its own, so a parameter that no rank gave a gradient
+    keeps .grad None, exactly as in a single process (Adam treats None and zero differently).
     """
     params = [p for p in params if p.requires_grad]
     if not active() or not params:
         return
-    dtype = params[0].dtype
-    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p in params]
-    flags = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=params[0].device)
-    flat = torch.cat(grads + [flags])
-    dist.all_reduce(flat)  # the model's device is the collective's device (cuda:LOCAL_RANK or CPU)
-    offset, present = 0, flat[-len(params):].tolist()
-    for p, has_grad in zip(params, present):
-        n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).to(p.dtype) if has_grad > 0 else None
+    bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+    flags = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    dist.all_reduce(flags)
+    present = []
+    for p, has_grad in zip(params, flags.tolist()):
+        if has_grad > 0:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            present.append(p)
+        else:
+            p.grad = None
+    bucket, size = [], 0
+    for p in present:
+        nbytes = p.grad.numel() * p.grad.element_size()
+        if bucket and (size + nbytes > bucket_bytes or p.grad.dtype != bucket[0].grad.dtype):
+            _reduce_bucket(bucket)
+            bucket, size = [], 0
+        bucket.append(p)
+        size += nbytes
+    if bucket:
+        _reduce_bucket(bucket)
+
+
+def _reduce_bucket(bucket: list) -> None:
+    """All-reduce the .grad of the bucket's parameters (one dtype): in place for one contiguous gradient,
+    through one flat buffer for several."""
+    if len(bucket) == 1 and bucket[0].grad.is_contiguous():
+        dist.all_reduce(bucket[0].grad)  # the model's device is the collective's device (cuda:LOCAL_RANK or CPU)
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+    dist.all_reduce(flat)
+    offset = 0
+    for p in bucket:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
         offset += n
 
 

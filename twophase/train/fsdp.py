@@ -11,8 +11,8 @@ A step runs on gathered parameters, inside `gathered(model, reduce=True)`:
     layers (`weighted_tree_backward` writes into `.grad`) included, exactly as in one process;
   - every chunk's gradient accumulates, unreduced, into the gathered parameters' `.grad` (the deferred
     reduction FSDP2's `set_requires_gradient_sync(False)` would give);
-  - on exit, a fixed number of all-reduces of flat buffers (8 buckets, as DDP-style training's one in
-    `distributed.all_reduce_grads`) sums the step's gradient over the processes; each keeps its own Shard(0)
+  - on exit, a fixed number of all-reduces of flat buffers (8 buckets; DDP-style training's
+    `distributed.all_reduce_grads` reduces in bounded buckets in place) sums the step's gradient over the processes; each keeps its own Shard(0)
     slice as the DTensor `.grad` of its shard, and `reshard()` frees the gathered copy.
 So the step's gradient is the one-process gradient of the same global batch whatever the chunking, the
 communication is one gather and one (bucketed) reduction per step, and clipping (`clip_grad_norm_` on the

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
-from .. import tree
+from .. import rescoring, tree
 from ..protocol import scoring_mode
 from ..rescoring import chunk_gradients
 from . import peaks
@@ -91,7 +91,8 @@ class ChunkPlanner:
     saved-tensor meter, then dropped) gives bytes per row-step; a step's chunk is then budget / (that x T).
     The probe is repeated when a batch has larger sources (elements per source) than any probed so far
     (attention keeps S-sized tensors per row-step), so the estimate never undercounts. The budget is for the graph: the output layer's
-    transient logit blocks (fused.py, at most a fixed block of rows at a time) and the gradients come on top.
+    transient logit blocks (fused.py, at most a fixed block of rows at a time) and the gradients come on top, except
+    the chunk-time copy of the gradients that CUDA's out-of-memory retry makes, which the budget includes.
     """
 
     def __init__(self, budget_bytes: int, probe_rows: int = 8):
@@ -108,7 +109,15 @@ class ChunkPlanner:
             self._probe(model, source, samples)
             self.probed_source_size = size
         T = max(int(samples.tokens.shape[1]), 1)
-        return max(1, min(len(samples), int(self.budget // max(self.per_row_step * T, 1.0))))
+        return max(1, min(len(samples), int(self.graph_budget(model, samples) // max(self.per_row_step * T, 1.0))))
+
+    def graph_budget(self, model, samples) -> float:
+        """The budget left for the chunk's graph: on a device where phase two retries out-of-memory chunks
+        (CUDA), each chunk's gradient is collected before it is added, a copy of the trainable parameters'
+        gradients that exists while the chunk's graph does, so it is taken off the budget first."""
+        if not rescoring.retries_out_of_memory(samples.tokens.device):
+            return self.budget
+        return max(0.0, self.budget - rescoring.collected_bytes(model))
 
     def _probe(self, model, source, samples) -> None:
         """One phase-two chunk of a few rows, forward and backward, its gradients returned and dropped."""

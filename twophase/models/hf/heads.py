@@ -118,9 +118,15 @@ def find(model) -> Head | None:
 def scored(hidden: Tensor, tokens: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(h (M, H), target (M,), row (M,)) at the M positions mask (N, T) scores: a pad position would cost
     V-sized work and add nothing."""
+    h, target, valid = _scored_positions(hidden, tokens, mask)
+    return h, target, valid // hidden.shape[1]
+
+
+def _scored_positions(hidden: Tensor, tokens: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`scored` with each position's flat index (M,) into the N*T positions instead of its row."""
     N, T, H = hidden.shape
-    valid = mask.reshape(-1).nonzero().squeeze(1)  # (M,) into the N*T positions
-    return hidden.reshape(N * T, H).index_select(0, valid), tokens.reshape(-1).index_select(0, valid), valid // T
+    valid = mask.reshape(-1).nonzero().squeeze(1)  # (M,): its size read on the host, once per chunk
+    return hidden.reshape(N * T, H).index_select(0, valid), tokens.reshape(-1).index_select(0, valid), valid
 
 
 def log_probs(head: Head, model, hidden: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
@@ -137,10 +143,9 @@ def token_log_probs(head: Head, model, hidden: Tensor, tokens: Tensor, mask: Ten
     """(N, T) log p(tokens) at hidden (N, T, H) at the positions mask (N, T) scores, 0 elsewhere, with
     gradients: `log_probs` per position."""
     weight, bias = head.parts(model)
-    h, target, _ = scored(head.hidden(hidden), tokens, mask)
+    h, target, valid = _scored_positions(head.hidden(hidden), tokens, mask)
     banned = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
     tok = outputlayer.target_log_probs(h, weight, bias, target, banned)  # (M,)
-    valid = mask.reshape(-1).nonzero().squeeze(1)  # (M,) as `scored` picks them
     return tok.new_zeros(mask.numel()).index_copy(0, valid, tok).reshape(mask.shape)
 
 
@@ -152,8 +157,9 @@ def weighted_backward(head: Head, model, hidden: Tensor, tokens: Tensor, mask: T
     c may be a token-level objective (`twophase.tokenweights.ChunkLoss`): the row's positions are then tokens'
     columns + col_offset (the causal LM's first token is column 0 of its rows)."""
     weight, bias = head.parts(model)
-    h, target, row = scored(head.hidden(hidden), tokens, mask)
-    col = mask.reshape(-1).nonzero().squeeze(1) % max(mask.shape[1], 1) + col_offset  # (M,) as `scored`
+    h, target, valid = _scored_positions(head.hidden(hidden), tokens, mask)
+    T = max(mask.shape[1], 1)
+    row, col = valid // T, valid % T + col_offset  # (M,) each
     # each position's d loss / d log p: its row's coefficient, in the precision log p is summed in
     w = tokenweights.weights(c, row, col, outputlayer.sum_dtype(weight))  # (M,)
     banned = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
