@@ -12,7 +12,8 @@ from twophase.train.reference import Reference
 
 from tasks import task_dir
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"),  # meta stands for a device: a copy into it is a no-op
+              pytest.mark.filterwarnings("ignore:for .*copying from a non-meta parameter")]
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +122,16 @@ def test_the_compare_snapshot_is_held_in_host_memory(trainer, monkeypatch):
     tensors = [t for part in ("model", "optimizer") for t in _tensors(snap[part])]
     assert tensors and all(t.device.type == "meta" for t in tensors)
     assert next(trainer.model.parameters()).device.type == "cpu"
+
+
+def test_export_best_is_a_copy_in_host_memory(trainer, monkeypatch):
+    """--export best's copy of the model: its trainable parameters in host memory (standing on meta), not a
+    second model on the model's device."""
+    monkeypatch.setattr(checkpoint, "HOST", torch.device("meta"))
+    trainer.cfg.export = "best"
+    model = runs.export_model(trainer)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert all(p.device.type == "cpu" for p in trainer.model.parameters())
 
 
 def _tensors(obj):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from . import checkpoint
 from .checkpoint import CheckpointError, SaveError, load
 from .params import load_saved
 from .resume_rules import same, show
@@ -178,8 +179,8 @@ def evaluation_table(task, scores: dict) -> str:
 def export_model(trainer):
     """--export: the model the task's own export writes: the run's last, or checkpoint_best.pt's parameters
     (where the run has none, the last, with a note). The best is a copy of the model sharing its frozen
-    parameters (a LoRA base: the checkpoint holds the adapters alone, the copy costs only them), its trainable
-    ones read from the file on the CPU."""
+    parameters (a LoRA base: the checkpoint holds the adapters alone), its trainable ones in host memory with the
+    file's values: no second model on the device."""
     if trainer.cfg.export != "best":
         return trainer.model
     path = trainer.checkpoints.best_path
@@ -191,8 +192,9 @@ def export_model(trainer):
         state = load(path, mmap=True)
     except CheckpointError as err:
         raise ValueError(f"--export best: {err}") from None
-    shared = {id(p): p for p in trainer.model.parameters() if not p.requires_grad}
-    model = copy.deepcopy(trainer.model, shared)
+    memo = {id(p): p if not p.requires_grad else torch.nn.Parameter(p.detach().to(checkpoint.HOST, copy=True))
+            for p in trainer.model.parameters()}
+    model = copy.deepcopy(trainer.model, memo)
     try:
         load_saved(model, state["model"])
     except RuntimeError as err:
