@@ -122,8 +122,14 @@ def test_a_different_base_is_refused_on_resume_init_from_and_decode(folder, tmp_
         _fails_with_one_line(["--init-from", last, "--save-dir", str(tmp_path / "new")], capsys, "--init-from", why)
         assert decode.main(["--checkpoint", last, "--input", str(tmp_path / "in.txt")]) == 2
         assert why in capsys.readouterr().err
+        shutil.copy(tmp_path / "moved" / "model.safetensors", weights)
+        config = json.loads((folder / "base" / "config.json").read_text())
+        (folder / "base" / "config.json").write_text(json.dumps({**config, "layer_norm_epsilon": 1e-3}))
+        _fails_with_one_line(["--save-dir", str(tmp_path / "run"), "--resume", "--rl-steps", "1"], capsys, why,
+                             "its config differs")  # the same weights, computing otherwise
     finally:
         shutil.copy(tmp_path / "moved" / "model.safetensors", weights)
+        shutil.copy(tmp_path / "moved" / "config.json", folder / "base" / "config.json")
     assert decode.main(["--checkpoint", last, "--input", str(tmp_path / "in.txt"), "--hf-model",
                         str(tmp_path / "moved")]) == 0  # the base, moved: recognised by its fingerprint
     capsys.readouterr()

@@ -4,8 +4,9 @@ A --lora-r run's checkpoint holds the adapters alone: the base is whatever the -
 run is resumed, started from (--init-from) or decoded. So the checkpoint records the base (`record`): the folder
 it was read from and a fingerprint, a SHA-256 of
 
-    the configuration   transformers' config of the folder (its entries that describe the model: not the
-                        folder's name, the transformers version or the dtype it was saved in)
+    the configuration   the folder's config.json as written (its entries that describe the model: not the
+                        folder's name, the transformers version or the dtype it was saved in; the file, not
+                        transformers' reading of it, so that another transformers version sees the same)
     the frozen weights  every frozen parameter's name, shape and a strided sample of its values (at most
                         SAMPLE per tensor, exact values, read from the device in one copy): any retraining or
                         merge of adapters changes every element of the matrices it touches
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import torch
 
@@ -25,9 +27,21 @@ SAMPLE = 64  # values read per frozen tensor
 VOLATILE = ("transformers_version", "torch_dtype", "dtype", "architectures", "name_or_path")
 
 
-def fingerprint(model: torch.nn.Module, config=None) -> dict | None:
+def folder_config(folder: str | None) -> dict | None:
+    """The entries of <folder>/config.json (None: no folder, no readable file)."""
+    if not folder:
+        return None
+    try:
+        with open(Path(folder) / "config.json", encoding="utf-8") as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def fingerprint(model: torch.nn.Module, config: dict | None = None) -> dict | None:
     """{"config": hex, "weights": hex} of the frozen part of `model` (None: every parameter trains); `config`:
-    the model's transformers config (its `to_dict()` is hashed), or None."""
+    the folder's configuration (`folder_config`), or None."""
     frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
     if not frozen:
         return None
@@ -45,16 +59,17 @@ def fingerprint(model: torch.nn.Module, config=None) -> dict | None:
     return {"config": _config_hash(config), "weights": weights.hexdigest()}
 
 
-def _config_hash(config) -> str | None:
-    if config is None or not hasattr(config, "to_dict"):
+def _config_hash(config: dict | None) -> str | None:
+    if config is None:
         return None
-    entries = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k not in VOLATILE}
+    entries = {k: v for k, v in config.items() if not k.startswith("_") and k not in VOLATILE}
     return hashlib.sha256(json.dumps(entries, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def record(model: torch.nn.Module, path: str | None, config=None) -> dict | None:
-    """What a checkpoint keeps of the base: {"path", "config", "weights"}, or None (nothing frozen)."""
-    found = fingerprint(model, config)
+def record(model: torch.nn.Module, path: str | None) -> dict | None:
+    """What a checkpoint keeps of the base read from the folder `path`: {"path", "config", "weights"}, or None
+    (nothing frozen)."""
+    found = fingerprint(model, folder_config(path))
     return None if found is None else {"path": path, **found}
 
 

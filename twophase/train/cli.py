@@ -151,7 +151,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if threads:
         torch.set_num_threads(threads)
     model = task.build_model().to(device)
-    base = basemodel.record(model, cfg.hf_model, getattr(task, "config", None))  # the frozen part, if any
+    base = basemodel.record(model, cfg.hf_model)  # the frozen part's base, if any
     try:  # a --lora-r checkpoint's adapters need the base they were trained on
         if state is not None:
             where = f"{'--resume-from' if cfg.resume_from else '--resume'}: {runs.resume_path(cfg)}"

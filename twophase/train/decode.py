@@ -54,7 +54,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--hf-model", default=None,
                    help="a checkpoint of a --hf-model run: the folder to read the model's config and tokenizer "
                         "from (default: the training --hf-model; the run's hf_final folder holds both too); the "
-                        "parameters are the checkpoint's")
+                        "parameters are the checkpoint's. A --lora-r run's checkpoint holds its adapters alone: "
+                        "the folder of its base model, wherever it is now (its fingerprint is checked)")
     return p
 
 
@@ -88,8 +89,7 @@ def load_model(path: str, device: torch.device, hf_model: str | None = None):
                               "fold_case": saved.get("lowercase_source", saved.get("train") is None)})
     model = task.build_model().to(device)
     try:  # a --lora-r checkpoint's adapters need the base they were trained on
-        basemodel.check(state.get("base_model"), basemodel.record(model, cfg.hf_model, getattr(task, "config", None)),
-                        path, cfg.hf_model)
+        basemodel.check(state.get("base_model"), basemodel.record(model, cfg.hf_model), path, cfg.hf_model)
     except ValueError as err:
         raise UsageError(str(err)) from None
     try:
