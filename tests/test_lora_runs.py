@@ -143,3 +143,14 @@ def test_decode_names_an_adapter_folder_given_as_the_model(folder, tmp_path, cap
                         str(tmp_path / "in.txt"), "--hf-model", str(folder / "run" / "hf_final")]) == 2
     err = capsys.readouterr().err
     assert "LoRA adapters" in err and "base model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_compare_snapshot_of_a_lora_model_holds_the_adapters_alone(folder):
+    """--compare-mle's snapshot of the end of MLE, held through the RL phase: the adapters (and their optimizer
+    state), in host memory; the frozen base does not change, so it is not copied."""
+    cfg, start = cli.parse(["--save-dir", str(folder / "run"), "--resume"])
+    tr = cli.build(cfg, start)
+    snap = tr.snapshot()
+    assert snap["model"] and all("lora_" in k for k in snap["model"])
+    tr.restore(snap)
+    assert _close({k: v for k, v in tr.model.state_dict().items() if "lora_" in k}, snap["model"], 0)

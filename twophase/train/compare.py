@@ -18,6 +18,7 @@ from . import distributed, fsdp
 from .checkpoint import CheckpointError, host_copy, load, rng_state, set_generator_state, set_rng_state
 from .evaluation import test_beams, test_scores
 from .interrupt import Interrupted
+from .params import saved_state
 from .report import fmt_scores
 
 CONTINUED = "mle-continued"
@@ -36,8 +37,9 @@ class Comparison:
 
     def snapshot(self) -> dict:
         """What the next training step depends on, copied into CPU memory (this process's random streams only):
-        held for the whole RL phase, a copy on the device would cost it a second model and optimizer."""
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        held for the whole RL phase, a copy on the device would cost it a second model and optimizer. Of the
+        model, what a checkpoint holds (with LoRA the adapters alone: the frozen base does not change)."""
+        state = {"model": saved_state(self.model), "optimizer": self.optimizer.state_dict(),
                  "mle_batches": self.mle_batches.state_dict(), "rl_batches": self.rl_batches.state_dict(),
                  "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
                  **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}
@@ -91,7 +93,7 @@ class Comparison:
         self.summary[CONTINUED] = {**scores, "steps_per_s": st["steps"] / max(st["seconds"], 1e-9),
                                    "skipped": st["skipped"], "steps": st["steps"], "seconds": st["seconds"],
                                    "cpu_seconds": st["cpu_seconds"]}
-        self.test_models = {"mle": branch["model"], CONTINUED: host_copy(self.model.state_dict())}
+        self.test_models = {"mle": branch["model"], CONTINUED: host_copy(saved_state(self.model))}
         self.save(path=self.continued_path, phase=CONTINUED)
         self.restore(self.final)
         self.final, self.compared = None, True
@@ -134,14 +136,14 @@ class Comparison:
 
     def test_model(self, name: str, state_dict) -> dict:
         """Test scores of a compared model (its parameters loaded for the evaluation, then the final ones back)."""
-        final = host_copy(self.model.state_dict())
+        final = host_copy(saved_state(self.model))
         fsdp.load_model(self.model, state_dict)
         try:
             with fsdp.gathered(self.model):
                 return test_scores(self.model, self.task, self.test, self.reward, test_beams(self.cfg),
                                    self.cfg.max_len, self.device)
         finally:
-            self.model.load_state_dict(final)
+            fsdp.load_model(self.model, final)
 
     def compared_models(self) -> dict:
         """name -> parameters of the models compared with the final one (none without a finished comparison);
