@@ -154,3 +154,14 @@ def test_the_compare_snapshot_of_a_lora_model_holds_the_adapters_alone(folder):
     assert snap["model"] and all("lora_" in k for k in snap["model"])
     tr.restore(snap)
     assert _close({k: v for k, v in tr.model.state_dict().items() if "lora_" in k}, snap["model"], 0)
+
+
+def test_the_fingerprint_samples_within_any_tensor_and_sees_a_changed_value():
+    from twophase.train import basemodel
+    model = torch.nn.Linear(1, 2**24 + 3, bias=False, dtype=torch.float16).requires_grad_(False)  # past float32's ints
+    torch.nn.init.zeros_(model.weight)
+    first = basemodel.fingerprint(model)["weights"]
+    with torch.no_grad():
+        model.weight[-1] = 1.0  # the last element is sampled
+    assert basemodel.fingerprint(model)["weights"] != first
+    assert basemodel.fingerprint(torch.nn.Linear(2, 2)) is None  # every parameter trains: nothing to record

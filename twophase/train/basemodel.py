@@ -52,7 +52,9 @@ def fingerprint(model: torch.nn.Module, config: dict | None = None) -> dict | No
             weights.update(f"{name}:{tuple(p.shape)};".encode())
             flat = p.detach().reshape(-1)  # (n,)
             n = flat.numel()
-            index = torch.linspace(0, max(n - 1, 0), min(n, SAMPLE)).round().long().to(flat.device)  # (k,)
+            k = min(n, SAMPLE)
+            # evenly spaced, in integers (a float32 linspace rounds past the end beyond 2^24 elements)
+            index = torch.arange(k, device=flat.device) * max(n - 1, 0) // max(k - 1, 1)  # (k,)
             samples.append(flat.index_select(0, index).to(torch.float64))
         values = torch.cat(samples).cpu()  # one read from the device, at start-up
     weights.update(values.numpy().tobytes())
