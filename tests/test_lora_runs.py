@@ -143,6 +143,9 @@ def test_decode_names_an_adapter_folder_given_as_the_model(folder, tmp_path, cap
                         str(tmp_path / "in.txt"), "--hf-model", str(folder / "run" / "hf_final")]) == 2
     err = capsys.readouterr().err
     assert "LoRA adapters" in err and "base model" in err and len(err.strip().splitlines()) == 1
+    assert decode.main(["--checkpoint", str(folder / "run"), "--input", str(tmp_path / "in.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "a directory" in err and "checkpoint_best.pt" in err and len(err.strip().splitlines()) == 1
 
 
 def test_the_compare_snapshot_of_a_lora_model_holds_the_adapters_alone(folder):

@@ -66,6 +66,9 @@ def read_input(path: str) -> list[str]:
 def load_model(path: str, device: torch.device, hf_model: str | None = None):
     """The checkpoint's model in evaluation mode, its task (ids restored, no data read) and its training config;
     `hf_model`: where a --hf-model run's config and tokenizer are now (default: where training read them)."""
+    if Path(path).is_dir():  # a run's directory: say which file
+        raise UsageError(f"--checkpoint {path}: a directory; give a checkpoint file, e.g. "
+                         f"{Path(path) / 'checkpoint_best.pt'}")
     state = load(path, mmap=True)  # on the CPU, the optimizer's state never read; the model's copied onto device
     saved = state["config"]
     cfg = config_from_dict(saved)
