@@ -23,7 +23,7 @@ class BestStart:
         latest validation's, `scores`, where the latest is the best)."""
         if self.best_step is None or self.best_step >= self.step:
             return scores
-        state = load(self.checkpoints.best_path, map_location=self.device)
+        state = load(self.checkpoints.best_path)  # on the CPU; load_state_dict copies it onto the device
         fsdp.load_model(self.model, state["model"])  # LoRA adapters alone, or into --fsdp's shards
         fsdp.load_optimizer(self.model, self.optimizer, state["optimizer"])
         if self.scaler is not None and "scaler" in state:

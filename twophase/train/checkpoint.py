@@ -6,6 +6,7 @@ disk, so a crash or a full disk mid-write never destroys the previous checkpoint
 """
 from __future__ import annotations
 
+import copy
 import errno
 import math
 import os
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 __all__ = ["CheckpointError", "SaveError", "save_atomic", "load", "rng_state", "set_rng_state", "python_rng_state",
-           "set_python_rng_state", "CheckpointManager"]
+           "set_python_rng_state", "set_generator_state", "host_copy", "CheckpointManager"]
 
 _STEP_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
 
@@ -117,12 +118,15 @@ def _written_by_torch_save(path) -> bool:
     return head in (b"", b"PK\x03\x04")
 
 
-def load(path, map_location="cpu") -> dict:
-    """Load a twophase checkpoint with torch.load(weights_only=True); any failure is a CheckpointError."""
+def load(path, mmap: bool = False) -> dict:
+    """Load a twophase checkpoint with torch.load(weights_only=True) onto the CPU (the caller copies what it needs
+    into a model already on its device: no second copy of the parameters, nor the optimizer's moments, in device
+    memory); any failure is a CheckpointError. mmap: the tensors stay in the file until read (a caller that needs
+    the parameters alone never reads the optimizer's state)."""
     if not _written_by_torch_save(path):
         raise CheckpointError(f"{path}: not a twophase checkpoint (not a file torch.save wrote)")
     try:
-        obj = torch.load(path, map_location=map_location, weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such file") from None
     except (pickle.UnpicklingError, RuntimeError) as exc:
@@ -169,12 +173,35 @@ def set_rng_state(state: dict) -> None:
     nps = state["numpy"]
     keys = nps["keys"].cpu().numpy().astype(np.uint32)
     np.random.set_state((nps["kind"], keys, nps["pos"], nps["has_gauss"], nps["cached_gaussian"]))
-    # .cpu(): a checkpoint loaded with map_location="cuda" moves these byte tensors, but the setters need CPU.
+    # .cpu(): a state held on a device (a snapshot, a file loaded there) cannot be set; the setters need CPU bytes.
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         # A run resumed on fewer GPUs than it was saved on restores the devices that exist.
         for index, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s.cpu(), index)
+
+
+def set_generator_state(generator: torch.Generator, state: torch.Tensor) -> None:
+    """generator.set_state from the CPU: a generator of any device takes its state as a CPU ByteTensor."""
+    generator.set_state(state.cpu())
+
+
+HOST = torch.device("cpu")  # where snapshots are held: host memory
+
+
+def host_copy(obj):
+    """A copy of a state (dicts, lists, tensors, plain data) with every tensor copied into CPU memory, so that a
+    snapshot held for later costs no device memory; a sharded tensor (a DTensor, --fsdp) stays as it is, a
+    copy of this process's shard on its device (its mesh names the device)."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj).__name__ == "DTensor":
+            return obj.detach().clone()
+        return obj.detach().to(HOST, copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, host_copy(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 class CheckpointManager:

@@ -11,7 +11,7 @@ from dataclasses import fields
 
 import torch
 
-from . import amp, devices, distributed, fsdp, grammar, numerics, rundir, runs, startup
+from . import amp, basemodel, devices, distributed, fsdp, grammar, numerics, rundir, runs, startup
 from .start import evaluate, init_state, recipe_defaults, resume_state, start_defaults, start_run_dir
 from ..protocol import ModelError
 from .. import plot, rewards, rewardsum
@@ -149,8 +149,16 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if threads:
         torch.set_num_threads(threads)
     model = task.build_model().to(device)
-    if init is not None:  # --init-from: its weights; step 0 and a fresh optimizer (the Trainer's)
-        model.load_state_dict(init["model"])
+    base = basemodel.record(model, cfg.hf_model)  # the frozen part's base, if any
+    try:  # a --lora-r checkpoint's adapters need the base they were trained on
+        if state is not None:
+            where = f"{'--resume-from' if cfg.resume_from else '--resume'}: {runs.resume_path(cfg)}"
+            basemodel.check(state.get("base_model"), base, where, cfg.hf_model)
+        if init is not None:  # --init-from: its weights (a --lora-r run's: its adapters); step 0, a fresh optimizer
+            basemodel.check(init.get("base_model"), base, f"--init-from {cfg.init_from}", cfg.hf_model)
+            runs.load_init(model, init, cfg.init_from)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     startup.check_model_on_a_batch(task, model, device)  # a broken model named now, not trained silently
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
     if cfg.fsdp:  # before the optimizer: it is built on the shards
@@ -166,6 +174,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if distributed.rank() == 0:
         rundir.remove(stale)  # --overwrite
     trainer = Trainer(cfg, task, model, reward, device)
+    trainer.base_model = base  # recorded in every checkpoint (resumable)
     if state is not None:
         trainer.load_state(state)
     if trainer.is_main and not cfg.eval_only:
@@ -327,6 +336,8 @@ def save_final(trainer: Trainer):
         return None
     try:
         return trainer.task.save_final(plain or runs.export_model(trainer), trainer.save_dir)
+    except ValueError as err:  # --export best: a checkpoint_best.pt that does not fit
+        raise UsageError(str(err)) from None
     except OSError as err:
         raise UsageError(f"cannot write the final model into {trainer.save_dir}: {err.strerror or err} "
                          f"({trainer.checkpoints.last_path} holds it)") from None

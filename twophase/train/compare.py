@@ -12,13 +12,13 @@ while any process has budget left.
 """
 from __future__ import annotations
 
-import copy
 import time
 
 from . import distributed, fsdp
-from .checkpoint import CheckpointError, load, rng_state, set_rng_state
+from .checkpoint import CheckpointError, host_copy, load, rng_state, set_generator_state, set_rng_state
 from .evaluation import test_beams, test_scores
 from .interrupt import Interrupted
+from .params import saved_state
 from .report import fmt_scores
 
 CONTINUED = "mle-continued"
@@ -36,12 +36,14 @@ class Comparison:
         return self.save_dir / "checkpoint_mle_continued.pt"
 
     def snapshot(self) -> dict:
-        """What the next training step depends on, copied (this process's random streams only)."""
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        """What the next training step depends on, copied into CPU memory (this process's random streams only):
+        held for the whole RL phase, a copy on the device would cost it a second model and optimizer. Of the
+        model, what a checkpoint holds (with LoRA the adapters alone: the frozen base does not change)."""
+        state = {"model": saved_state(self.model), "optimizer": self.optimizer.state_dict(),
                  "mle_batches": self.mle_batches.state_dict(), "rl_batches": self.rl_batches.state_dict(),
                  "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
                  **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}
-        return copy.deepcopy(state)
+        return host_copy(state)
 
     def restore(self, snap: dict) -> None:
         fsdp.load_model(self.model, snap["model"])  # a checkpoint of LoRA adapters holds them alone
@@ -51,8 +53,7 @@ class Comparison:
         self.mle_batches.load_state_dict(snap["mle_batches"])
         self.rl_batches.load_state_dict(snap["rl_batches"])
         set_rng_state(snap["rng"])
-        sampling = snap["sampling_rng"]
-        self.sampling.set_state(sampling.cpu() if self.device.type == "cpu" else sampling)
+        set_generator_state(self.sampling, snap["sampling_rng"])
 
     def save_branch(self) -> None:
         """At the end of the MLE phase: keep the branch point in memory and in checkpoint_mle_end.pt."""
@@ -62,7 +63,7 @@ class Comparison:
     def load_branch(self) -> dict | None:
         """The branch point saved by an earlier process of this run (resumed after it), this process's streams."""
         try:
-            state = load(self.branch_path, map_location=self.device)
+            state = load(self.branch_path)  # on the CPU: restore copies it into the model on its device
         except CheckpointError:
             return None
         saved = state.get("rank_rngs") or [{"rng": state["rng"], "sampling_rng": state["sampling_rng"]}]
@@ -92,7 +93,7 @@ class Comparison:
         self.summary[CONTINUED] = {**scores, "steps_per_s": st["steps"] / max(st["seconds"], 1e-9),
                                    "skipped": st["skipped"], "steps": st["steps"], "seconds": st["seconds"],
                                    "cpu_seconds": st["cpu_seconds"]}
-        self.test_models = {"mle": branch["model"], CONTINUED: copy.deepcopy(self.model.state_dict())}
+        self.test_models = {"mle": branch["model"], CONTINUED: host_copy(saved_state(self.model))}
         self.save(path=self.continued_path, phase=CONTINUED)
         self.restore(self.final)
         self.final, self.compared = None, True
@@ -136,14 +137,14 @@ class Comparison:
 
     def test_model(self, name: str, state_dict) -> dict:
         """Test scores of a compared model (its parameters loaded for the evaluation, then the final ones back)."""
-        final = copy.deepcopy(self.model.state_dict())
+        final = host_copy(saved_state(self.model))
         fsdp.load_model(self.model, state_dict)
         try:
             with fsdp.gathered(self.model):
                 return test_scores(self.model, self.task, self.test, self.reward, test_beams(self.cfg),
                                    self.cfg.max_len, self.device)
         finally:
-            self.model.load_state_dict(final)
+            fsdp.load_model(self.model, final)
 
     def compared_models(self) -> dict:
         """name -> parameters of the models compared with the final one (none without a finished comparison);
@@ -152,8 +153,8 @@ class Comparison:
             return {}
         if self.test_models is None:
             try:
-                self.test_models = {"mle": load(self.branch_path, self.device)["model"],
-                                    CONTINUED: load(self.continued_path, self.device)["model"]}
+                self.test_models = {"mle": load(self.branch_path, mmap=True)["model"],
+                                    CONTINUED: load(self.continued_path, mmap=True)["model"]}
             except CheckpointError:
                 return {}
         return self.test_models

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import grammar
+from . import basemodel, grammar
 from .checkpoint import CheckpointError, load
 from .cli import UsageError, compile_step, pick_device
 from .config import DEFAULT_BEAM, OneLineParser, config_from_dict
@@ -54,7 +54,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--hf-model", default=None,
                    help="a checkpoint of a --hf-model run: the folder to read the model's config and tokenizer "
                         "from (default: the training --hf-model; the run's hf_final folder holds both too); the "
-                        "parameters are the checkpoint's")
+                        "parameters are the checkpoint's. A --lora-r run's checkpoint holds its adapters alone: "
+                        "the folder of its base model, wherever it is now (its fingerprint is checked)")
     return p
 
 
@@ -65,12 +66,20 @@ def read_input(path: str) -> list[str]:
 def load_model(path: str, device: torch.device, hf_model: str | None = None):
     """The checkpoint's model in evaluation mode, its task (ids restored, no data read) and its training config;
     `hf_model`: where a --hf-model run's config and tokenizer are now (default: where training read them)."""
-    state = load(path, map_location=device)
+    if Path(path).is_dir():  # a run's directory: say which file
+        raise UsageError(f"--checkpoint {path}: a directory; give a checkpoint file, e.g. "
+                         f"{Path(path) / 'checkpoint_best.pt'}")
+    state = load(path, mmap=True)  # on the CPU, the optimizer's state never read; the model's copied onto device
     saved = state["config"]
     cfg = config_from_dict(saved)
     if hf_model is not None:
         if cfg.hf_model is None:
             raise UsageError(f"--hf-model: {path} was not trained with --hf-model")
+        folder = Path(hf_model)
+        if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+            raise UsageError(f"--hf-model {hf_model}: LoRA adapters (a --lora-r run's hf_final), not a model; the "
+                             f"checkpoint holds its adapters: give the folder of the base model they adapt "
+                             f"(default: training's, {cfg.hf_model})")
         cfg.hf_model = hf_model
     if "task" in state:
         task = build_task(cfg, state["task"]["spec"], state["task"].get("origin"))
@@ -82,6 +91,10 @@ def load_model(path: str, device: torch.device, hf_model: str | None = None):
                               "char_target": saved.get("char_target", False),
                               "fold_case": saved.get("lowercase_source", saved.get("train") is None)})
     model = task.build_model().to(device)
+    try:  # a --lora-r checkpoint's adapters need the base they were trained on
+        basemodel.check(state.get("base_model"), basemodel.record(model, cfg.hf_model), path, cfg.hf_model)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     try:
         load_saved(model, state["model"])
     except RuntimeError as err:  # --hf-model naming another architecture than the one trained, say

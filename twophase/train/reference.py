@@ -53,12 +53,12 @@ class Reference:
             ref = fsdp.copy_model(model, build)
             if ref_checkpoint is not None:
                 try:
-                    fsdp.load_model(ref, _model_state(ref_checkpoint, device))
+                    fsdp.load_model(ref, _model_state(ref_checkpoint))
                 except RuntimeError as err:
                     raise StartupError(f"--ref-checkpoint {ref_checkpoint}: {str(err).splitlines()[0]}") from None
             return cls("copy", _frozen(ref))
         if ref_checkpoint is not None:
-            return cls("adapters", values=_adapters_of(model, ref_checkpoint, device))
+            return cls("adapters", values=_adapters_of(model, ref_checkpoint))
         adapter = getattr(model, "adapter", None)
         if adapter is not None:
             from ..models.hf import lora  # an adapter exists only where transformers and peft were imported
@@ -119,10 +119,12 @@ def _frozen(model):
     return model.eval().requires_grad_(False)
 
 
-def _model_state(path: str, device) -> dict:
+def _model_state(path: str) -> dict:
     """The parameters a --ref-checkpoint file holds: a twophase checkpoint's "model", or a bare state dict."""
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
+        # On the CPU (its parameters are copied into a model on the device), memory-mapped: an optimizer's
+        # state in the file is never read
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 - whatever torch.load raises, the file is not a checkpoint
         raise StartupError(f"--ref-checkpoint {path}: not a checkpoint torch.load can read "
                            f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
@@ -131,11 +133,11 @@ def _model_state(path: str, device) -> dict:
     return state["model"] if isinstance(state.get("model"), dict) else state
 
 
-def _adapters_of(model, path: str, device) -> dict:
+def _adapters_of(model, path: str) -> dict:
     """--ref-checkpoint for a model with frozen parameters (LoRA): its values of the trainable ones (the
     adapters: a checkpoint of a --lora-r run of the same model and adapters, which holds them alone). Entries of
     frozen parameters are allowed where they equal the model's: the reference shares this model's base."""
-    state, own = _model_state(path, device), model.state_dict()
+    state, own = _model_state(path), model.state_dict()
     trainable = saved_state(model)
     why = "with --lora-r the reference is this model's base with the file's adapters (a --lora-r run's checkpoint)"
     missing = [k for k in trainable if k not in state]
@@ -147,7 +149,7 @@ def _adapters_of(model, path: str, device) -> dict:
         if tuple(v.shape) != tuple(own[k].shape):
             raise StartupError(f"--ref-checkpoint {path}: {k} has shape {tuple(v.shape)}, the model's "
                                f"{tuple(own[k].shape)}; {why}")
-        if k not in trainable and not torch.equal(v.to(own[k].dtype), own[k]):
+        if k not in trainable and not torch.equal(v.to(own[k].device, own[k].dtype), own[k]):
             raise StartupError(f"--ref-checkpoint {path}: its {k} differs from this model's frozen one; {why}")
     return {k: state[k].to(device=trainable[k].device, dtype=trainable[k].dtype).clone() for k in trainable}
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from . import distributed, fsdp
-from .checkpoint import python_rng_state, rng_state, save_atomic, set_python_rng_state, set_rng_state
+from .checkpoint import (python_rng_state, rng_state, save_atomic, set_generator_state, set_python_rng_state,
+                         set_rng_state)
 from .params import saved_state
 
 
@@ -33,6 +34,8 @@ class Resumable:
                 "log_step": self.log_step, "best_scores": self.best_scores,
                 "presenting": python_rng_state(self.presenting),
                 **({"policy": policy} if policy is not None else {}),
+                # the frozen base the saved parameters need (--lora-r: the --hf-model folder's): basemodel
+                **({"base_model": self.base_model} if getattr(self, "base_model", None) else {}),
                 **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}  # floats and ints
 
     def save_best(self, scores: dict) -> None:
@@ -105,5 +108,4 @@ class Resumable:
             return  # resumed on another number of processes: continues, though not bit-identically
         mine = saved[distributed.rank()] if len(saved) == distributed.world() else saved[0]
         set_rng_state(mine["rng"])
-        sampling = mine["sampling_rng"]
-        self.sampling.set_state(sampling.cpu() if self.device.type == "cpu" else sampling)
+        set_generator_state(self.sampling, mine["sampling_rng"])

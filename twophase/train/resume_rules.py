@@ -21,6 +21,7 @@ RULES = {
     # logging, evaluation and saving cadence
     "eval_every": FREE, "save_every": FREE, "keep_last": FREE, "log_every": FREE, "tensorboard": FREE, "picture": FREE,
     "profile_memory": FREE, "compare_mle": FREE, "test": FREE, "export": FREE,
+    "merge_lora": FREE,
     # resources: the same gradient computed with other memory, speed or precision
     "threads": FREE, "device": FREE, "rescore_chunk": FREE, "memory_budget": FREE, "no_prefix_sharing": FREE,
     "one_phase": FREE, "amp": FREE, "max_bad_steps": FREE, "fsdp": FREE, "compile": FREE, "deterministic": FREE,

@@ -18,12 +18,19 @@ from pathlib import Path
 
 import torch
 
+from . import checkpoint
 from .checkpoint import CheckpointError, SaveError, load
+from .params import load_saved
 from .resume_rules import same, show
 
 # Flags that give the model its shape and ids: --init-from takes them from the checkpoint and refuses others.
+# LoRA's rank, scale and modules too: a --lora-r checkpoint holds the adapters alone, which only continue on
+# adapters of the same shape over the same base (new adapters start from a merged export: LORA_HINT).
+LORA_SHAPE = ("lora_r", "lora_alpha", "lora_target_modules")
 MODEL_SHAPE = ("task", "hf_model", "embed_dim", "hidden_size", "bidirectional", "char_source", "char_target",
-               "lowercase_source")
+               "lowercase_source") + LORA_SHAPE
+LORA_HINT = ("; to train new adapters (or every parameter) from it, export the merged model (train.py --save-dir "
+             "RUN --resume --export best --merge-lora) and start from it: --hf-model RUN/hf_final")
 INIT_DATA = ("train", "valid", "test", "train_size", "valid_size", "max_src_len", "too_long")
 LATER = ("checkpoint_last.pt", "checkpoint_best.pt", "checkpoint_crash.pt", "checkpoint_mle_end.pt",
          "checkpoint_mle_continued.pt")
@@ -85,8 +92,19 @@ def check_init(cfg, state: dict, path, flag: str = "--init-from") -> None:
     for name in MODEL_SHAPE:
         if name in saved and not same(name, saved[name], getattr(cfg, name)):
             flag = "--" + name.replace("_", "-")
+            hint = LORA_HINT if name in LORA_SHAPE else ""
             raise ValueError(f"{flag} {path}: its model was built with {flag} {show(saved[name])}, not "
-                             f"{show(getattr(cfg, name))}")
+                             f"{show(getattr(cfg, name))}{hint}")
+
+
+def load_init(model, state: dict, path) -> None:
+    """--init-from: the checkpoint's parameters into the model built for this run (a --lora-r run's checkpoint:
+    its adapters, onto the base the run reads from --hf-model); ValueError, one line, where they do not fit."""
+    try:
+        load_saved(model, state["model"])
+    except RuntimeError as err:
+        raise ValueError(f"--init-from {path}: its parameters do not fit the model this run builds "
+                         f"({str(err).strip().splitlines()[-1].strip()})") from None
 
 
 def set_aside(save_dir, step: int) -> Path | None:
@@ -160,7 +178,9 @@ def evaluation_table(task, scores: dict) -> str:
 
 def export_model(trainer):
     """--export: the model the task's own export writes: the run's last, or checkpoint_best.pt's parameters
-    (where the run has none, the last, with a note)."""
+    (where the run has none, the last, with a note). The best is a copy of the model sharing its frozen
+    parameters (a LoRA base: the checkpoint holds the adapters alone), its trainable ones in host memory with the
+    file's values: no second model on the device."""
     if trainer.cfg.export != "best":
         return trainer.model
     path = trainer.checkpoints.best_path
@@ -168,6 +188,16 @@ def export_model(trainer):
         print(f"note: --export best: no {path} (no validation improved on the start): exporting the last model",
               file=sys.stderr, flush=True)
         return trainer.model
-    model = copy.deepcopy(trainer.model)
-    model.load_state_dict(load(path, map_location=trainer.device)["model"])
+    try:
+        state = load(path, mmap=True)
+    except CheckpointError as err:
+        raise ValueError(f"--export best: {err}") from None
+    memo = {id(p): p if not p.requires_grad else torch.nn.Parameter(p.detach().to(checkpoint.HOST, copy=True))
+            for p in trainer.model.parameters()}
+    model = copy.deepcopy(trainer.model, memo)
+    try:
+        load_saved(model, state["model"])
+    except RuntimeError as err:
+        raise ValueError(f"--export best: {path}: its parameters do not fit this run's model "
+                         f"({str(err).strip().splitlines()[-1].strip()})") from None
     return model

@@ -53,12 +53,25 @@ def attach(model, r: int, alpha: float, dropout: float, targets: list[str] | Non
 
 def save(adapter, folder, merge: bool) -> None:
     """save_pretrained of the adapters alone (peft's adapter folder), or with merge a copy of the model with the
-    adapters merged into its weights (a plain transformers folder); the trained model is left as it is."""
+    adapters merged into its weights (a plain transformers folder); the trained model is left as it is. The
+    merged copy is made in host memory: its tensors are copied to the CPU one by one, never a second model on
+    the device."""
     if merge:
-        import copy
-        copy.deepcopy(adapter).merge_and_unload().save_pretrained(folder)
+        on_host(adapter).merge_and_unload().save_pretrained(folder)
     else:
         adapter.save_pretrained(folder)
+
+
+def on_host(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `module` whose parameters and buffers are CPU copies of its own (copied one at a time)."""
+    import copy
+
+    memo = {}
+    for p in module.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = b.detach().to("cpu", copy=True)
+    return copy.deepcopy(module, memo)
 
 
 def adds_nothing(adapter) -> bool:
