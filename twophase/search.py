@@ -16,8 +16,9 @@ from torch import Tensor
 
 from . import owners, tree
 from .blocks import block_bytes
-from .draw import NO_MASS, draw, draw_unchecked, truncate  # noqa: F401  (draw: tests reach it here)
-from .protocol import ModelError, model_name, num_sources, scoring_mode, target_mask
+from .draw import draw, draw_unchecked, truncate  # noqa: F401  (draw: tests reach it here)
+from .protocol import num_sources, scoring_mode, target_mask
+from .stepchecks import Checks
 from .samples import Samples, best_rows  # noqa: F401  (best_rows: re-exported, validation and decode use it)
 
 # Beam search runs the decoder on its open hypotheses only once at least this fraction of its B*K rows has
@@ -79,56 +80,6 @@ class _Decoder:
         return logp.index_fill(1, self.banned(logp), float("-inf"))
 
 
-class Checks:
-    """Checks of a search's per-step values that never read them during the search: on an accelerator a read
-    makes the host wait for the device at every step. Each check keeps its value (a 0-d tensor) on the device;
-    `raise_first` reads them all at once when the search ends and raises, in the order the checks were made,
-    the error the first failed one would have raised then. The search goes on meanwhile with the failed rows
-    (their tokens stay in range: `draw_unchecked` clamps them), and returns nothing when one failed."""
-
-    def __init__(self):
-        self.values: list[Tensor] = []
-        self.kinds: list[str] = []
-        self.model = None
-
-    def finite(self, model, logp: Tensor) -> None:
-        """ModelError, when raised, where log-probabilities hold NaN or +inf: -inf (a banned token) is the only
-        non-finite value a model may return. Rows with such scores used to be dropped as impossible, and their
-        sources vanished from training and validation without a word. One reduction: the maximum is NaN wherever
-        any entry is."""
-        if logp.numel():
-            self.model = model
-            self._add(logp.detach().amax(), "finite")
-
-    def positive(self, has_mass: Tensor) -> None:
-        """ValueError, when raised, where a row drawn from (`draw.draw_unchecked`'s has_mass (N,)) had no
-        positive probability mass or held NaN."""
-        self._add(has_mass.all(), "positive")
-
-    def _add(self, value: Tensor, kind: str) -> None:
-        self.values.append(value.to(torch.float64).reshape(()))
-        self.kinds.append(kind)
-
-    def raise_first(self) -> None:
-        if not self.values:
-            return
-        values = torch.stack(self.values).tolist()  # the search's one read of its checks
-        self.values, kinds, self.kinds = [], self.kinds, []
-        for value, kind in zip(values, kinds):
-            if kind == "finite" and (math.isnan(value) or value == math.inf):
-                raise ModelError(f"{model_name(self.model)} returned {'NaN' if math.isnan(value) else '+inf'} "
-                                 "log-probabilities (only -inf, a banned token, may be non-finite)")
-            if kind == "positive" and value != 1.0:
-                raise ValueError(NO_MASS)
-
-
-def check_finite(model, logp: Tensor) -> None:
-    """`Checks.finite` at once: ModelError where log-probabilities hold NaN or +inf."""
-    checks = Checks()
-    checks.finite(model, logp)
-    checks.raise_first()
-
-
 def _check_count(name: str, value, minimum: int = 1) -> None:
     """Misuse named in one line (a beam of 0 used to fail inside topk, a temperature of 0 with NaN draws)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -144,7 +95,7 @@ def _score_dtype(logp: Tensor) -> torch.dtype:
 
 def _finish(model, tokens: Tensor, scores: Tensor, owner: Tensor, token_scores: Tensor | None = None,
             **extra: Tensor) -> Samples:
-    """Drop impossible rows (score -inf; `check_finite` refused NaN and +inf), trim trailing padding columns;
+    """Drop impossible rows (score -inf; `Checks.finite` refused NaN and +inf), trim trailing padding columns;
     `extra` (N,) row fields of `Samples` follow the rows. Runs outside inference mode: the clones are ordinary
     tensors, which phase two may save for backward (it embeds these tokens)."""
     keep = ~torch.isneginf(scores)
