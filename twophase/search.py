@@ -248,9 +248,7 @@ def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: 
     open_a = live[act].reshape(-1)  # (nA*K,) which of the active sources' rows are open
     pos = _positions(open_a, ends[-1])  # (nO,) the open rows' positions among those nA*K
     rows = (act[:, None] * K + torch.arange(K, device=act.device)).reshape(-1)[pos]  # (nO,) their rows in B*K
-    # K' rows per source in order where every source kept the same number open, else no such layout
-    uniform = len(ends) == B and len(set(open_rows)) == 1
-    owner_o = owners.remember(owner[rows], B, open_rows[0] if uniform else 0)  # (nO,)
+    owner_o = owners.remember(owner[rows], _runs(open_rows))  # (nO,) its layout, known from the counts
     state_o = dec.advance(enc, owner_o, prev[rows], tree.select_rows(state, rows))  # nO rows
     act_scores = scores[act]  # (nA, K)
     top = []
@@ -270,6 +268,16 @@ def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: 
     slot = torch.zeros(B * K, dtype=torch.long, device=act.device).index_copy_(
         0, rows, torch.arange(len(rows), device=act.device))  # (B*K,)
     return state_o, scores, flat, picked, slot
+
+
+def _runs(open_rows: list[int]) -> tuple[int, int, int] | None:
+    """(b0, nb, G) where the open rows are G per source of sources b0 .. b0 + nb - 1, in order (each source
+    with open rows has G of them, and they are consecutive); None otherwise."""
+    active = [b for b, n in enumerate(open_rows) if n]
+    sizes = {open_rows[b] for b in active}
+    if len(sizes) != 1 or active[-1] - active[0] + 1 != len(active):
+        return None
+    return active[0], len(active), sizes.pop()
 
 
 def _open_extensions(logp: Tensor, scores: Tensor, at: Tensor, pad_id: int, banned: Tensor) -> Tensor:
