@@ -1,11 +1,11 @@
 """Phase one's host syncs per decoder step (`twophase.bench.hostsyncs.count_host_syncs`): at most 2 for beam
 search (compacted steps included), sampling and stochastic beam search, with the built-in LSTM, both Karel
-models and the Hugging Face wrappers (seq2seq and causal). A search is counted at two max_len values it runs to the end; the fixed
-costs (encode, the end's one read of the deferred checks, `_finish`) cancel in the difference, so
-per step = (total(T2) - total(T1)) / (T2 - T1). Reads inside transformers' own forward (its attention masks
-check their padding on the host) are counted apart: they are the library's, not twophase's; so, for now, are
-models/fused.py's (its row-layout check reads each new owner, hence at every compacted step). The counts are
-printed (pytest -s) and in every assertion message."""
+models and the Hugging Face wrappers (seq2seq and causal). A search is counted at two max_len values it runs to
+the end; the fixed costs (encode, the end's one read of the deferred checks, `_finish`) cancel in the
+difference, so per step = (total(T2) - total(T1)) / (T2 - T1). Reads inside transformers' own forward (its
+attention masks check their padding on the host) are counted apart: they are the library's, not twophase's; so,
+for now, are models/fused.py's (its row-layout check reads each new owner, hence at every compacted step). The
+counts are printed (pytest -s) and in every assertion message."""
 import collections
 import importlib.util
 import sys

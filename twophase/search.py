@@ -155,7 +155,8 @@ def _beam_search(model, source, beam_size: int, max_len: int, choose=None):
                 V = probe.shape[-1]
                 per_block = max(1, block_bytes(device, BLOCK_BYTES) // max(1, K * V * probe.element_size()))
                 scores = torch.full((B, K), float("-inf"), dtype=_score_dtype(probe), device=device)
-                scores[:, 0].fill_(0.0)  # one live hypothesis at first, or the K copies would fill the beam with duplicates
+                # one live hypothesis at first, or the K copies would fill the beam with duplicates
+                scores[:, 0].fill_(0.0)
                 token_scores = torch.zeros(B * K, max_len, dtype=scores.dtype, device=device)
             top = [_chosen(dec, dec.log_probs(state, slice(b * K, min(b + per_block, B) * K)),
                            scores[b:b + per_block], done[b * K:(b + per_block) * K], model.pad_id,
