@@ -93,22 +93,24 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     g = torch.Generator().manual_seed(args.seed)
     model = Reverser()
+    device = next(model.parameters()).device  # sources, indices and the sampler's generator go where the model is
+    draws = torch.Generator(device=device).manual_seed(args.seed)  # the sampler's; g makes the data, on the CPU
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    held_out, _ = batch(256, torch.Generator().manual_seed(12345))
+    held_out = batch(256, torch.Generator().manual_seed(12345))[0].to(device)
     print(f"reward before training: {evaluate(model, held_out):.3f}")
 
     for _ in range(args.mle_steps):  # maximum likelihood: the reference rows with objectives.mle coefficients
-        src, tgt = batch(args.batch_size, g)
-        refs = Samples.of_targets(tgt, torch.arange(len(src)), PAD, EOS)
+        src, tgt = (x.to(device) for x in batch(args.batch_size, g))
+        refs = Samples.of_targets(tgt, torch.arange(len(src), device=device), PAD, EOS)
         optimizer.zero_grad()
         rescore_backward(model, src, refs, objectives.mle(refs.owner, len(src)), chunk_size=64)
         optimizer.step()
     print(f"reward after {args.mle_steps} MLE steps: {evaluate(model, held_out):.3f}")
 
     for _ in range(args.steps):  # phase one: sample without a graph; phase two: chunked re-scoring with c_i
-        src, _ = batch(args.batch_size, g)
-        cand = sample(model, src, num_samples=args.samples, max_len=src.shape[1] + 1, generator=g)
-        r = reward(src[cand.owner], cand.tokens)
+        src = batch(args.batch_size, g)[0].to(device)
+        cand = sample(model, src, num_samples=args.samples, max_len=src.shape[1] + 1, generator=draws)
+        r = reward(src[cand.owner], cand.tokens)  # on the CPU: objectives move it to the samples' device
         c = objectives.reinforce(r, cand.owner, len(src), baseline="mean")
         optimizer.zero_grad()
         rescore_backward(model, src, cand, c, chunk_size=64)

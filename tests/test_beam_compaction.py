@@ -32,9 +32,9 @@ def _spy(monkeypatch):
         steps.append((0, 0, 0))
         return step(*args)
 
-    def extensions_spy(model, h, scores, at):
+    def extensions_spy(model, h, scores, at, *rest):
         steps[-1] = tuple(x + y for x, y in zip(steps[-1], (scores.shape[0], h.shape[0], scores.numel())))
-        return extensions(model, h, scores, at)
+        return extensions(model, h, scores, at, *rest)
 
     monkeypatch.setattr(search, "_compact_step", step_spy)
     monkeypatch.setattr(search, "_open_extensions", extensions_spy)

@@ -29,6 +29,9 @@ def truncate(logits: Tensor, eos_id: int, t: int, top_k: int | None, top_p: floa
     return logits
 
 
+NO_MASS = "draw: a row of probabilities has no positive mass (or holds NaN)"
+
+
 def draw(probs: Tensor, generator: torch.Generator | None = None, block: int = 64) -> Tensor:
     """(N,) one token per row of probs (N, V) (non-negative, each row's mass positive, not necessarily 1), by
     inverting the row's cumulative distribution at one uniform draw: first among blocks of `block` tokens, then
@@ -36,17 +39,40 @@ def draw(probs: Tensor, generator: torch.Generator | None = None, block: int = 6
     quarter of a sampling step's time with a small model (14 of 60 ms at N = 32, V = 8000); one cumulative sum
     over V still took 3 ms there, the blocks' sums 0.5. The sums are in float64, so each token's probability is
     kept to about 1e-16 of its row's mass, and a token (a block) of probability 0 is never drawn: the uniform
-    stays strictly below the mass it is compared with."""
+    stays strictly below the mass it is compared with. ValueError where a row has no positive mass (also NaN):
+    as torch.multinomial, refuse rather than draw anything. `generator` may be on any device: the uniforms are
+    drawn on its device and moved to probs'."""
+    tokens, has_mass = draw_unchecked(probs, generator, block)
+    if not bool(has_mass.all()):
+        raise ValueError(NO_MASS)
+    return tokens
+
+
+def draw_unchecked(probs: Tensor, generator: torch.Generator | None = None,
+                   block: int = 64) -> tuple[Tensor, Tensor]:
+    """`draw` without reading whether every row has mass (a read makes the host wait for the device): (N,)
+    tokens and (N,) has_mass, each row's. A row without mass gets some token in range(V), which means nothing."""
     N, V = probs.shape
     p = torch.nn.functional.pad(probs, (0, (-V) % block)).double().reshape(N, -1, block)  # (N, V / block, block)
     mass = p.sum(dim=2)  # (N, V / block) each block's
     cdf = mass.cumsum(dim=1)
-    if not bool((cdf[:, -1] > 0).all()):  # also NaN: as torch.multinomial, refuse rather than draw anything
-        raise ValueError("draw: a row of probabilities has no positive mass (or holds NaN)")
-    u = torch.rand((N, 1), dtype=torch.float64, device=probs.device, generator=generator) * cdf[:, -1:]  # (N, 1)
+    has_mass = cdf[:, -1] > 0  # False also for NaN
+    u = uniforms((N, 1), generator, probs.device) * cdf[:, -1:]  # (N, 1)
     u = torch.minimum(u, torch.nextafter(cdf[:, -1:], torch.zeros_like(u)))
-    j = torch.searchsorted(cdf, u, right=True)  # (N, 1) the first block whose cumulative mass exceeds u
+    # the first block whose cumulative mass exceeds u; the clamps only act on a row without mass (its u may be
+    # NaN), whose indices must stay in range: out of range, a CUDA gather stops the process
+    j = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)  # (N, 1)
     u = u - (cdf.gather(1, j) - mass.gather(1, j))  # (N, 1) what is left of u past the blocks before
     inner = p[torch.arange(N, device=probs.device), j.squeeze(1)].cumsum(dim=1)  # (N, block)
     u = torch.minimum(u.clamp_min(0), torch.nextafter(inner[:, -1:], torch.zeros_like(u)))
-    return (j * block + torch.searchsorted(inner, u, right=True)).squeeze(1)
+    within = torch.searchsorted(inner, u, right=True).clamp_(max=block - 1)  # (N, 1)
+    return (j * block + within).squeeze(1).clamp_(max=V - 1), has_mass
+
+
+def uniforms(shape: tuple, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """Float64 uniforms in [0, 1) on `device`, drawn on the generator's device (the default generator: on
+    `device`'s): a CPU `torch.Generator()` serves a model on a GPU, at the cost of a copy."""
+    at = device if generator is None else generator.device
+    u = torch.rand(shape, dtype=torch.float64, device=at, generator=generator)
+    # to an accelerator the copy need not block (u is fresh, nothing else holds it); to the CPU it must
+    return u.to(device, non_blocking=torch.device(device).type != "cpu")

@@ -7,6 +7,10 @@ depend on how rows are chunked or how many candidates a source kept.
 
 Letters: B sources, N candidate rows, T row length, U distinct candidates; `owner` (N,) maps a row to its source in
 range(B).
+
+Devices: a function's result is on the device of the scores (or, for `reinforce` and `mle`, which take none,
+of the owners: the samples'); rewards, owners and tokens built elsewhere (rewards on the CPU, from Python
+floats) are moved there.
 """
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ def check_owner(owner: Tensor, num_sources: int) -> None:
 
 
 def group_sum(x: Tensor, owner: Tensor, num_sources: int) -> Tensor:
-    """(B,) per-source sums of x (N,)."""
-    return torch.zeros(num_sources, dtype=x.dtype, device=x.device).index_add_(0, owner, x)
+    """(B,) per-source sums of x (N,), on x's device (owner is moved there)."""
+    return torch.zeros(num_sources, dtype=x.dtype, device=x.device).index_add_(0, owner.to(x.device), x)
 
 
 def group_count(owner: Tensor, num_sources: int, dtype=torch.float64) -> Tensor:
@@ -37,7 +41,8 @@ def group_count(owner: Tensor, num_sources: int, dtype=torch.float64) -> Tensor:
 
 
 def group_softmax(x: Tensor, owner: Tensor, num_sources: int) -> Tensor:
-    """(N,) softmax of x over the rows of each source."""
+    """(N,) softmax of x over the rows of each source, on x's device (owner is moved there)."""
+    owner = owner.to(x.device)
     peak = torch.full((num_sources,), float("-inf"), dtype=x.dtype, device=x.device)
     peak = peak.scatter_reduce(0, owner, x, reduce="amax")  # (B,) for a stable exp
     e = torch.exp(x - peak[owner])
@@ -76,7 +81,7 @@ def reinforce(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = 
     a sequence drawn twice counts twice.
     """
     check_owner(owner, num_sources)
-    r, scored = scored_values(rewards)
+    r, scored = scored_values(rewards.to(owner.device))
     count = group_sum(scored.to(torch.float64), owner, num_sources)[owner]  # (N,) scored samples of the source
     total = group_sum(r, owner, num_sources)[owner]  # (N,)
     if baseline == "none":
@@ -88,7 +93,7 @@ def reinforce(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = 
     elif baseline == "greedy":
         if greedy_rewards is None:
             raise ValueError("baseline 'greedy' needs greedy_rewards")
-        b = scored_values(greedy_rewards)[0][owner]  # an unscored greedy decode: baseline 0
+        b = scored_values(greedy_rewards.to(owner.device))[0][owner]  # an unscored greedy decode: baseline 0
     else:
         raise ValueError(f"unknown baseline {baseline!r}; choose from {', '.join(BASELINES)}")
     return torch.where(scored, -(r - b) / (num_sources * count.clamp(min=1)), torch.zeros_like(r))
@@ -111,6 +116,7 @@ def mrt(rewards: Tensor, scores: Tensor, owner: Tensor, num_sources: int, alpha:
     generator's log-probabilities leaves them NaN): Q is made of them.
     """
     check_owner(owner, num_sources)
+    rewards, owner, tokens = rewards.to(scores.device), owner.to(scores.device), tokens.to(scores.device)
     if bool(torch.isnan(scores).any()):
         raise ValueError("mrt and beam weigh candidates by their search scores, which are unknown (NaN: "
                          "Samples.from_completions without token_logps); give the generator's log-probabilities, "
@@ -144,4 +150,4 @@ def scored_values(rewards: Tensor) -> tuple[Tensor, Tensor]:
 
 def mix(rl: Tensor, mle_coefficients: Tensor, mle_weight: float) -> Tensor:
     """lambda * MLE + (1 - lambda) * RL, over the RL rows followed by the reference rows."""
-    return torch.cat([(1.0 - mle_weight) * rl, mle_weight * mle_coefficients])
+    return torch.cat([(1.0 - mle_weight) * rl, mle_weight * mle_coefficients.to(rl.device)])

@@ -75,9 +75,12 @@ class Gumbels:
         self.threshold = torch.full((B,), float("-inf"), dtype=torch.float64, device=device)
 
     def gumbel(self, shape, device) -> Tensor:
-        """Standard Gumbels: -log E with E ~ Exp(1) (E = 0 has probability 0)."""
-        e = torch.empty(shape, dtype=torch.float64, device=device).exponential_(generator=self.generator)
-        return -e.log()
+        """Standard Gumbels on `device`: -log E with E ~ Exp(1) (E = 0 has probability 0), drawn on the
+        generator's device (a CPU `torch.Generator()` serves a model on a GPU, at the cost of a copy)."""
+        at = device if self.generator is None else self.generator.device
+        e = torch.empty(shape, dtype=torch.float64, device=at).exponential_(generator=self.generator)
+        # to an accelerator the copy need not block (fresh, nothing else holds it); to the CPU it must
+        return (-e.log()).to(device, non_blocking=torch.device(device).type != "cpu")
 
     def __call__(self, cand: Tensor, K: int, sources: Tensor):
         """cand (n, K*V): the extensions' log-probabilities phi (with the search's graph under one-phase);

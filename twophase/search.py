@@ -8,14 +8,17 @@ Letters: B sources, K candidates per source, N = B*K rows, T max length, V vocab
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 from torch import Tensor
 
-from . import tree
-from .draw import draw, truncate
-from .protocol import ModelError, model_name, num_sources, scoring_mode, target_mask
+from . import owners, tree
+from .blocks import block_bytes
+from .draw import draw, draw_unchecked, truncate  # noqa: F401  (draw: tests reach it here)
+from .protocol import num_sources, scoring_mode, target_mask
+from .stepchecks import Checks
 from .samples import Samples, best_rows  # noqa: F401  (best_rows: re-exported, validation and decode use it)
 
 # Beam search runs the decoder on its open hypotheses only once at least this fraction of its B*K rows has
@@ -31,7 +34,8 @@ BLOCK_BYTES = 8 * 2**20
 class _Decoder:
     """A model's `step` as two calls: `advance` every row, then the log-probabilities of a slice of rows. A model
     with its own `advance` and `log_probs` computes the latter per slice, so no (N, V) tensor exists at once;
-    otherwise `step`'s (N, V) result is sliced. Search never proposes pad_id or bos_id, unless it is eos_id."""
+    otherwise `step`'s (N, V) result is sliced. Search never proposes pad_id or bos_id, unless it is eos_id: the
+    beam bans them in its candidate scores (`_extensions`), the sampler in a copy (`ban_specials`)."""
 
     def __init__(self, model, choose=None):
         self.model = model
@@ -41,6 +45,7 @@ class _Decoder:
         self.split = callable(getattr(model, "advance", None)) and callable(getattr(model, "log_probs", None))
         self.last = None
         self.specials = None
+        self.checks = Checks()
 
     def advance(self, enc, owner: Tensor, prev: Tensor, state):
         if self.split:
@@ -49,32 +54,30 @@ class _Decoder:
         return state
 
     def log_probs(self, state, rows: slice) -> Tensor:
-        """(n, V) for the rows `rows` of the state `advance` returned last."""
+        """(n, V) the model's log-probabilities (not banned) for the rows `rows` of the state `advance` returned
+        last, checked (`Checks.finite`)."""
         if self.split:
             logp = self.model.log_probs(tree.map_tensors(lambda x: x[rows], state))
         else:
             logp = self.last[rows]
-        return self.ban_specials(logp)
+        self.checks.finite(self.model, logp)
+        return logp
+
+    def banned(self, like: Tensor) -> Tensor:
+        """(S,) the token ids search never proposes; eos_id stays open when pad_id or bos_id equal it (GPT-2's
+        pad, BART's start)."""
+        if self.specials is None:
+            banned = sorted({self.model.pad_id, self.model.bos_id} - {self.model.eos_id})
+            # made by fills, not torch.tensor(list): no copy from host memory
+            self.specials = torch.cat([torch.full((1,), i, dtype=torch.long, device=like.device) for i in banned]
+                                      or [torch.zeros(0, dtype=torch.long, device=like.device)])
+        return self.specials
 
     def ban_specials(self, logp: Tensor) -> Tensor:
-        check_finite(self.model, logp)
-        if self.specials is None:  # eos_id stays open when pad_id or bos_id equal it (GPT-2's pad, BART's start)
-            banned = sorted({self.model.pad_id, self.model.bos_id} - {self.model.eos_id})
-            self.specials = torch.tensor(banned, dtype=torch.long, device=logp.device)
-        # Out of place: with a graph (one-phase) logp is saved for backward. Skipped when already impossible.
-        if bool(torch.isneginf(logp.index_select(1, self.specials)).all()):
-            return logp
-        return logp.index_fill(1, self.specials, float("-inf"))
-
-
-def check_finite(model, logp: Tensor) -> None:
-    """ModelError where log-probabilities hold NaN or +inf: -inf (a banned token) is the only non-finite value a
-    model may return. Rows with such scores used to be dropped as impossible, and their sources vanished from
-    training and validation without a word. One reduction: the maximum is NaN wherever any entry is."""
-    top = float(logp.detach().amax()) if logp.numel() else 0.0
-    if math.isnan(top) or top == math.inf:
-        raise ModelError(f"{model_name(model)} returned {'NaN' if math.isnan(top) else '+inf'} "
-                         "log-probabilities (only -inf, a banned token, may be non-finite)")
+        """logp (n, V) checked, with -inf at the banned ids: out of place (with a graph, one-phase, logp is saved
+        for backward, and a model's tensor is not ours to write)."""
+        self.checks.finite(self.model, logp)
+        return logp.index_fill(1, self.banned(logp), float("-inf"))
 
 
 def _check_count(name: str, value, minimum: int = 1) -> None:
@@ -92,7 +95,7 @@ def _score_dtype(logp: Tensor) -> torch.dtype:
 
 def _finish(model, tokens: Tensor, scores: Tensor, owner: Tensor, token_scores: Tensor | None = None,
             **extra: Tensor) -> Samples:
-    """Drop impossible rows (score -inf; `check_finite` refused NaN and +inf), trim trailing padding columns;
+    """Drop impossible rows (score -inf; `Checks.finite` refused NaN and +inf), trim trailing padding columns;
     `extra` (N,) row fields of `Samples` follow the rows. Runs outside inference mode: the clones are ordinary
     tensors, which phase two may save for backward (it embeds these tokens)."""
     keep = ~torch.isneginf(scores)
@@ -125,7 +128,7 @@ def _beam_search(model, source, beam_size: int, max_len: int, choose=None):
     enc = model.encode(source)
     B, K, device = num_sources(enc), beam_size, tree.device_of(enc)
     dec = _Decoder(model, None if choose is None else choose(B, K, device))
-    owner = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,)
+    owner = owners.repeated(B, K, device)  # (B*K,) K rows per source, in order
     state = model.init_state(enc, owner)
     scores = None  # (B, K), made at the first step, in the log-probabilities' summing dtype
     tokens = torch.full((B * K, max_len), model.pad_id, dtype=torch.long, device=device)
@@ -134,11 +137,14 @@ def _beam_search(model, source, beam_size: int, max_len: int, choose=None):
     prev = torch.full((B * K,), model.bos_id, dtype=torch.long, device=device)
     base = torch.arange(B, device=device)[:, None] * K  # (B, 1) first row of each source
     for t in range(max_len):
-        n_done = int(done.sum())  # the only host sync a step adds to the full step's own
+        if scores is None:  # the first step: nothing finished yet
+            n_done, open_rows = 0, None
+        else:  # the one read a step adds to the full step's own
+            n_done, *open_rows = _counts(done, scores)
         if n_done == B * K:
             break
         if n_done and n_done >= COMPACT_AT * B * K:
-            found = _compact_step(dec, enc, owner, prev, state, scores, done, per_block, V)
+            found = _compact_step(dec, enc, owner, prev, state, scores, done, per_block, V, open_rows)
             if found is None:  # nothing open: every hypothesis finished or impossible
                 break
             state, scores, flat, picked, slot = found
@@ -147,9 +153,10 @@ def _beam_search(model, source, beam_size: int, max_len: int, choose=None):
             if scores is None:
                 probe = dec.log_probs(state, slice(0, 1))  # (1, V): the vocabulary size and dtype
                 V = probe.shape[-1]
-                per_block = max(1, BLOCK_BYTES // max(1, K * V * probe.element_size()))
+                per_block = max(1, block_bytes(device, BLOCK_BYTES) // max(1, K * V * probe.element_size()))
                 scores = torch.full((B, K), float("-inf"), dtype=_score_dtype(probe), device=device)
-                scores[:, 0] = 0.0  # one live hypothesis at first, or the K copies would fill the beam with duplicates
+                # one live hypothesis at first, or the K copies would fill the beam with duplicates
+                scores[:, 0].fill_(0.0)
                 token_scores = torch.zeros(B * K, max_len, dtype=scores.dtype, device=device)
             top = [_chosen(dec, dec.log_probs(state, slice(b * K, min(b + per_block, B) * K)),
                            scores[b:b + per_block], done[b * K:(b + per_block) * K], model.pad_id,
@@ -169,40 +176,64 @@ def _beam_search(model, source, beam_size: int, max_len: int, choose=None):
     if scores is None:  # max_len 0
         scores = torch.zeros(B, K, device=device).index_fill_(1, torch.arange(1, K, device=device), float("-inf"))
         token_scores = torch.zeros(B * K, 0, device=device)
+    dec.checks.raise_first()
     return tokens, scores.reshape(-1), owner, token_scores
+
+
+def _counts(done: Tensor, scores: Tensor) -> list[int]:
+    """[finished rows, then each source's open rows (neither finished nor impossible)], read in one go: the
+    step's stop and compaction decisions, and compaction's whole bookkeeping."""
+    B, K = scores.shape
+    live = ~(done.reshape(B, K) | torch.isneginf(scores))  # (B, K)
+    return torch.cat([done.sum().reshape(1), live.sum(dim=1)]).tolist()
+
+
+def _positions(mask: Tensor, count: int) -> Tensor:
+    """(count,) the indices of the True entries of mask (M,), in order, where the host knows there are count:
+    `nonzero` without reading its size from the device (a stable sort puts them first)."""
+    return torch.sort((~mask).to(torch.uint8), stable=True).indices[:count]
 
 
 def _finished_row(V: int, like: Tensor, pad_id: int) -> Tensor:
     """(V,) a finished hypothesis' log-probabilities: its one continuation, pad_id, at no cost (search never
     proposes pad_id otherwise)."""
     finished = torch.full((V,), float("-inf"), dtype=like.dtype, device=like.device)
-    finished[pad_id] = 0.0
+    finished[pad_id:pad_id + 1].fill_(0.0)  # a fill, not an assignment of a Python number (a copy from the host)
     return finished
 
 
-def _extensions(logp: Tensor, scores: Tensor, done: Tensor, pad_id: int) -> Tensor:
+def _extensions(logp: Tensor, scores: Tensor, done: Tensor, pad_id: int, banned: Tensor) -> Tensor:
     """(n, K*V) the scores of every one-token extension of n sources' hypotheses, given their log-probabilities
-    logp (n*K, V): a flat index k*V + v is hypothesis k extended by token v."""
+    logp (n*K, V), not banned: a flat index k*V + v is hypothesis k extended by token v. Banned tokens (banned
+    (S,)) get -inf; a finished hypothesis, whatever its logp, its score at pad_id and -inf elsewhere. Both are
+    written into the one fresh (n*K, V) sum, whether or not any hypothesis finished: no read of `done`, no
+    second pass. In place but safe with a graph: an addition saves nothing for backward."""
     (n, K), V = scores.shape, logp.shape[-1]
-    if bool(done.any()):  # a (n*K, V) pass, skipped while every hypothesis is open
-        logp = torch.where(done[:, None], _finished_row(V, logp, pad_id), logp)  # (n*K, V)
-    return (scores.reshape(-1, 1) + logp).reshape(n, K * V)  # (n, K*V)
+    flat = scores.reshape(-1)  # (n*K,)
+    # a finished hypothesis' sum is -inf + logp = -inf (`Checks.finite` refuses NaN and +inf in logp)
+    cand = torch.where(done, float("-inf"), flat)[:, None] + logp  # (n*K, V)
+    cand.index_fill_(1, banned, float("-inf"))
+    cand.select(1, pad_id).copy_(torch.where(done, flat, cand.select(1, pad_id)))  # flat + 0: padding is free
+    return cand.reshape(n, K * V)
 
 
 def _chosen(dec: _Decoder, logp: Tensor, scores: Tensor, done: Tensor, pad_id: int, sources: Tensor):
-    """The K extensions `dec.choose` keeps for n sources given their hypotheses' log-probabilities logp (n*K, V):
-    (n, K) scores, flat indices into the (K*V) candidates, and the log-probabilities of the tokens they add (0
-    where a finished hypothesis is extended by padding)."""
+    """The K extensions `dec.choose` keeps for n sources given their hypotheses' log-probabilities logp (n*K, V)
+    (not banned): (n, K) scores, flat indices into the (K*V) candidates, and the log-probabilities of the tokens
+    they add (0 where a finished hypothesis is extended by padding; where a banned token was chosen, the
+    hypothesis' score is -inf and it is dropped whatever it holds)."""
     K, V = scores.shape[1], logp.shape[-1]
-    best, flat = dec.choose(_extensions(logp, scores, done, pad_id), K, sources)
+    best, flat = dec.choose(_extensions(logp, scores, done, pad_id, dec.banned(logp)), K, sources)
     rows = flat // V + K * torch.arange(len(flat), device=flat.device)[:, None]  # (n, K) among the n*K rows
     return best, flat, logp[rows, flat % V].masked_fill(done[rows], 0.0)
 
 
-def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: Tensor, per_block: int, V: int):
-    """The loop's step with the decoder run on the open rows only. Returns the new state of the nO open rows,
-    scores and flat (B, K) as the full step gives them, and slot (B*K,): each row's index into that state;
-    None when no row is open.
+def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: Tensor, per_block: int, V: int,
+                  open_rows: list[int]):
+    """The loop's step with the decoder run on the open rows only, given how many each source has (open_rows,
+    read by `_counts`: the host knows every size, so nothing more is read). Returns the new state of the nO open
+    rows, scores and flat (B, K) as the full step gives them, and slot (B*K,): each row's index into that
+    state; None when no row is open.
 
     A finished row's candidates are its score at pad_id and -inf elsewhere; an impossible row's (score -inf) are
     -inf whatever its log-probs. Neither needs the decoder, and the candidates, hence topk's choices, are the
@@ -210,22 +241,24 @@ def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: 
     appended, so it is left out altogether; only exactly tied scores could have come back swapped."""
     B, K = scores.shape
     pad_id = dec.model.pad_id
-    live = ~(done.reshape(B, K) | torch.isneginf(scores))  # (B, K)
-    act = live.any(dim=1).nonzero().squeeze(1)  # (nA,) sources that can still change
-    if act.numel() == 0:
+    ends = list(itertools.accumulate(n for n in open_rows if n))  # open rows up to each active source, inclusive
+    if not ends:
         return None
+    live = ~(done.reshape(B, K) | torch.isneginf(scores))  # (B, K)
+    act = _positions(live.any(dim=1), len(ends))  # (nA,) sources that can still change
     open_a = live[act].reshape(-1)  # (nA*K,) which of the active sources' rows are open
-    pos = open_a.nonzero().squeeze(1)  # (nO,) the open rows' positions among those nA*K
+    pos = _positions(open_a, ends[-1])  # (nO,) the open rows' positions among those nA*K
     rows = (act[:, None] * K + torch.arange(K, device=act.device)).reshape(-1)[pos]  # (nO,) their rows in B*K
-    state_o = dec.advance(enc, owner[rows], prev[rows], tree.select_rows(state, rows))  # nO rows
-    ends = open_a.reshape(-1, K).sum(dim=1).cumsum(0).tolist()  # open rows up to each active source, inclusive
+    owner_o = owners.declare(owner[rows], _runs(open_rows))  # (nO,) its layout, known from the counts
+    state_o = dec.advance(enc, owner_o, prev[rows], tree.select_rows(state, rows))  # nO rows
     act_scores = scores[act]  # (nA, K)
     top = []
     for j in range(0, len(ends), per_block):  # blocks of sources, as the full step's (rows, V) temporaries
         j1 = min(j + per_block, len(ends))
         o = slice(ends[j - 1] if j else 0, ends[j1 - 1])
         logp, at = dec.log_probs(state_o, o), pos[o] - j * K
-        best, idx = dec.choose(_open_extensions(logp, act_scores[j:j1], at, pad_id), K, act[j:j1])
+        best, idx = dec.choose(_open_extensions(logp, act_scores[j:j1], at, pad_id, dec.banned(logp)), K,
+                               act[j:j1])
         top.append((best, idx, _open_picked(logp, at, idx, K)))
     kept = (torch.arange(K, device=act.device) * V + pad_id).expand(B, K)  # (B, K) row k extended by padding
     flat = kept.index_copy(0, act, torch.cat([f for _, f, _ in top]))  # (B, K)
@@ -238,14 +271,22 @@ def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: 
     return state_o, scores, flat, picked, slot
 
 
-def _open_extensions(logp: Tensor, scores: Tensor, at: Tensor, pad_id: int) -> Tensor:
-    """`_extensions` for n sources given the log-probabilities logp (m, V) of their open rows only, which
-    sit at positions at (m,) among the sources' n*K rows; every other row gets the finished row's candidates."""
+def _runs(open_rows: list[int]) -> owners.Groups | None:
+    """(b0, G) where the open rows are G per source of sources b0, b0 + 1, ... in order (each source with open
+    rows has G of them, and they are consecutive); None otherwise (`owners.of_counts` of the counts)."""
+    return owners.of_counts(0, open_rows)
+
+
+def _open_extensions(logp: Tensor, scores: Tensor, at: Tensor, pad_id: int, banned: Tensor) -> Tensor:
+    """`_extensions` for n sources given the log-probabilities logp (m, V) (not banned) of their open rows only,
+    which sit at positions at (m,) among the sources' n*K rows; every other row gets the finished row's
+    candidates."""
     (n, K), V = scores.shape, logp.shape[-1]
     flat = scores.reshape(-1)  # (n*K,)
-    # Open rows: score + log p, the full step's very sum. Writing them over the fresh sum is safe with a graph:
-    # an addition saves nothing for backward.
-    cand = (flat[:, None] + _finished_row(V, logp, pad_id)).index_copy_(0, at, flat[at, None] + logp)  # (n*K, V)
+    # Open rows: score + log p, the full step's very sum, banned tokens -inf. Writing them over the fresh sums is
+    # safe with a graph: an addition saves nothing for backward.
+    open_cand = (flat[at, None] + logp).index_fill_(1, banned, float("-inf"))  # (m, V)
+    cand = (flat[:, None] + _finished_row(V, logp, pad_id)).index_copy_(0, at, open_cand)  # (n*K, V)
     return cand.reshape(n, K * V)
 
 
@@ -286,7 +327,7 @@ def _sample(model, source, num_samples: int, max_len: int, temperature: float, g
     enc = model.encode(source)
     B, K, device = num_sources(enc), num_samples, tree.device_of(enc)
     dec = _Decoder(model)
-    owner = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,)
+    owner = owners.repeated(B, K, device)  # (B*K,) K rows per source, in order
     state = model.init_state(enc, owner)
     scores = None  # (B*K,)
     tokens = torch.full((B * K, max_len), model.pad_id, dtype=torch.long, device=device)
@@ -300,28 +341,37 @@ def _sample(model, source, num_samples: int, max_len: int, temperature: float, g
             scores = torch.zeros(B * K, dtype=_score_dtype(logp), device=device)
             token_scores = torch.zeros(B * K, max_len, dtype=scores.dtype, device=device)
         with torch.no_grad():  # the draw is not differentiated: keep its (B*K, V) out of any graph
-            if top_k or top_p or min_len:
-                probs = torch.softmax(truncate(logp / temperature, model.eos_id, t, top_k, top_p, min_len), dim=-1)
-            else:
-                probs = torch.softmax(logp / temperature, dim=-1) if temperature != 1.0 else logp.exp()
             # A row with no possible token (a constrained model's dead end, twophase.constraints) draws eos_id
-            # at log p = -inf: it ends, impossible, and `_finish` drops it.
-            stuck = torch.isneginf(logp.amax(1, keepdim=True))  # (B*K, 1): one pass, no (B*K, V) temporary
-            if bool(stuck.any()):  # rare: skip the (B*K, V) rewrite (1 ms at 128 x 8000) when no row is stuck
-                probs = torch.where(stuck, _finished_row(logp.shape[-1], probs, model.eos_id).exp(), probs)
-        drawn = draw(probs, generator)  # (B*K,)
+            # at log p = -inf: it ends, impossible, and `_finish` drops it. Its eos gets logit 0 (probability
+            # 1), written into the fresh logits or probabilities: one column, whether or not a row is stuck.
+            stuck = torch.isneginf(logp.amax(1))  # (B*K,): one pass, no (B*K, V) temporary
+            if top_k or top_p or min_len or temperature != 1.0:
+                logits = truncate(logp / temperature, model.eos_id, t, top_k, top_p, min_len)  # (B*K, V) fresh
+                probs = torch.softmax(_unstick(logits, stuck, model.eos_id, 0.0), dim=-1)
+            else:
+                probs = _unstick(logp.exp(), stuck, model.eos_id, 1.0)
+        drawn, has_mass = draw_unchecked(probs, generator)  # (B*K,) each
+        dec.checks.positive(has_mass)
         prev = drawn.masked_fill(done, model.pad_id)
         picked = logp.gather(1, drawn[:, None]).squeeze(1).masked_fill(done, 0.0)  # (B*K,)
         scores = scores + picked
         token_scores[:, t] = picked.detach()
         tokens[:, t] = prev
         done = done | (prev == model.eos_id)
-        if bool(done.all()):
+        if bool(done.all()):  # the one read a step adds to the model's own
             break
     if scores is None:
         scores = torch.zeros(B * K, device=device)
         token_scores = torch.zeros(B * K, 0, device=device)
+    dec.checks.raise_first()
     return tokens, scores, owner, token_scores
+
+
+def _unstick(x: Tensor, stuck: Tensor, eos_id: int, value: float) -> Tensor:
+    """x (N, V), fresh, with `value` at eos_id in the stuck (N,) rows, in place."""
+    column = x.select(1, eos_id)
+    column.copy_(torch.where(stuck, value, column))
+    return x
 
 
 def greedy(model, source, max_len: int) -> Samples:

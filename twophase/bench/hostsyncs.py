@@ -46,6 +46,10 @@ _VALUE_READS = {
 
 
 def _reads_value(func, args, kwargs) -> bool:
+    if func is _aten.lift_fresh.default:
+        # torch.tensor([]): copying no element returns before it touches the device (transformers' caches make
+        # such placeholders at every step)
+        return args[0].numel() > 0
     if func in _VALUE_READS:
         return True
     if func is _aten.repeat_interleave.Tensor:
