@@ -3,9 +3,10 @@ search (compacted steps included), sampling and stochastic beam search, with the
 models and the Hugging Face wrappers (seq2seq and causal). A search is counted at two max_len values it runs to
 the end; the fixed costs (encode, the end's one read of the deferred checks, `_finish`) cancel in the
 difference, so per step = (total(T2) - total(T1)) / (T2 - T1). Reads inside transformers' own forward (its
-attention masks check their padding on the host) are counted apart: they are the library's, not twophase's; so,
-for now, are models/fused.py's (its row-layout check reads each new owner, hence at every compacted step). The
-counts are printed (pytest -s) and in every assertion message."""
+attention masks check their padding on the host) are counted apart: they are the library's, not twophase's, and
+bounded separately (T5 one a step, BART two). models/fused.py's share is printed apart and counts as twophase's:
+the searches declare their owner layouts (`twophase.owners`), so the fused attention reads none. The counts are
+printed (pytest -s) and in every assertion message."""
 import collections
 import importlib.util
 import sys
@@ -53,8 +54,8 @@ def _counted(run, monkeypatch):
 
 
 def _per_step(name, run, steps, monkeypatch):
-    """Per-step reads of run(max_len) between max_len steps[0] and steps[1]: twophase's own (less fused.py's),
-    and (fused.py's, transformers') apart."""
+    """Per-step reads of run(max_len) between max_len steps[0] and steps[1]: twophase's own (fused.py's among
+    them, also printed apart) and transformers' apart."""
     (t1, t2), out = steps, {}
     for T in steps:
         syncs, inside, found = _counted(lambda: run(T), monkeypatch)
@@ -65,9 +66,9 @@ def _per_step(name, run, steps, monkeypatch):
     def per_step(i):
         return (out[t2][i] - out[t1][i]) / (t2 - t1)
     fused, library = per_step(1), per_step(2)
-    own = per_step(0) - fused - library
+    own = per_step(0) - library  # fused.py's included
     line = (f"{name}: {out[t1][0]} syncs at max_len {t1}, {out[t2][0]} at {t2}: per step {own:.2f} twophase's "
-            f"+ {fused:.2f} models/fused.py's + {library:.2f} transformers'; {out[t2][3]}")
+            f"(of which {fused:.2f} models/fused.py's) + {library:.2f} transformers'; {out[t2][3]}")
     print(line)
     return own, library, line
 
@@ -171,4 +172,7 @@ def test_hf_search_reads_at_most_two_per_step(kind, search_kind, monkeypatch, on
     own, library, line = _per_step(f"{kind} {search_kind}", lambda T: SEARCHES[search_kind](wrapper, src, T),
                                    (4, 8), monkeypatch)
     assert own <= PER_STEP, line
+    # with transformers' own reads: BART's decoder checks the self-attention mask it builds on the host twice a
+    # step (transformers' code, reached through its public forward), so BART's whole step makes 3
+    assert own + library <= PER_STEP + (1 if kind == "bart" else 0), line
     assert compacted or search_kind == "sample", "no beam step was compacted"
