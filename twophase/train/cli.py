@@ -112,6 +112,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         cfg.validate()
         runs.check_flags(cfg)
     except ValueError as err:
+        refuse_against_checkpoint(cfg, start)
         raise UsageError(str(err)) from None
     if cfg.eval_only and cfg.init_from and not (cfg.resume or cfg.resume_from):  # no new directory: its own
         cfg.save_dir = os.path.dirname(os.path.abspath(cfg.init_from))
@@ -146,6 +147,10 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         raise UsageError(f"--batch-size {cfg.batch_size} and --mle-batch-size {cfg.mle_batch_size} count the "
                          f"sources of a whole step; {distributed.world()} processes need at least one each")
     check_reward(reward, task)
+    if distributed.rank() == 0:
+        pairs = sum(len(ex.references) for ex in task.train)
+        for warning in batch_warnings(cfg, len(task.train), pairs, given):
+            print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)
     threads = cpu_threads(cfg, getattr(task, "model_width", None))
     if threads:
@@ -175,6 +180,32 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if cfg.tensorboard and trainer.is_main and not cfg.eval_only:
         open_tensorboard(trainer, resumed=state is not None)
     return trainer
+
+
+def batch_warnings(cfg: Config, sources: int, pairs: int, given: frozenset) -> list[str]:
+    """A batch size given on the command line that the training data cannot fill: each step then takes all of
+    it, fewer than asked (one line each; the recipe's and the defaults' sizes are capped without a word)."""
+    out = []
+    for name, phase, steps, n, what in (("batch_size", "RL", cfg.rl_steps, sources, "sources"),
+                                         ("mle_batch_size", "MLE", cfg.mle_steps, pairs, "(source, reference) pairs")):
+        size = getattr(cfg, name)
+        if name in given and steps > 0 and 0 < n < size:
+            out.append(f"--{name.replace('_', '-')} {size}: the training data has {n} {what}, so each {phase} "
+                       f"step takes all {n}")
+    return out
+
+
+def refuse_against_checkpoint(cfg: Config, start: dict | None) -> None:
+    """Flags that do not combine, where one of them differs from the checkpoint --resume continues or
+    --init-from starts from: the UsageError of that difference, which is what went wrong (--resume --hf-model on
+    an LSTM run inherits the run's --embed-dim, which --hf-model refuses; the flag at fault is --hf-model)."""
+    if start is None:
+        return
+    try:
+        resume_state(cfg, start)
+        init_state(cfg, start)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def compile_step(model, flag: str):
@@ -307,9 +338,16 @@ def _train(cfg: Config, start: dict | None = None, given: frozenset | None = Non
     best = trainer.checkpoints
     if best.best is not None:
         print(f"best {trainer.best_key}: {best.best:.4f} at step {trainer.best_step}: {best.best_path}")
-    print(f"metrics: {trainer.save_dir / 'metrics.jsonl'}; checkpoint: {best.last_path}"
-          + (f"; final model: {exported}" if exported else ""))
+    print(closing_paths(trainer, exported))
     return 0
+
+
+def closing_paths(trainer: Trainer, exported) -> str:
+    """The last line: the files the run wrote (a run of no steps writes no checkpoint and no log)."""
+    metrics, last = trainer.save_dir / "metrics.jsonl", trainer.checkpoints.last_path
+    written = ([f"metrics: {metrics}"] if metrics.exists() else []) + \
+        ([f"checkpoint: {last}"] if last.exists() else []) + ([f"final model: {exported}"] if exported else [])
+    return "; ".join(written) or f"no training step taken (--mle-steps 0 --rl-steps 0): no checkpoint written"
 
 
 def trainable(model) -> str:

@@ -6,6 +6,7 @@ type, default and valid range are written once, here.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from dataclasses import MISSING, dataclass, field, fields
@@ -311,6 +312,8 @@ def _typed(f, kind):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if kind is float and not math.isfinite(value):  # nan passes every comparison with a minimum
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
         if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
         return value

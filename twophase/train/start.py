@@ -46,6 +46,8 @@ def start_defaults(args) -> tuple[dict, dict | None]:
         return defaults, state
     if args.init_from:
         state = runs.load_checkpoint(args.init_from, "--init-from")
+        if args.eval_only:  # evaluates the checkpoint as --resume --eval-only would: its reward, metric, lengths
+            return resume_rules.inherited(state["config"], known), state
         shape = runs.init_defaults(state, known)
         # the recipe of the checkpoint's task (a different --task is refused in build)
         recipe = recipe_defaults(argparse.Namespace(**{**vars(args), "task": shape.get("task", args.task)}))
