@@ -171,7 +171,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if distributed.rank() > 0:  # its own dropout masks; rank 0 goes on as a single process would
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
     if distributed.rank() == 0:
-        rundir.remove(stale)  # --overwrite
+        rundir.remove(stale)  # --overwrite's old run; the residue of writes a killed process left
     trainer = Trainer(cfg, task, model, reward, device)
     if state is not None:
         trainer.load_state(state)

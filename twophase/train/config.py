@@ -257,8 +257,9 @@ class Config:
     resume: bool = arg(False, "continue from <save-dir>/checkpoint_last.pt; its flags are the defaults, and a flag "
                               "that would change the run (data, model, objective, K, reward, seed, a finished "
                               "phase) is refused; --rl-steps may grow (docs/runs.md)")
-    overwrite: bool = arg(False, "start afresh in a --save-dir that holds a run, deleting that run's checkpoints, "
-                                 "metrics.jsonl and memory_profile.jsonl")
+    overwrite: bool = arg(False, "start afresh in a --save-dir that holds a run, deleting what that run wrote "
+                                 "(checkpoints, logs, config.json, hf_final, after_step<N>/, tensorboard events), "
+                                 "nothing else")
     max_bad_steps: int = arg(5, "non-finite losses/gradients skipped in a row before the run stops with a "
                                 "crash checkpoint", minimum=0)
     threads: int = arg(0, "CPU threads for torch; 0 (auto): 1 below --hidden-size 512 (--hf-model: the model's "
