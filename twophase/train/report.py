@@ -14,8 +14,16 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def compact(fmt: str, value: float, width: int = 15) -> str:
+    """fmt.format(value), or the value in 4 significant digits (1e+300, 3.2e-07) where that would be wider than
+    `width` or would show a nonzero value as zero: a reward of 1e300 is one cell, not 300 digits."""
+    text = fmt.format(value)
+    hidden = value != 0 and ".0f" not in fmt and "%" not in fmt and not any(ch in "123456789" for ch in text)
+    return f"{value:.4g}" if len(text) > width or hidden else text
+
+
 def fmt_scores(scores: dict) -> str:
-    return " ".join(f"{k}={v:.4f}" for k, v in scores.items() if isinstance(v, float) and k != "n")
+    return " ".join(f"{k}={compact('{:.4f}', v)}" for k, v in scores.items() if isinstance(v, float) and k != "n")
 
 
 OTHER_ROWS = [("reward_mean", "train reward (mean)", "{:.4f}"), ("steps", "training steps", "{:.0f}"),
@@ -50,7 +58,7 @@ def summary_table(summary: dict, metrics=()) -> str:
             cells = []
             for c, _ in cols:
                 v = table.get(c, {}).get(key, float("nan"))
-                cells.append(f"{'-' if v != v else fmt.format(v):>16}")
+                cells.append(f"{'-' if v != v else compact(fmt, v):>16}")
             if any(cell.strip() != "-" for cell in cells):
                 lines.append(f"{prefix + label:{width}}" + "".join(cells))
     lines.append(f"{'peak memory':{width}}{summary.get('peak_memory_mb', float('nan')):>15.0f}M")
