@@ -12,7 +12,8 @@ from dataclasses import fields
 import torch
 
 from . import amp, distributed, fsdp, grammar, rundir, runs, startup
-from .start import evaluate, init_state, recipe_defaults, resume_state, start_defaults, start_run_dir
+from .start import (batch_warnings, evaluate, init_state, recipe_defaults, refuse_against_checkpoint,
+                    resume_state, start_defaults, start_run_dir)
 from ..protocol import ModelError
 from .. import rewards, rewardsum
 from ..compiling import compiled
@@ -112,7 +113,10 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         cfg.validate()
         runs.check_flags(cfg)
     except ValueError as err:
-        refuse_against_checkpoint(cfg, start)
+        try:  # a flag that differs from the checkpoint's is what went wrong, rather than the combination
+            refuse_against_checkpoint(cfg, start)
+        except ValueError as fixed:
+            raise UsageError(str(fixed)) from None
         raise UsageError(str(err)) from None
     if cfg.eval_only and cfg.init_from and not (cfg.resume or cfg.resume_from):  # no new directory: its own
         cfg.save_dir = os.path.dirname(os.path.abspath(cfg.init_from))
@@ -180,32 +184,6 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if cfg.tensorboard and trainer.is_main and not cfg.eval_only:
         open_tensorboard(trainer, resumed=state is not None)
     return trainer
-
-
-def batch_warnings(cfg: Config, sources: int, pairs: int, given: frozenset) -> list[str]:
-    """A batch size given on the command line that the training data cannot fill: each step then takes all of
-    it, fewer than asked (one line each; the recipe's and the defaults' sizes are capped without a word)."""
-    out = []
-    for name, phase, steps, n, what in (("batch_size", "RL", cfg.rl_steps, sources, "sources"),
-                                         ("mle_batch_size", "MLE", cfg.mle_steps, pairs, "(source, reference) pairs")):
-        size = getattr(cfg, name)
-        if name in given and steps > 0 and 0 < n < size:
-            out.append(f"--{name.replace('_', '-')} {size}: the training data has {n} {what}, so each {phase} "
-                       f"step takes all {n}")
-    return out
-
-
-def refuse_against_checkpoint(cfg: Config, start: dict | None) -> None:
-    """Flags that do not combine, where one of them differs from the checkpoint --resume continues or
-    --init-from starts from: the UsageError of that difference, which is what went wrong (--resume --hf-model on
-    an LSTM run inherits the run's --embed-dim, which --hf-model refuses; the flag at fault is --hf-model)."""
-    if start is None:
-        return
-    try:
-        resume_state(cfg, start)
-        init_state(cfg, start)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
 
 
 def compile_step(model, flag: str):
