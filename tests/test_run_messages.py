@@ -4,7 +4,6 @@ as its run did, batch sizes the data cannot fill, and a run of no steps naming n
 import math
 
 import pytest
-import torch
 
 from twophase.train import cli
 from twophase.train.checkpoint import load, save_atomic

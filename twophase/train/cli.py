@@ -325,7 +325,7 @@ def closing_paths(trainer: Trainer, exported) -> str:
     metrics, last = trainer.save_dir / "metrics.jsonl", trainer.checkpoints.last_path
     written = ([f"metrics: {metrics}"] if metrics.exists() else []) + \
         ([f"checkpoint: {last}"] if last.exists() else []) + ([f"final model: {exported}"] if exported else [])
-    return "; ".join(written) or f"no training step taken (--mle-steps 0 --rl-steps 0): no checkpoint written"
+    return "; ".join(written) or "no training step taken (--mle-steps 0 --rl-steps 0): no checkpoint written"
 
 
 def trainable(model) -> str:
