@@ -1,7 +1,10 @@
 """One run per --save-dir (--resume / --overwrite), one consistent metrics.jsonl, and checkpoint_best.pt chosen by
 --best-metric at every validation."""
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from twophase.train.config import Config
 
 from tasks import task_dir
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "4", "--mle-batch-size", "8", "--beam-size", "3",
         "--rescore-chunk", "5", "--max-len", "8"]
 
@@ -151,7 +155,6 @@ def test_cut_back_keeps_a_comparison_only_when_it_is_done(tmp_path):
 
 def _killed_mid_write(save, name):
     """The temporary file save_atomic (and runs.write_config) had open when kill -9 struck: mkstemp's name."""
-    import os
     import tempfile
     fd, tmp = tempfile.mkstemp(dir=save, prefix="." + name, suffix=".tmp")
     os.write(fd, b"half a checkpoint")
@@ -167,10 +170,18 @@ def test_resume_and_overwrite_remove_the_residue_of_writes_a_killed_process_left
         p.write_text("mine")
 
     def residue():
-        return [_killed_mid_write(save, n) for n in ("checkpoint_last.pt", "checkpoint_step00000003.pt",
-                                                     "config.json", "metrics.jsonl")] + [str(save / ".hf_final.tmp")]
+        return [_killed_mid_write(save, n) for n in ("checkpoint_step00000003.pt", "config.json",
+                                                     "metrics.jsonl")] + [str(save / ".hf_final.tmp")]
+    # a process killed (no clean-up runs) inside save_atomic's torch.save of checkpoint_last.pt
+    code = ("import os, sys, torch\nfrom twophase.train.checkpoint import save_atomic\n"
+            "def killed(obj, f):\n    f.write(b'half a checkpoint'); f.flush(); os._exit(9)\n"
+            "torch.save = killed\nsave_atomic({'step': 3}, sys.argv[1])\n")
+    done = subprocess.run([sys.executable, "-c", code, str(save / "checkpoint_last.pt")], timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 9
+    [killed] = [p for p in save.iterdir() if p.name.startswith(".checkpoint_last.pt") and p.name.endswith(".tmp")]
     (save / ".hf_final.tmp").mkdir()
-    left = residue()
+    left = residue() + [str(killed)]
     assert all(Path(p).exists() for p in left)
     assert cli.main(_argv(task, save, "--mle-steps", "3", "--rl-steps", "0", "--no-compare-mle", "--resume")) == 0
     assert not any(Path(p).exists() for p in left) and all(p.read_text() == "mine" for p in mine)
