@@ -243,6 +243,47 @@ def test_a_state_that_allows_nothing_is_an_error():
         protocol.score(c, c.encode(source), torch.tensor([[words[0], 0, 0]] * 3), torch.arange(3))
 
 
+class _BadMask(grammars.RandomDFA):
+    """A grammar whose allowed() returns what `wrong` makes of the right mask."""
+
+    def __init__(self, wrong, *args):
+        super().__init__(*args)
+        self.wrong = wrong
+
+    def allowed(self, state):
+        return self.wrong(super().allowed(state))
+
+
+@pytest.mark.parametrize("wrong, got", [
+    (lambda m: m.long(), r"a torch\.int64 tensor of shape \(\d+, \d+\)"),
+    (lambda m: m.float(), r"a torch\.float32 tensor of shape \(\d+, \d+\)"),
+    (lambda m: m[:, :-1], r"a torch\.bool tensor of shape \(\d+, \d+\)"),
+    (lambda m: m[:1], r"a torch\.bool tensor of shape \(1, \d+\)"),
+    (lambda m: m.tolist(), r"a list"),
+])
+@pytest.mark.parametrize("name", ["gru", "transformer", "scored-transformer"])
+def test_a_grammar_returning_a_wrong_mask_is_named_in_one_line(name, wrong, got):
+    """Search, sampling and the teacher-forced pass all stop with one line naming the grammar and what allowed()
+    must return (the model's width where it declares vocab_size, else the width of its scores)."""
+    model = fm.make(name)
+    V = model.out.out_features
+    c = Constrained(model, _BadMask(wrong, V, model.pad_id, model.bos_id, model.eos_id))
+    source = fm.sources(name)
+    width = str(V) if hasattr(c, "vocab_size") else f"(?:{V}|V)"  # V: a step's width is known from its scores
+    expected = (rf"grammar _BadMask: allowed\(\) must return a \(\d+, {width}\) torch\.bool tensor \(one row per "
+                rf"row of the state, one column per token\), got {got}")
+    if not hasattr(c, "vocab_size"):  # a mask too narrow for the step's scores
+        expected += rf"|grammar _BadMask: allowed\(\) returned {V - 1} columns, the model scores {V} tokens"
+    calls = [lambda: beam_search(c, source, 2, 3), lambda: sample(c, source, 2, 3)]
+    if hasattr(c, "position_log_probs"):
+        tokens = torch.tensor([[4, 5, model.eos_id]] * 3)
+        calls.append(lambda: c.position_log_probs(c.encode(source), tokens, torch.arange(3)))
+    for call in calls:
+        with pytest.raises(GrammarError) as err:
+            call()
+        assert re.fullmatch(expected, str(err.value)), str(err.value)
+
+
 def test_the_documented_example_runs(capsys):
     text = (Path(__file__).resolve().parents[1] / "docs" / "constraints.md").read_text()
     snippets = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)

@@ -77,13 +77,16 @@ def test_nbest_with_scores(run, monkeypatch, capsys):
     assert decode.main(["--checkpoint", ckpt, "--input", str(run / "in.txt"), "--beam-size", "3", "--nbest", "3",
                         "--scores"]) == 0
     lines = capsys.readouterr().out.split("\n")[:-1]
-    assert len(lines) == 9 and lines[3:6] == ["-inf\t"] * 3  # 3 per input line; the blank line's are empty
+    assert len(lines) == 9 and lines[3:6] == [""] * 3  # 3 per input line; the blank line's are empty, no score
     for block in (lines[0:3], lines[6:9]):
         scores = [float(line.split("\t")[0]) for line in block]
         assert scores == sorted(scores, reverse=True) and all(s <= 0 for s in scores)
     assert decode.main(["--checkpoint", ckpt, "--input", str(run / "in.txt"), "--beam-size", "3"]) == 0
     best = capsys.readouterr().out.split("\n")
     assert [best[0], best[2]] == [lines[0].split("\t")[1], lines[6].split("\t")[1]]  # --nbest 1's lines
+    assert decode.main(["--checkpoint", ckpt, "--input", str(run / "in.txt"), "--beam-size", "3", "--scores"]) == 0
+    scored = capsys.readouterr().out.split("\n")
+    assert scored[1] == "" and scored[0] == lines[0] and scored[2] == lines[6]  # a blank line is not decoded
     _fails_with_one_line(["--checkpoint", ckpt, "--nbest", "4", "--beam-size", "3"], capsys,
                          "--nbest 4: the beam holds --beam-size 3", entry=decode.main)
     sys.modules.pop(PLUGIN, None)

@@ -165,12 +165,12 @@ def _rl_rows(run: Path) -> list:
 def _check_karel(d: Path) -> None:
     """Karel inside the grammar's wrapper. Its masked tokens' gradient is 0 up to float32 rounding, which Adam's
     first step turns into +-lr (in one process the chunk size alone moves the parameters by 2.6e-5 here, 1.4e-7
-    without the grammar; --fsdp equals data-parallel training to 7e-9): the parameters are compared to 1e-4 above,
-    the first step's gradient norm to 1e-6 here."""
+    without the grammar): the parameters are compared to 1e-4 above, the first step's loss and gradient norm to
+    float32's portable 1e-5 here."""
     for name in ("karel", "karel_policy"):
         first = [_rows(d / f"{run}_{name}")[0] for run in ("one", "two")]
-        assert first[1]["grad_norm"] == pytest.approx(first[0]["grad_norm"], rel=1e-6)
-        assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-6)
+        assert first[1]["grad_norm"] == pytest.approx(first[0]["grad_norm"], rel=1e-5)
+        assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)
     # the policy's sharded reference inside the wrapper: a plain run's keys, whole tensors; its KL one process's
     refs = [_load(d / f"{run}_karel_policy")["policy"]["reference"]["state"] for run in ("one", "two")]
     assert refs[0].keys() == refs[1].keys() == _load(d / "one_karel")["model"].keys()
@@ -186,7 +186,7 @@ def _check_policy(d: Path) -> None:
     assert _relative(ddp["model"], sharded["model"]) < 1e-5
     assert sharded["policy"]["reference"]["kind"] == "copy"
     refs = [ddp["policy"]["reference"]["state"], sharded["policy"]["reference"]["state"]]
-    assert _relative(*refs) < 1e-7  # the end-of-MLE model
+    assert _relative(*refs) < 1e-5  # the end-of-MLE model, float32 summed in another order by each layout
     assert all(type(v) is torch.Tensor for v in refs[1].values())
     gens = sharded["policy"]["rank_generations"]  # each rank's own sources (3 + 2) and candidates
     assert [g["used"] for g in gens] == [2, 2] and [len(g["parts"][0]["idx"]) for g in gens] == [3, 2]

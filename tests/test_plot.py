@@ -5,7 +5,7 @@ import json
 import pytest
 
 from twophase import plot
-from twophase.train import cli
+from twophase.train import cli, rundir
 
 from tasks import write_task
 
@@ -42,6 +42,7 @@ def test_train_py_draws_the_picture_and_names_it_last(run):
     save, printed = run
     assert printed.strip().splitlines()[-1] == f"picture: {save / 'curves.png'}"
     assert (save / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert save / "curves.png" in rundir.artifacts(save)  # --overwrite removes it with the old run
 
 
 def test_the_branch_view_shows_each_arm_in_its_own_colour_from_the_branch(run):

@@ -1,7 +1,11 @@
 """One run per --save-dir (--resume / --overwrite), one consistent metrics.jsonl, and checkpoint_best.pt chosen by
 --best-metric at every validation."""
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ from twophase.train.config import Config
 
 from tasks import task_dir
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "4", "--mle-batch-size", "8", "--beam-size", "3",
         "--rescore-chunk", "5", "--max-len", "8"]
 
@@ -146,3 +151,69 @@ def test_cut_back_keeps_a_comparison_only_when_it_is_done(tmp_path):
     log.write_text(text)
     assert rundir.cut_back(log, 7) == 3
     assert [json.loads(x) for x in log.read_text().splitlines()] == rows[:2]
+
+
+def _killed_mid_write(save, name):
+    """The temporary file save_atomic (and runs.write_config) had open when kill -9 struck: mkstemp's name."""
+    import tempfile
+    fd, tmp = tempfile.mkstemp(dir=save, prefix="." + name, suffix=".tmp")
+    os.write(fd, b"half a checkpoint")
+    os.close(fd)
+    return tmp
+
+
+def test_resume_and_overwrite_remove_the_residue_of_writes_a_killed_process_left(task, tmp_path):
+    save = tmp_path / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "2", "--rl-steps", "0", "--no-compare-mle")) == 0
+    mine = [save / ".notes.tmp", save / "checkpoint_notes.tmp", save / ".checkpoint_last.pt.bak"]
+    for p in mine:
+        p.write_text("mine")
+
+    def residue():
+        return [_killed_mid_write(save, n) for n in ("checkpoint_step00000003.pt", "config.json",
+                                                     "metrics.jsonl")] + [str(save / ".hf_final.tmp")]
+    # a process killed (no clean-up runs) inside save_atomic's torch.save of checkpoint_last.pt
+    code = ("import os, sys, torch\nfrom twophase.train.checkpoint import save_atomic\n"
+            "def killed(obj, f):\n    f.write(b'half a checkpoint'); f.flush(); os._exit(9)\n"
+            "torch.save = killed\nsave_atomic({'step': 3}, sys.argv[1])\n")
+    done = subprocess.run([sys.executable, "-c", code, str(save / "checkpoint_last.pt")], timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 9
+    [killed] = [p for p in save.iterdir() if p.name.startswith(".checkpoint_last.pt") and p.name.endswith(".tmp")]
+    (save / ".hf_final.tmp").mkdir()
+    left = residue() + [str(killed)]
+    assert all(Path(p).exists() for p in left)
+    assert cli.main(_argv(task, save, "--mle-steps", "3", "--rl-steps", "0", "--no-compare-mle", "--resume")) == 0
+    assert not any(Path(p).exists() for p in left) and all(p.read_text() == "mine" for p in mine)
+
+    (save / ".hf_final.tmp").mkdir()
+    left = residue()
+    assert cli.main(_argv(task, save, "--mle-steps", "1", "--rl-steps", "0", "--no-compare-mle", "--overwrite")) == 0
+    assert not any(Path(p).exists() for p in left) and all(p.read_text() == "mine" for p in mine)
+    assert torch.load(save / "checkpoint_last.pt", weights_only=True)["step"] == 1
+
+
+def test_overwrite_removes_everything_the_old_run_wrote_and_nothing_else(task, tmp_path):
+    save = tmp_path / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "4", "--rl-steps", "0", "--save-every", "2", "--keep-last",
+                          "5", "--no-compare-mle")) == 0
+    step2 = save / "checkpoint_step00000002.pt"
+    assert cli.main(_argv(task, save, "--resume-from", str(step2), "--mle-steps", "4", "--rl-steps", "0")) == 0
+    assert (save / "after_step2" / "checkpoint_step00000004.pt").is_file()  # the branch the resume set aside
+    (save / "tensorboard").mkdir()
+    (save / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"old run")
+    (save / "other_board").mkdir()
+    (save / "other_board" / "events.out.tfevents.2.host").write_bytes(b"not the run's")
+    (save / "after_everything").mkdir()  # a name like the run's is not the run's
+    (save / "notes.txt").write_text("mine")
+    assert cli.main(_argv(task, save, "--mle-steps", "1", "--rl-steps", "0", "--no-compare-mle", "--overwrite")) == 0
+    assert sorted(p.name for p in save.iterdir()) == [
+        "after_everything", "checkpoint_best.pt", "checkpoint_last.pt", "checkpoint_step00000001.pt", "config.json",
+        "metrics.jsonl", "notes.txt", "other_board"]
+    assert json.loads((save / "config.json").read_text())["config"]["mle_steps"] == 1
+    # a tensorboard folder holding more than the run's events keeps the rest
+    (save / "tensorboard").mkdir()
+    (save / "tensorboard" / "events.out.tfevents.3.host").write_bytes(b"old run")
+    (save / "tensorboard" / "README").write_text("mine")
+    rundir.remove(rundir.claim(save, resume=False, overwrite=True))
+    assert [p.name for p in (save / "tensorboard").iterdir()] == ["README"]

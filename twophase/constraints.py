@@ -79,19 +79,20 @@ class Constrained(nn.Module):
 
     def init_state(self, enc: Any, owner: Tensor) -> dict:
         g = self.grammar.start(owner)
-        return {"model": self.model.init_state(enc, owner), "grammar": g, "allowed": self.grammar.allowed(g),
+        return {"model": self.model.init_state(enc, owner), "grammar": g, "allowed": self._allowed(g, len(owner)),
                 "phase": torch.full_like(owner, LIVE), "first": True}
 
     def step(self, enc: Any, owner: Tensor, prev: Tensor, state: dict) -> tuple[dict, Tensor]:
         m, logp = self.model.step(enc, owner, prev, state["model"])  # (N, V)
         state = self._consume(state, m, prev)
-        return state, renormalise(logp, state["allowed"], state["phase"])
+        return state, renormalise(logp, self._fits(state["allowed"], logp), state["phase"])
 
     def _advance(self, enc: Any, owner: Tensor, prev: Tensor, state: dict) -> dict:
         return self._consume(state, self.model.advance(enc, owner, prev, state["model"]), prev)
 
     def _log_probs(self, state: dict) -> Tensor:
-        return renormalise(self.model.log_probs(state["model"]), state["allowed"], state["phase"])  # (N, V)
+        logp = self.model.log_probs(state["model"])  # (N, V)
+        return renormalise(logp, self._fits(state["allowed"], logp), state["phase"])
 
     def _consume(self, state: dict, model_state: Any, prev: Tensor) -> dict:
         """The state after prev (N,): the model's, given; the grammar's (bos_id at the first step is not fed)."""
@@ -99,13 +100,36 @@ class Constrained(nn.Module):
         if not state["first"]:
             phase = next_phase(phase, allowed, prev, self.eos_id)
             g = self.grammar.advance(g, prev)
-            allowed = self.grammar.allowed(g)  # (N, V)
+            allowed = self._allowed(g, len(prev))  # (N, V)
         return {"model": model_state, "grammar": g, "allowed": allowed, "phase": phase, "first": False}
 
+    # ---- the grammar's masks, checked: a wrong one fails here in one line, not as a torch error in renormalise
+    def _allowed(self, g: Any, rows: int, width: int | None = None) -> Tensor:
+        """grammar.allowed(g): (rows, V) bool, V `width` or the model's vocabulary where it declares one; else
+        GrammarError naming the grammar and what it returned (shape and dtype only: nothing is read from the
+        device)."""
+        mask = self.grammar.allowed(g)
+        width = width if width is not None else getattr(self, "vocab_size", None)
+        if (isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.dim() == 2 and mask.shape[0] == rows
+                and (width is None or mask.shape[1] == width)):
+            return mask
+        got = (f"a {mask.dtype} tensor of shape {tuple(mask.shape)}" if isinstance(mask, Tensor)
+               else f"a {type(mask).__name__}")
+        raise GrammarError(f"grammar {type(self.grammar).__name__}: allowed() must return a ({rows}, "
+                           f"{width if width is not None else 'V'}) torch.bool tensor (one row per row of the "
+                           f"state, one column per token), got {got}")
+
+    def _fits(self, allowed: Tensor, logp: Tensor) -> Tensor:
+        """`allowed` where its width is the model's log-probabilities' (a model without vocab_size)."""
+        if allowed.shape[-1] != logp.shape[-1]:
+            raise GrammarError(f"grammar {type(self.grammar).__name__}: allowed() returned {allowed.shape[-1]} "
+                               f"columns, the model scores {logp.shape[-1]} tokens")
+        return allowed
+
     # ---- teacher forcing through the model's one pass
-    def masks(self, tokens: Tensor, owner: Tensor) -> tuple[Tensor, Tensor]:
+    def masks(self, tokens: Tensor, owner: Tensor, width: int | None = None) -> tuple[Tensor, Tensor]:
         """(N, T, V) the allowed tokens at every position of rows tokens (N, T), and (N, T) the rows' phases
-        there: the grammar run over the rows, without gradients."""
+        there: the grammar run over the rows, without gradients; `width`: V where the model declares none."""
         with torch.no_grad():
             g = self.grammar.start(owner)
             phase = torch.full_like(owner, LIVE)
@@ -113,18 +137,18 @@ class Constrained(nn.Module):
             for t in range(tokens.shape[1]):
                 if t:
                     g = self.grammar.advance(g, tokens[:, t - 1])
-                here = self.grammar.allowed(g)  # (N, V)
+                here = self._allowed(g, len(owner), width)  # (N, V)
                 allowed.append(here)
                 phases.append(phase)
                 phase = next_phase(phase, here, tokens[:, t], self.eos_id)
         if not allowed:  # no positions
-            V = self.grammar.allowed(self.grammar.start(owner)).shape[-1]
+            V = self._allowed(self.grammar.start(owner), len(owner), width).shape[-1]
             return tokens.new_zeros((len(owner), 0, V), dtype=torch.bool), tokens.new_zeros((len(owner), 0))
         return torch.stack(allowed, 1), torch.stack(phases, 1)
 
     def _position_log_probs(self, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:
         logp = self.model.position_log_probs(enc, tokens, owner)  # (N, T, V)
-        allowed, phase = self.masks(tokens, owner)
+        allowed, phase = self.masks(tokens, owner, logp.shape[-1])
         return renormalise(logp, allowed, phase)
 
     def _token_scores(self, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:

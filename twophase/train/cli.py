@@ -12,7 +12,8 @@ from dataclasses import fields
 import torch
 
 from . import amp, basemodel, devices, distributed, fsdp, grammar, numerics, rundir, runs, startup
-from .start import evaluate, init_state, recipe_defaults, resume_state, start_defaults, start_run_dir
+from .start import (batch_warnings, evaluate, init_state, recipe_defaults, refuse_against_checkpoint,
+                    resume_state, start_defaults, start_run_dir)
 from ..protocol import ModelError
 from .. import plot, rewards, rewardsum
 from ..compiling import compiled
@@ -108,6 +109,10 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         cfg.validate()
         runs.check_flags(cfg)
     except ValueError as err:
+        try:  # a flag that differs from the checkpoint's is what went wrong, rather than the combination
+            refuse_against_checkpoint(cfg, start)
+        except ValueError as fixed:
+            raise UsageError(str(fixed)) from None
         raise UsageError(str(err)) from None
     if cfg.eval_only and cfg.init_from and not (cfg.resume or cfg.resume_from):  # no new directory: its own
         cfg.save_dir = os.path.dirname(os.path.abspath(cfg.init_from))
@@ -144,6 +149,10 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
                          f"sources of a whole step; {distributed.world()} processes need at least one each")
     startup.check_reward_references(cfg, reward, task, given)
     check_reward(reward, task)
+    if distributed.rank() == 0:
+        pairs = sum(len(ex.references) for ex in task.train)
+        for warning in batch_warnings(cfg, len(task.train), pairs, given):
+            print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)
     threads = cpu_threads(cfg, getattr(task, "model_width", None))
     if threads:
@@ -172,7 +181,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if distributed.rank() > 0:  # its own dropout masks; rank 0 goes on as a single process would
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
     if distributed.rank() == 0:
-        rundir.remove(stale)  # --overwrite
+        rundir.remove(stale)  # --overwrite's old run; the residue of writes a killed process left
     trainer = Trainer(cfg, task, model, reward, device)
     trainer.base_model = base  # recorded in every checkpoint (resumable)
     if state is not None:
@@ -314,12 +323,19 @@ def _train(cfg: Config, start: dict | None = None, given: frozenset | None = Non
     best = trainer.checkpoints
     if best.best is not None:
         print(f"best {trainer.best_key}: {best.best:.4f} at step {trainer.best_step}: {best.best_path}")
-    print(f"metrics: {trainer.save_dir / 'metrics.jsonl'}; checkpoint: {best.last_path}"
-          + (f"; final model: {exported}" if exported else ""))
+    print(closing_paths(trainer, exported))
     picture = draw_picture(trainer)
     if picture is not None:
         print(f"picture: {picture}")
     return 0
+
+
+def closing_paths(trainer: Trainer, exported) -> str:
+    """The last line: the files the run wrote (a run of no steps writes no checkpoint and no log)."""
+    metrics, last = trainer.save_dir / "metrics.jsonl", trainer.checkpoints.last_path
+    written = ([f"metrics: {metrics}"] if metrics.exists() else []) + \
+        ([f"checkpoint: {last}"] if last.exists() else []) + ([f"final model: {exported}"] if exported else [])
+    return "; ".join(written) or "no training step taken (--mle-steps 0 --rl-steps 0): no checkpoint written"
 
 
 def trainable(model) -> str:
@@ -348,7 +364,7 @@ def draw_picture(trainer: Trainer):
     matplotlib, or nothing to draw. A picture that cannot be drawn costs the run nothing but a warning line."""
     if not trainer.cfg.picture or os.environ.get("TWOPHASE_PICTURE", "on").lower() in ("off", "0", "no"):
         return None
-    out = trainer.save_dir / "curves.png"
+    out = trainer.save_dir / rundir.PICTURE
     try:
         plot.plot([trainer.save_dir / "metrics.jsonl"], out, [trainer.save_dir.name])
     except plot.NoMatplotlib:

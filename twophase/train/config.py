@@ -6,6 +6,7 @@ type, default and valid range are written once, here.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from dataclasses import MISSING, dataclass, field, fields
@@ -267,8 +268,9 @@ class Config:
     resume: bool = arg(False, "continue from <save-dir>/checkpoint_last.pt; its flags are the defaults, and a flag "
                               "that would change the run (data, model, objective, K, reward, seed, a finished "
                               "phase) is refused; --rl-steps may grow (docs/runs.md)")
-    overwrite: bool = arg(False, "start afresh in a --save-dir that holds a run, deleting that run's checkpoints, "
-                                 "metrics.jsonl and memory_profile.jsonl")
+    overwrite: bool = arg(False, "start afresh in a --save-dir that holds a run, deleting what that run wrote "
+                                 "(checkpoints, logs, config.json, hf_final, after_step<N>/, tensorboard events), "
+                                 "nothing else")
     max_bad_steps: int = arg(5, "non-finite losses/gradients skipped in a row before the run stops with a "
                                 "crash checkpoint", minimum=0)
     threads: int = arg(0, "CPU threads for torch; 0 (auto): 1 below --hidden-size 512 (--hf-model: the model's "
@@ -322,6 +324,8 @@ def _typed(f, kind):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if kind is float and not math.isfinite(value):  # nan passes every comparison with a minimum
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
         if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
         return value

@@ -3,6 +3,7 @@ naming the flag) and the configurations that train but are probably not meant (`
 nothing are refused too: a run that ignores what it was told is worse than one that does not start."""
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from pathlib import Path
 
@@ -17,6 +18,7 @@ def _flag(name: str) -> str:
 def validate(cfg) -> None:
     """Cross-field checks the parser cannot express; raises ValueError naming the flag. Flags that would do
     nothing are refused too: a run that ignores what it was told is worse than one that does not start."""
+    _finite(cfg)
     if cfg.task == "g2p" and (cfg.train or cfg.valid or cfg.test):
         raise ValueError("--train, --valid and --test are files of --task tsv (or a task that reads them); "
                          "--task g2p has its own data")
@@ -45,6 +47,15 @@ def validate(cfg) -> None:
         _hf(cfg)
     if cfg.rl_steps > 0:  # a run without RL steps never reads the RL flags: nothing to refuse there
         _rl(cfg)
+
+
+def _finite(cfg) -> None:
+    """Every number flag finite: NaN passes every range check (each comparison is False) and would skip every
+    step; no flag means anything at infinity (--clip-norm 0 is "no clipping")."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{_flag(f.name)} must be a finite number, got {value}")
 
 
 def _trl(cfg) -> None:
@@ -124,6 +135,11 @@ def _rl(cfg) -> None:
     if cfg.temperature != 1 and cfg.sampler != "sample":
         raise ValueError(f"--temperature applies to --sampler sample only, not --sampler {cfg.sampler}")
     if cfg.objective == "policy":
+        if cfg.temperature != 1:
+            raise ValueError(f"--objective policy with --temperature {cfg.temperature:g}: phase two's ratios and "
+                             "KL use the model's own log-probabilities, not tempered ones as TRL's GRPO does "
+                             "(logits / T), so samples of p^(1/T) would be weighted as samples of p; use "
+                             "--temperature 1 (docs/policy.md)")
         if cfg.beam_size < 2 and cfg.baseline != "none":
             raise ValueError("--objective policy with --beam-size 1 has no group to compare a candidate with; "
                              "use --beam-size >= 2, or --baseline none")

@@ -7,7 +7,9 @@ model never saw are counted on stderr. A line the task cannot read or decode (lo
 of the model's positions, a `collate` that raises) stops the decode with one line naming FILE:LINE.
 
 `--nbest K` writes the K best beam hypotheses of every input line, best first, as K output lines (empty lines
-where the beam found fewer); `--scores` puts each hypothesis' log-probability and a tab before it.
+where the beam found fewer); `--scores` puts each hypothesis' log-probability and a tab before it (`-inf` and
+a tab where the beam found fewer). A blank input line is not decoded: it gives K blank lines, with or without
+`--scores`.
 A task plug-in (`--task module:callable`) is imported from where training found it (the checkpoint records the
 folder), whatever the directory decode runs in.
 """
@@ -142,7 +144,10 @@ def decode_lines(model, task, lines: list[str], beam_size: int, max_len: int, ba
     best = {number: hyps for (number, _), hyps in zip(todo, found)}
     out = []
     for number in range(1, len(lines) + 1):
-        hyps = best.get(number, [])
+        if number not in best:  # a blank line: nothing decoded, so no hypothesis and no score (not -inf)
+            out += [""] * nbest
+            continue
+        hyps = best[number]
         if nbest == 1 and not scores:
             out.append(task.format_output(hyps[0][1]) if hyps else "")
             continue

@@ -19,9 +19,17 @@ PEAK_ROWS = (("peak_allocated_mb", "peak memory allocated (CUDA)"), ("peak_reser
              ("peak_rss_mb", "peak memory (process RSS)"))
 
 
+def compact(fmt: str, value: float, width: int = 15) -> str:
+    """fmt.format(value), or the value in 4 significant digits (1e+300, 3.2e-07) where that would be wider than
+    `width` or would show a nonzero value as zero: a reward of 1e300 is one cell, not 300 digits."""
+    text = fmt.format(value)
+    hidden = value != 0 and ".0f" not in fmt and "%" not in fmt and not any(ch in "123456789" for ch in text)
+    return f"{value:.4g}" if len(text) > width or hidden else text
+
+
 def fmt_scores(scores: dict) -> str:
     """The floats of a validation's scores; a reward that scored nothing (None) as `reward=-`, not a number."""
-    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}=-" for k, v in scores.items()
+    return " ".join(f"{k}={compact('{:.4f}', v)}" if isinstance(v, float) else f"{k}=-" for k, v in scores.items()
                     if (isinstance(v, float) or (k == "reward" and v is None)) and k != "n")
 
 
@@ -57,7 +65,7 @@ def summary_table(summary: dict, metrics=()) -> str:
             cells = []
             for c, _ in cols:
                 v = table.get(c, {}).get(key, float("nan"))
-                cells.append(f"{'-' if v is None or v != v else fmt.format(v):>16}")
+                cells.append(f"{'-' if v is None or v != v else compact(fmt, v):>16}")
             if any(cell.strip() != "-" for cell in cells):
                 lines.append(f"{prefix + label:{width}}" + "".join(cells))
     # CUDA's allocated and reserved, or the CPU's resident set (RunLoop.run's summary)

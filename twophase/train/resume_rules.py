@@ -29,7 +29,9 @@ RULES = {
     # what this command does with the run
     "save_dir": FREE, "resume": FREE, "resume_from": FREE, "overwrite": FREE, "eval_only": FREE,
 }
-NOT_INHERITED = ("save_dir", "device", "resume", "resume_from", "overwrite", "eval_only", "fsdp")  # this command's own
+# this command's own: where and how this process computes (--compile with --fsdp is refused, so a --compile
+# inherited from an earlier command would refuse every later --resume --fsdp)
+NOT_INHERITED = ("save_dir", "device", "resume", "resume_from", "overwrite", "eval_only", "fsdp", "compile")
 PATHS = ("train", "valid", "test", "hf_model", "init_from")  # compared as files, not strings
 
 

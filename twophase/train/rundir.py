@@ -11,6 +11,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -21,6 +22,14 @@ from .checkpoint import SaveError
 
 LOGS = ("metrics.jsonl", "memory_profile.jsonl")
 FOLDERS = ("hf_final",)  # a task's own copy of the final model (Task.save_final: --hf-model's save_pretrained)
+RECORD = "config.json"  # every command's resolved flags (runs.write_config)
+PICTURE = "curves.png"  # the end-of-run picture (--picture)
+TENSORBOARD = "tensorboard"  # --tensorboard's folder; only its event files are the run's
+# The temporary file of an atomic write, left behind by a process killed mid-write: mkstemp's
+# ".<name><random>.tmp" beside the checkpoint, config.json or log it was to replace (hf_final's ".hf_final.tmp").
+_RESIDUE = re.compile(r"\.(checkpoint_[^/]*\.pt|config\.json|metrics\.jsonl|memory_profile\.jsonl|hf_final)[^/]*\.tmp")
+_ASIDE = re.compile(r"after_step\d+(\.\d+)?")  # --resume-from's folders of the checkpoints it set aside
+_EVENTS = "events.out.tfevents.*"
 
 
 def run_files(save_dir) -> list[Path]:
@@ -32,21 +41,44 @@ def run_files(save_dir) -> list[Path]:
                   or (p.name.startswith("checkpoint_") and p.name.endswith(".pt")))
 
 
+def residue(save_dir) -> list[Path]:
+    """The temporary files of the run's atomic writes that a killed process left in save_dir (a checkpoint's
+    can be as large as the model); only names of that pattern, nothing else."""
+    folder = Path(save_dir)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if _RESIDUE.fullmatch(p.name))
+
+
+def artifacts(save_dir) -> list[Path]:
+    """Everything a run writes in save_dir, for --overwrite: its files (`run_files`), config.json, its picture,
+    the folders --resume-from set aside, --tensorboard's event files and the residue of interrupted writes. What
+    else the directory holds is not the run's and is left alone."""
+    folder = Path(save_dir)
+    if not folder.is_dir():
+        return []
+    own = [p for p in folder.iterdir() if p.name in (RECORD, PICTURE) or (p.is_dir() and _ASIDE.fullmatch(p.name))]
+    events = sorted((folder / TENSORBOARD).glob(_EVENTS)) if (folder / TENSORBOARD).is_dir() else []
+    board = [folder / TENSORBOARD] if events else []  # removed last, and only once empty
+    return sorted(set(run_files(save_dir) + own + residue(save_dir))) + events + board
+
+
 def claim(save_dir, resume: bool, overwrite: bool) -> list[Path]:
-    """Check that save_dir may take this run; returns the old run's files that --overwrite is to delete. Refused
-    (ValueError, one line naming the directory and both flags): a directory holding another run without --resume
-    or --overwrite, and the two flags together. The caller deletes the files with `remove` only once the new run
-    is ready to start, so a typo in another flag does not cost the old run."""
+    """Check that save_dir may take this run; returns what is to be deleted: the old run's `artifacts` for
+    --overwrite, the `residue` of interrupted writes otherwise. Refused (ValueError, one line naming the
+    directory and both flags): a directory holding another run without --resume or --overwrite, and the two
+    flags together. The caller deletes the files with `remove` only once the new run is ready to start, so a
+    typo in another flag does not cost the old run."""
     if resume and overwrite:
         raise ValueError("--resume continues the run in --save-dir and --overwrite replaces it: give one of them")
     found = run_files(save_dir)
     if not found or resume:
-        return []
+        return residue(save_dir)
     if not overwrite:
         names = ", ".join(p.name for p in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise ValueError(f"--save-dir {save_dir} already holds a run ({names}); pass --resume to continue it or "
                          "--overwrite to replace it (or choose another --save-dir)")
-    return found
+    return artifacts(save_dir)
 
 
 def check_writable(save_dir) -> None:
@@ -68,9 +100,13 @@ def check_writable(save_dir) -> None:
 
 
 def remove(files: list[Path]) -> None:
-    """Delete an old run's files (what else its directory holds stays)."""
+    """Delete an old run's files (what else its directory holds stays). The tensorboard folder goes only where
+    nothing but the run's event files was in it."""
     for path in files:
-        if path.is_dir():
+        if path.is_dir() and path.name == TENSORBOARD:
+            if not any(path.iterdir()):
+                path.rmdir()
+        elif path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)

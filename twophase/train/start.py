@@ -46,6 +46,8 @@ def start_defaults(args) -> tuple[dict, dict | None]:
         return defaults, state
     if args.init_from:
         state = runs.load_checkpoint(args.init_from, "--init-from")
+        if args.eval_only:  # evaluates the checkpoint as --resume --eval-only would: its reward, metric, lengths
+            return resume_rules.inherited(state["config"], known), state
         shape = runs.init_defaults(state, known)
         # the recipe of the checkpoint's task (a different --task is refused in build)
         recipe = recipe_defaults(argparse.Namespace(**{**vars(args), "task": shape.get("task", args.task)}))
@@ -81,6 +83,28 @@ def init_state(cfg: Config, state: dict | None = None) -> dict | None:
     state = state if state is not None else runs.load_checkpoint(cfg.init_from, "--init-from")
     runs.check_init(cfg, state, cfg.init_from)
     return state
+
+
+def batch_warnings(cfg, sources: int, pairs: int, given: frozenset) -> list[str]:
+    """A batch size given on the command line that the training data cannot fill: each step then takes all of
+    it, fewer than asked (one line each; the recipe's and the defaults' sizes are capped without a word)."""
+    out = []
+    for name, phase, steps, n, what in (("batch_size", "RL", cfg.rl_steps, sources, "sources"),
+                                         ("mle_batch_size", "MLE", cfg.mle_steps, pairs, "(source, reference) pairs")):
+        size = getattr(cfg, name)
+        if name in given and steps > 0 and 0 < n < size:
+            out.append(f"--{name.replace('_', '-')} {size}: the training data has {n} {what}, so each {phase} "
+                       f"step takes all {n}")
+    return out
+
+
+def refuse_against_checkpoint(cfg, start: dict | None) -> None:
+    """For flags that do not combine: the ValueError of a flag that differs from the checkpoint --resume
+    continues or --init-from starts from, which is what went wrong (--resume --hf-model on an LSTM run inherits
+    the run's --embed-dim, which --hf-model refuses; the flag at fault is --hf-model); nothing where none does."""
+    if start is not None:
+        resume_state(cfg, start)
+        init_state(cfg, start)
 
 
 def start_run_dir(trainer, state: dict | None, recipe: dict) -> None:
