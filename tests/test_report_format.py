@@ -26,3 +26,16 @@ def test_ordinary_values_keep_their_format():
 
 def test_progress_lines_too():
     assert fmt_scores({"reward": 1e300, "word_acc": 0.5, "n": 3.0}) == "reward=1e+300 word_acc=0.5000"
+
+
+def test_eval_only_table_prints_compact_numbers_and_unscored_rewards():
+    from twophase.tasks.base import Metric
+    from twophase.train.runs import evaluation_table
+
+    class Task:
+        metrics = [Metric("acc", "accuracy")]
+    table = evaluation_table(Task, {"valid": {"acc": 0.5, "reward": 1e300, "n": 4},
+                                    "test": {"acc": 0.25, "reward": None, "n": 2}})
+    lines = table.splitlines()
+    assert lines[2].split() == ["reward", "1e+300", "-"]  # one cell, not 300 digits; nothing scored: '-'
+    assert lines[1].split() == ["accuracy", "50.00%", "25.00%"] and max(map(len, lines)) < 60

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, report
 from .checkpoint import CheckpointError, SaveError, load
 from .params import load_saved
 from .resume_rules import same, show
@@ -171,9 +171,16 @@ def evaluation_table(task, scores: dict) -> str:
     lines = [f"{'':28}" + "".join(f"{s:>12}" for s in splits)]
     for key, label, fmt in rows + [("n", "examples", "{:.0f}")]:
         if any(key in scores[s] for s in splits):
-            lines.append(f"{label:28}" + "".join(f"{fmt.format(scores[s][key]) if key in scores[s] else '':>12}"
-                                                 for s in splits))
+            lines.append(f"{label:28}" + "".join(f"{_cell(fmt, scores[s].get(key, '')):>12}" for s in splits))
     return "\n".join(lines)
+
+
+def _cell(fmt: str, value) -> str:
+    """A score in its format, compact where it would not fit (`report.compact`); '-' for a reward that scored
+    nothing (None), '' for a split without the key."""
+    if value == "":
+        return ""
+    return "-" if value is None or value != value else report.compact(fmt, value, width=11)
 
 
 def export_model(trainer):
