@@ -82,3 +82,25 @@ class ProgressLines:
         values = " ".join(f"{k}={row[k]:.4g}" for k in ("loss", "reward_mean", "lr") if isinstance(row.get(k), float))
         clock = datetime.timedelta(seconds=round(elapsed))
         return f"step {step}/{self.total} [{phase}] {values} {rate:.2f} steps/s, elapsed {clock}"
+
+
+@dataclasses.dataclass
+class Result:
+    """What a run returns (`twophase.fit`; train.py prints it): its resolved configuration, its directory, the
+    closing table's numbers (`summary`: one dict per column, "mle", "mle-continued", "rl", with "test" and
+    "tests" where the run tested, and the peak memory; with eval_only the evaluation's scores per split) and the
+    table's text, the trained model, the best validation and the files written."""
+
+    config: object  # the Config the run ran with, as its config.json records it
+    run_dir: object  # pathlib.Path: <save-dir>
+    summary: dict
+    table: str
+    model: object = None  # the trained model (the RL phase's last parameters; None with eval_only)
+    best_metric: str | None = None  # what picked checkpoint_best.pt, and its score and step
+    best: float | None = None
+    best_step: int | None = None
+    best_checkpoint: object = None  # pathlib.Path, or None where no validation improved
+    last_checkpoint: object = None  # pathlib.Path of checkpoint_last.pt
+    metrics: object = None  # pathlib.Path of metrics.jsonl
+    final_model: object = None  # the task's own export (--hf-model: <save-dir>/hf_final), or None
+    picture: object = None  # <save-dir>/curves.png, or None
