@@ -326,7 +326,7 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
         if trainer.is_main:
             step = (start or {}).get("step", trainer.step)
             print(f"{runs.resume_path(cfg) or cfg.init_from} (step {step}):\n" + table)
-        return Result(cfg, trainer.save_dir, scores, table)
+        return Result(cfg, trainer.save_dir.absolute(), scores, table)
     if trainer.is_main:
         test = f" / {len(trainer.test)} test" if trainer.test is not None else ""
         threads = torch.get_num_threads()
@@ -342,12 +342,13 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     finally:
         if trainer.metrics.mirror is not None:
             trainer.metrics.mirror.close()
-    best = trainer.checkpoints
-    result = Result(cfg, trainer.save_dir, summary, summary_table(summary, with_beams(trainer.task.metrics,
-                                                                                      test_beams(trainer.cfg))),
+    best, folder = trainer.checkpoints, trainer.save_dir.absolute()  # the Result's paths: from anywhere
+    result = Result(cfg, folder, summary, summary_table(summary, with_beams(trainer.task.metrics,
+                                                                            test_beams(trainer.cfg))),
                     model=trainer.model, best_metric=trainer.best_key, best=best.best, best_step=trainer.best_step,
-                    best_checkpoint=best.best_path if best.best is not None else None,
-                    last_checkpoint=best.last_path, metrics=trainer.save_dir / "metrics.jsonl", final_model=exported)
+                    best_checkpoint=folder / best.best_path.name if best.best is not None else None,
+                    last_checkpoint=folder / best.last_path.name, metrics=folder / "metrics.jsonl",
+                    final_model=exported)
     if not trainer.is_main:
         return result
     print(result.table)
