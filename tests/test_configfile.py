@@ -1,6 +1,8 @@
 """`train.py --config FILE` and `--print-config`: the file's place among the defaults, its one-line errors, and a
 run's own config.json reproducing that run bit for bit (same process, same kernels, same shapes)."""
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +142,12 @@ def test_a_runs_config_json_reproduces_it_bit_exactly(task, capsys):
     (task / "other.yaml").write_text("seed: 9\n")
     assert cli.main(["--resume", "--save-dir", "a", "--config", "other.yaml"]) == 2
     assert "was trained with --seed 3, not 9" in capsys.readouterr().err
+
+
+def test_the_docs_example_file_reads(tmp_path):
+    page = (Path(__file__).resolve().parents[1] / "docs" / "python.md").read_text()
+    text = re.search(r"^```yaml\n(.*?)^```", page, flags=re.S | re.M).group(1)
+    (tmp_path / "run.yaml").write_text(text)
+    assert configfile.read(tmp_path / "run.yaml") == dict(
+        train="data/train.tsv", valid="data/valid.tsv", hidden_size=128, objective="mrt", mrt_alpha=0.3,
+        grammar="on", rl_lr=1e-4)
