@@ -139,6 +139,9 @@ def test_a_runs_config_json_reproduces_it_bit_exactly(task, capsys):
     # --resume with --config: the checkpoint's configuration, the file's values over it, under the resume rules
     (task / "more.yaml").write_text("rl_steps: 4\n")
     assert cli.resolve(["--resume", "--save-dir", "a", "--config", "more.yaml"])[0].rl_steps == 4
+    # --init-from: its checkpoint's model flags over Config's defaults, the file over them
+    init = cli.resolve(["--init-from", "a/checkpoint_last.pt", "--config", "more.yaml", "--save-dir", "c"])[0]
+    assert (init.hidden_size, init.rl_steps, init.train) == (16, 4, "train.tsv")
     (task / "other.yaml").write_text("seed: 9\n")
     assert cli.main(["--resume", "--save-dir", "a", "--config", "other.yaml"]) == 2
     assert "was trained with --seed 3, not 9" in capsys.readouterr().err
@@ -151,3 +154,10 @@ def test_the_docs_example_file_reads(tmp_path):
     assert configfile.read(tmp_path / "run.yaml") == dict(
         train="data/train.tsv", valid="data/valid.tsv", hidden_size=128, objective="mrt", mrt_alpha=0.3,
         grammar="on", rl_lr=1e-4)
+
+
+def test_what_the_pre_parser_cannot_read_is_one_line(capsys):
+    # --t could be --task or --train: the flags read before the others (the recipe, --config) say so in one line
+    assert cli.main(["--t", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err == "train.py: error: ambiguous option: --t could match --task, --train\n", err

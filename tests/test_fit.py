@@ -108,6 +108,9 @@ def test_fit_with_a_users_task_and_model_resumes_it(data, capsys):
     twophase.fit(config(save_dir="mine", rl_steps=3, resume=True), task=task, model=model)
     assert _same(_run(data / "straight"), _run(data / "mine"))
     assert straight.summary["rl"]["steps"] == 3
+    task, model = parts()
+    scores = twophase.fit(config(save_dir="mine", resume=True, eval_only=True), task=task, model=model)
+    assert scores.summary["valid"]["n"] == 8 and "examples" in scores.table
 
 
 def test_bad_input_raises_train_pys_one_line(data):

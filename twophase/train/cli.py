@@ -291,10 +291,18 @@ def resolve(argv: list[str] | None = None, settings: dict | None = None) -> tupl
     return config_from_args(args), start, given & {f.name for f in fields(Config)}  # not --config itself
 
 
+class PreParser(argparse.ArgumentParser):
+    """pre_parse's: what it cannot read (`--pr`, which --preset and --print-config both begin with) is one line
+    (ValueError), as the full parser's errors."""
+
+    def error(self, message: str):
+        raise ValueError(message)
+
+
 def pre_parse(argv: list[str] | None) -> argparse.Namespace:
     """--task, --train, --preset, --config and --print-config alone (anything else, --help included, is left to
     the full parser)."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = PreParser(add_help=False)
     for flag in ("--task", "--train", "--preset", "--config"):
         pre.add_argument(flag)
     pre.add_argument("--print-config", action="store_true")
