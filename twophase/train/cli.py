@@ -323,11 +323,12 @@ def _train(cfg: Config, start: dict | None = None, given: frozenset | None = Non
     return 0
 
 
-def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, **parts) -> Result:
+def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, *, model=None, task=None,
+        reward=None) -> Result:
     """What train.py runs once its flags are resolved, printing what it prints; also `twophase.fit`'s. Bad input
-    raises (UsageError, DataError, ...: one line each), a signal Interrupted after the save. `parts`: build's
-    model, task and reward."""
-    trainer = build(cfg, start, given, **parts)
+    raises (UsageError, DataError, ...: one line each), a signal Interrupted after the save. `model`, `task`,
+    `reward`: build's (a user's own)."""
+    trainer = build(cfg, start, given, model=model, task=task, reward=reward)
     if cfg.eval_only:
         scores = evaluate(trainer)
         table = runs.evaluation_table(trainer.task, scores)

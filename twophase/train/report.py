@@ -91,11 +91,11 @@ class Result:
     "tests" where the run tested, and the peak memory; with eval_only the evaluation's scores per split) and the
     table's text, the trained model, the best validation and the files written."""
 
-    config: object  # the Config the run ran with, as its config.json records it
+    config: object = dataclasses.field(repr=False)  # the Config the run ran with, as config.json records it
     run_dir: object  # pathlib.Path: <save-dir>
-    summary: dict
-    table: str
-    model: object = None  # the trained model (the RL phase's last parameters; None with eval_only)
+    summary: dict = dataclasses.field(repr=False)
+    table: str = dataclasses.field(repr=False)  # print(result.table)
+    model: object = dataclasses.field(default=None, repr=False)  # the trained model (RL's last parameters)
     best_metric: str | None = None  # what picked checkpoint_best.pt, and its score and step
     best: float | None = None
     best_step: int | None = None
