@@ -355,8 +355,8 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     result = Result(cfg, folder, summary, summary_table(summary, with_beams(trainer.task.metrics,
                                                                             test_beams(trainer.cfg))),
                     model=trainer.model, best_metric=trainer.best_key, best=best.best, best_step=trainer.best_step,
-                    best_checkpoint=folder / best.best_path.name if best.best is not None else None,
-                    last_checkpoint=folder / best.last_path.name, metrics=folder / "metrics.jsonl",
+                    best_checkpoint=if_written(folder / best.best_path.name) if best.best is not None else None,
+                    last_checkpoint=if_written(folder / best.last_path.name), metrics=if_written(folder / "metrics.jsonl"),
                     final_model=exported)
     if not trainer.is_main:
         return result
@@ -371,6 +371,11 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     if result.picture is not None:
         print(f"picture: {result.picture}")
     return result
+
+
+def if_written(path):
+    """`path` where the run wrote it, else None (a run of no steps writes no checkpoint and no log)."""
+    return path if path.exists() else None
 
 
 def trainable(model) -> str:

@@ -100,7 +100,7 @@ class Result:
     best: float | None = None
     best_step: int | None = None
     best_checkpoint: object = None  # pathlib.Path, or None where no validation improved
-    last_checkpoint: object = None  # pathlib.Path of checkpoint_last.pt
-    metrics: object = None  # pathlib.Path of metrics.jsonl
+    last_checkpoint: object = None  # pathlib.Path of checkpoint_last.pt (None: no step taken)
+    metrics: object = None  # pathlib.Path of metrics.jsonl (None: no step taken)
     final_model: object = None  # the task's own export (--hf-model: <save-dir>/hf_final), or None
     picture: object = None  # <save-dir>/curves.png, or None
