@@ -356,8 +356,8 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
                                                                             test_beams(trainer.cfg))),
                     model=trainer.model, best_metric=trainer.best_key, best=best.best, best_step=trainer.best_step,
                     best_checkpoint=if_written(folder / best.best_path.name) if best.best is not None else None,
-                    last_checkpoint=if_written(folder / best.last_path.name), metrics=if_written(folder / "metrics.jsonl"),
-                    final_model=exported)
+                    last_checkpoint=if_written(folder / best.last_path.name),
+                    metrics=if_written(folder / "metrics.jsonl"), final_model=exported)
     if not trainer.is_main:
         return result
     print(result.table)
