@@ -122,7 +122,8 @@ def test_bad_input_raises_train_pys_one_line(data):
         twophase.fit(config(save_dir="x", eval_only=True))
     with pytest.raises(ValueError, match="name two rewards: give one"):
         twophase.fit(config(reward="edit"), reward=overlap)
-    with pytest.raises(twophase.rewards.RewardError, match=r"^reward 'test_fit:test_bad_input.*<lambda>' returned 1 values for 3 hypotheses"):
+    wrong = r"^reward 'test_fit:test_bad_input.*<lambda>' returned 1 values for 3 hypotheses"  # named by qualname
+    with pytest.raises(twophase.rewards.RewardError, match=wrong):
         twophase.fit(config(save_dir="y"), reward=lambda hyps, refs: [0.0])
     assert not (data / "x").exists()
 
