@@ -2,7 +2,7 @@
 
     import twophase
     result = twophase.fit(twophase.Config(train="train.tsv", valid="valid.tsv", rl_steps=100), reward=my_reward)
-    result.summary["rl"]["reward"], result.run_dir, print(result.table)
+    print(result.table, result.summary["rl"]["reward"], result.run_dir)
 
 It runs what `python train.py` runs, through the same code (`cli.resolve`, `cli.run`): the task's recipe and
 --preset under the fields set, --resume and --init-from, the run directory's rules, checkpoints, validation, the
