@@ -134,3 +134,19 @@ def test_fit_reads_a_config_file_as_train_py_does(data, capsys):
     result = twophase.fit(data / "run.yaml")
     assert cli.main(["--config", "run.yaml", "--save-dir", "g"]) == 0
     assert result.run_dir == data / "f" and _same(_run(data / "f"), _run(data / "g"))
+
+
+def test_a_task_instance_brings_its_recipe(data, monkeypatch):
+    class Shorter(TSV):
+        flag_defaults = dict(rl_steps=1, beam_size=2)
+
+    class Typo(TSV):
+        flag_defaults = dict(rl_stepz=1)
+
+    sizes = {k: v for k, v in SIZES.items() if k not in ("rl_steps", "beam_size")}
+    cfg = twophase.Config(train="train.tsv", valid="valid.tsv", save_dir="s", **sizes)
+    result = twophase.fit(cfg, task=Shorter(cfg))
+    assert (result.config.rl_steps, result.config.beam_size) == (1, 2) and result.summary["rl"]["steps"] == 1
+    assert result.config.task.endswith("test_a_task_instance_brings_its_recipe.<locals>.Shorter")
+    with pytest.raises(ValueError, match="its flag_defaults name no flag: rl_stepz$"):
+        twophase.fit(cfg, task=Typo(cfg))

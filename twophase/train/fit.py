@@ -61,7 +61,11 @@ def fit(config: Config | str | os.PathLike | None = None, *, model=None, task=No
         settings["reward"] = spec
     if task is not None:
         settings["task"] = named.get("task") or userparts.spec_of(task)
-        for name, value in (getattr(task, "flag_defaults", None) or {}).items():  # its recipe, found or not
+        recipe = dict(getattr(task, "flag_defaults", None) or {})  # its recipe, whether tasks.get finds it or not
+        unknown = sorted(set(recipe) - set(configfile.FIELDS))
+        if unknown:
+            raise cli.UsageError(f"--task {settings['task']}: its flag_defaults name no flag: {', '.join(unknown)}")
+        for name, value in recipe.items():
             if name not in named:
                 settings[name] = configfile.check_value(name, value, f"{type(task).__name__}.flag_defaults: {name}")
     if model is not None and named.get("fsdp"):
