@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["library.md", "plugins.md", "hf.md"]
+PAGES = ["library.md", "plugins.md", "hf.md", "python.md"]
 SNIPPETS = [(page, i, code) for page in PAGES for i, code in enumerate(
     re.findall(r"^```python\n(.*?)^```", (ROOT / "docs" / page).read_text(), flags=re.S | re.M))]
 

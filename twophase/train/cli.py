@@ -11,7 +11,8 @@ from dataclasses import fields
 
 import torch
 
-from . import amp, basemodel, devices, distributed, fsdp, grammar, numerics, rundir, runs, startup
+from . import amp, basemodel, configfile, devices, distributed, fsdp, grammar, numerics, rundir, runs, startup, \
+    userparts
 from .start import (batch_warnings, evaluate, init_state, recipe_defaults, refuse_against_checkpoint,
                     resume_state, start_defaults, start_run_dir)
 from ..protocol import ModelError
@@ -22,7 +23,7 @@ from .. import tasks
 from ..tasks.data import DataError
 from .evaluation import score, test_beams
 from .checkpoint import SaveError
-from .report import summary_table, with_beams
+from .report import Result, summary_table, with_beams
 from .interrupt import Interrupted
 from .trainer import Trainer
 from . import tensorboard
@@ -32,13 +33,18 @@ PROG = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(("trai
     else "train.py"  # messages name the command the user typed
 
 
-class UsageError(Exception):
-    """A problem with what the user gave us; printed as one line, exit status 2."""
+class UsageError(ValueError):
+    """A problem with what the user gave us; printed as one line, exit status 2 (twophase.fit: raised)."""
 
 
 def build_parser() -> OneLineParser:
     parser = OneLineParser(prog=PROG, description="MLE warm start, then two-phase sequence-level RL.")
     add_config_flags(parser)
+    parser.add_argument("--config", metavar="FILE", help="a .yaml or .json file of these flags' values (their "
+                        "names, e.g. rescore_chunk: 128), the defaults of this command: the flags given still win; "
+                        "a run's own <save-dir>/config.json reproduces that run (docs/python.md)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML "
+                        "that --config reads, and exit without training or writing anything")
     return parser
 
 
@@ -101,9 +107,12 @@ def cpu_threads(cfg: Config, width: int | None = None) -> int | None:
     return 1
 
 
-def build(cfg: Config, start: dict | None = None, given: frozenset | None = None) -> Trainer:
+def build(cfg: Config, start: dict | None = None, given: frozenset | None = None, *, model=None, task=None,
+          reward=None) -> Trainer:
     """The trainer of this command; `start`: the checkpoint main() read already (--resume, --init-from);
-    `given`: the flags set on the command line (default: those differing from Config's)."""
+    `given`: the flags set on the command line (default: those differing from Config's). `model`, `task`,
+    `reward`: a user's own, given to `twophase.fit` (userparts), in place of the task's model, the task
+    --task names and the reward --reward names."""
     given = startup.changed_fields(cfg) if given is None else given
     try:
         cfg.validate()
@@ -130,11 +139,12 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         for warning in cfg.warnings():
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     cfg.task = tasks.default_name(cfg)  # saved as resolved, as the reward and the best metric
-    task = tasks.build(cfg)  # cheap: the data comes later
+    task = tasks.build(cfg) if task is None else userparts.adopt_task(task, cfg.task)  # cheap: no data yet
     startup.check_task_flags(task, given)
     cfg.save_dir = cfg.save_dir or default_save_dir(task)
     cfg.reward = cfg.reward or task.default_reward
-    reward = rewardsum.from_flags(cfg.reward, cfg.reward_weights)  # before loading data: a typo should fail in a second, not after it
+    reward = rewardsum.from_flags(cfg.reward, cfg.reward_weights) if reward is None else \
+        userparts.reward_of(reward, cfg.reward, cfg.reward_weights)  # before loading data: a typo fails in a second
     cfg.best_metric = resolve_best_metric(cfg, task)
     if cfg.tensorboard:
         try:
@@ -157,7 +167,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     threads = cpu_threads(cfg, getattr(task, "model_width", None))
     if threads:
         torch.set_num_threads(threads)
-    model = task.build_model().to(device)
+    model = (task.build_model() if model is None else model).to(device)
     base = basemodel.record(model, cfg.hf_model)  # the frozen part's base, if any
     try:  # a --lora-r checkpoint's adapters need the base they were trained on
         if state is not None:
@@ -233,12 +243,15 @@ def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg, start = parse(argv)
+        cfg, start, given = resolve(argv)
     except (ValueError, tasks.TaskError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    if pre_parse(argv).print_config:  # the configuration only: nothing trained, nothing written
+        print(configfile.dumps(cfg), end="")
+        return 0
     try:
-        return _train(cfg, start, startup.flags_given(build_parser(), argv))
+        return _train(cfg, start, given)
     finally:
         distributed.finish()
 
@@ -255,58 +268,69 @@ def build_from_flags(argv: list[str]) -> Trainer:
 
 def parse(argv: list[str] | None = None) -> tuple[Config, dict | None]:
     """The command line's Config, over the defaults of start_defaults, and the checkpoint it starts from."""
+    cfg, start, _ = resolve(argv)
+    return cfg, start
+
+
+def resolve(argv: list[str] | None = None, settings: dict | None = None) -> tuple[Config, dict | None, frozenset]:
+    """The command line's Config, the checkpoint it starts from, and the fields given (on the command line, or by
+    --config's file where it changes a default). Layers, lowest first: Config's defaults, the task's recipe,
+    --preset, the --config file (or `settings`: twophase.fit's, checked as a file's), the flags; --resume and
+    --init-from replace the first three by the checkpoint's (start_defaults)."""
+    pre = pre_parse(argv)
+    layer = configfile.read(pre.config) if pre.config else {}
+    layer.update(settings or {})
     parser = build_parser()
-    defaults = recipe_defaults(pre_parse(argv))  # before --help, which then shows them
-    if defaults:  # the recipe's values become the defaults, so the flags given on the command line still win
-        unknown = sorted(set(defaults) - {f.name for f in fields(Config)})
+
+    def refuse(message: str):  # train.py: argparse's one line and exit 2; twophase.fit: raised
+        if settings is None:
+            parser.error(message)
+        raise UsageError(message)
+
+    # the recipe of the task the command line names, else the file
+    named = argparse.Namespace(**{k: getattr(pre, k) if getattr(pre, k) is not None else layer.get(k)
+                                  for k in ("task", "train", "preset")})
+    recipe = recipe_defaults(named)  # before --help, which then shows them
+    if recipe:  # the recipe's values become the defaults, so the flags given on the command line still win
+        unknown = sorted(set(recipe) - {f.name for f in fields(Config)})
         if unknown:
-            parser.error(f"--task {pre_parse(argv).task}: its flag_defaults name no flag: {', '.join(unknown)}")
-        parser.set_defaults(**defaults)
+            refuse(f"--task {named.task}: its flag_defaults name no flag: {', '.join(unknown)}")
+    if recipe or layer:
+        parser.set_defaults(**{**recipe, **layer})
     args = parser.parse_args(argv)
     more, start = start_defaults(args)  # --resume: the checkpoint's configuration; --init-from: its model's
-    if start is not None and more:  # these become the defaults too, so the flags given still win
+    if start is not None and more:  # these become the defaults too, so the file's and the flags given still win
         unknown = sorted(set(more) - {f.name for f in fields(Config)})
         if unknown:
-            parser.error(f"the checkpoint's configuration names no flag: {', '.join(unknown)}")
+            refuse(f"the checkpoint's configuration names no flag: {', '.join(unknown)}")
         parser = build_parser()  # without the recipe of the task the command line named (--init-from: its own)
-        parser.set_defaults(**more)
+        parser.set_defaults(**{**more, **layer})
         args = parser.parse_args(argv)
-    return config_from_args(args), start
+    given = startup.flags_given(build_parser(), argv) | configfile.changed(layer)
+    return config_from_args(args), start, given & {f.name for f in fields(Config)}  # not --config itself
+
+
+class PreParser(argparse.ArgumentParser):
+    """pre_parse's: what it cannot read (`--pr`, which --preset and --print-config both begin with) is one line
+    (ValueError), as the full parser's errors."""
+
+    def error(self, message: str):
+        raise ValueError(message)
 
 
 def pre_parse(argv: list[str] | None) -> argparse.Namespace:
-    """--task, --train and --preset alone (anything else, --help included, is left to the full parser)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    for flag in ("--task", "--train", "--preset"):
+    """--task, --train, --preset, --config and --print-config alone (anything else, --help included, is left to
+    the full parser)."""
+    pre = PreParser(add_help=False)
+    for flag in ("--task", "--train", "--preset", "--config"):
         pre.add_argument(flag)
+    pre.add_argument("--print-config", action="store_true")
     return pre.parse_known_args(argv)[0]
 
 
 def _train(cfg: Config, start: dict | None = None, given: frozenset | None = None) -> int:
     try:
-        trainer = build(cfg, start, given)
-        if cfg.eval_only:
-            scores = evaluate(trainer)
-            if trainer.is_main:
-                step = (start or {}).get("step", trainer.step)
-                print(f"{runs.resume_path(cfg) or cfg.init_from} (step {step}):\n"
-                      + runs.evaluation_table(trainer.task, scores))
-            return 0
-        if trainer.is_main:
-            test = f" / {len(trainer.test)} test" if trainer.test is not None else ""
-            threads = torch.get_num_threads()
-            print(f"task {trainer.task.spec}: {len(trainer.train)} train / {len(trainer.valid)} valid{test} sources; "
-                  f"reward {trainer.reward.name}; "
-                  f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters{trainable(trainer.model)} on "
-                  f"{trainer.device}"
-                  + (f", {threads} CPU thread{'s' * (threads > 1)}" if trainer.device.type == "cpu" else "")
-                  + (f" (x {distributed.world()} processes)" if distributed.world() > 1 else ""), flush=True)
-        try:
-            summary = trainer.run()
-            exported = save_final(trainer)
-        finally:
-            if trainer.metrics.mirror is not None:
-                trainer.metrics.mirror.close()
+        run(cfg, start, given)
     except (UsageError, DataError, rewards.RewardError, tasks.TaskError, SaveError, startup.StartupError,
             ModelError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
@@ -315,19 +339,56 @@ def _train(cfg: Config, start: dict | None = None, given: frozenset | None = Non
         if distributed.rank() == 0:  # the one that saved
             print(f"{PROG}: {stop}", file=sys.stderr)
         return stop.code
+    return 0
+
+
+def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, *, model=None, task=None,
+        reward=None) -> Result:
+    """What train.py runs once its flags are resolved, printing what it prints; also `twophase.fit`'s. Bad input
+    raises (UsageError, DataError, ...: one line each), a signal Interrupted after the save. `model`, `task`,
+    `reward`: build's (a user's own)."""
+    trainer = build(cfg, start, given, model=model, task=task, reward=reward)
+    if cfg.eval_only:
+        scores = evaluate(trainer)
+        table = runs.evaluation_table(trainer.task, scores)
+        if trainer.is_main:
+            step = (start or {}).get("step", trainer.step)
+            print(f"{runs.resume_path(cfg) or cfg.init_from} (step {step}):\n" + table)
+        return Result(cfg, trainer.save_dir.absolute(), scores, table)
+    if trainer.is_main:
+        test = f" / {len(trainer.test)} test" if trainer.test is not None else ""
+        threads = torch.get_num_threads()
+        print(f"task {trainer.task.spec}: {len(trainer.train)} train / {len(trainer.valid)} valid{test} sources; "
+              f"reward {trainer.reward.name}; "
+              f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters{trainable(trainer.model)} on "
+              f"{trainer.device}"
+              + (f", {threads} CPU thread{'s' * (threads > 1)}" if trainer.device.type == "cpu" else "")
+              + (f" (x {distributed.world()} processes)" if distributed.world() > 1 else ""), flush=True)
+    try:
+        summary = trainer.run()
+        exported = save_final(trainer)
+    finally:
+        if trainer.metrics.mirror is not None:
+            trainer.metrics.mirror.close()
+    best, folder = trainer.checkpoints, trainer.save_dir.absolute()  # the Result's paths: from anywhere
+    result = Result(cfg, folder, summary, summary_table(summary, with_beams(trainer.task.metrics,
+                                                                            test_beams(trainer.cfg))),
+                    model=trainer.model, best_metric=trainer.best_key, best=best.best, best_step=trainer.best_step,
+                    best_checkpoint=if_written(folder / best.best_path.name) if best.best is not None else None,
+                    last_checkpoint=if_written(folder / best.last_path.name),
+                    metrics=if_written(folder / "metrics.jsonl"), final_model=exported)
     if not trainer.is_main:
-        return 0
-    print(summary_table(summary, with_beams(trainer.task.metrics, test_beams(trainer.cfg))))
+        return result
+    print(result.table)
     for line in trainer.task.closing_lines():  # Karel: its baselines, beside the table
         print(line)
-    best = trainer.checkpoints
     if best.best is not None:
         print(f"best {trainer.best_key}: {best.best:.4f} at step {trainer.best_step}: {best.best_path}")
     print(closing_paths(trainer, exported))
-    picture = draw_picture(trainer)
-    if picture is not None:
-        print(f"picture: {picture}")
-    return 0
+    result.picture = draw_picture(trainer)
+    if result.picture is not None:
+        print(f"picture: {result.picture}")
+    return result
 
 
 def closing_paths(trainer: Trainer, exported) -> str:
@@ -336,6 +397,11 @@ def closing_paths(trainer: Trainer, exported) -> str:
     written = ([f"metrics: {metrics}"] if metrics.exists() else []) + \
         ([f"checkpoint: {last}"] if last.exists() else []) + ([f"final model: {exported}"] if exported else [])
     return "; ".join(written) or "no training step taken (--mle-steps 0 --rl-steps 0): no checkpoint written"
+
+
+def if_written(path):
+    """`path` where the run wrote it, else None (a run of no steps writes no checkpoint and no log)."""
+    return path if path.exists() else None
 
 
 def trainable(model) -> str:

@@ -90,3 +90,25 @@ class ProgressLines:
         values = " ".join(f"{k}={row[k]:.4g}" for k in ("loss", "reward_mean", "lr") if isinstance(row.get(k), float))
         clock = datetime.timedelta(seconds=round(elapsed))
         return f"step {step}/{self.total} [{phase}] {values} {rate:.2f} steps/s, elapsed {clock}"
+
+
+@dataclasses.dataclass
+class Result:
+    """What a run returns (`twophase.fit`; train.py prints it): its resolved configuration, its directory, the
+    closing table's numbers (`summary`: one dict per column, "mle", "mle-continued", "rl", with "test" and
+    "tests" where the run tested, and the peak memory; with eval_only the evaluation's scores per split) and the
+    table's text, the trained model, the best validation and the files written."""
+
+    config: object = dataclasses.field(repr=False)  # the Config the run ran with, as config.json records it
+    run_dir: object  # pathlib.Path: <save-dir>
+    summary: dict = dataclasses.field(repr=False)
+    table: str = dataclasses.field(repr=False)  # print(result.table)
+    model: object = dataclasses.field(default=None, repr=False)  # the trained model (RL's last parameters)
+    best_metric: str | None = None  # what picked checkpoint_best.pt, and its score and step
+    best: float | None = None
+    best_step: int | None = None
+    best_checkpoint: object = None  # pathlib.Path, or None where no validation improved
+    last_checkpoint: object = None  # pathlib.Path of checkpoint_last.pt (None: no step taken)
+    metrics: object = None  # pathlib.Path of metrics.jsonl (None: no step taken)
+    final_model: object = None  # the task's own export (--hf-model: <save-dir>/hf_final), or None
+    picture: object = None  # <save-dir>/curves.png, or None

@@ -1,0 +1,228 @@
+"""Configuration files: `train.py --config FILE.yaml` (or `.json`) and `train.py --print-config`.
+
+A file holds `Config` fields as `key: value` (YAML) or one JSON object: the field names (`rescore_chunk`) or the
+flags' spellings (`rescore-chunk`). Its values are defaults of the command, so a flag given with it still wins.
+The layers, lowest first: Config's defaults < the task's recipe (`Task.flag_defaults`) < `--preset` < the file <
+the command line. `--resume` takes the checkpoint's configuration in place of the first three (the file and the
+flags then change it where the resume rules allow); `--init-from` takes its checkpoint's model flags over its
+task's recipe, the file over both. Relative paths in a file are read from the working directory, as flags are.
+
+A run's own record, `<save-dir>/config.json` (`{"config": {...}, "recipe": ..., "started_from": ...}`), is a valid
+file and reproduces that run. What a record says about the command that wrote it (`RECORD_ONLY`: its --save-dir,
+--resume, --resume-from, --overwrite, --eval-only) is not taken from it, so a run started from another's record
+never continues, replaces or writes into that run: it goes to --save-dir (default runs/<task>, refused while it
+holds a run). A hand-written file may not set `COMMAND_ONLY` at all: whether to continue, replace or only
+evaluate a run is said on the command line (or to `twophase.fit`), never remembered in a file.
+
+YAML is read with PyYAML under YAML 1.2's rules for booleans and numbers: `on`, `off`, `yes` and `no` stay strings
+(`grammar: on`), `1e-4` is a number. A bad key or value is a one-line ConfigFileError naming the file, the line
+(where the parser gives one) and the key.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+from .config import Config
+
+COMMAND_ONLY = ("resume", "resume_from", "overwrite", "eval_only")  # a file may not set these
+RECORD_ONLY = ("save_dir",) + COMMAND_ONLY  # a run's config.json: taken as it is, less these
+FIELDS = {f.name: f for f in fields(Config)}
+
+
+class ConfigFileError(ValueError):
+    """A configuration file that cannot be read or holds a bad key or value; one line naming the file."""
+
+
+def _yaml_loader():
+    """PyYAML's safe loader with YAML 1.2's booleans (true/false only) and floats (1e-4 without a dot)."""
+    try:
+        import yaml
+    except ImportError:
+        return None
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    bool_tag, float_tag = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
+    Loader.yaml_implicit_resolvers = {ch: [(tag, rx) for tag, rx in rules if tag != bool_tag]
+                                      for ch, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    Loader.add_implicit_resolver(float_tag, re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                 list("-+0123456789"))
+    return Loader
+
+
+def _read_yaml(path: str, text: str) -> tuple[object, dict]:
+    """The document and the line of each key of its top mapping (and of a record's "config" mapping)."""
+    loader = _yaml_loader()
+    if loader is None:
+        raise ConfigFileError(f"--config {path}: reading YAML needs PyYAML: pip install pyyaml (or give a .json "
+                              "file)")
+    import yaml
+
+    try:
+        node = yaml.compose(text, Loader=loader)
+        doc = yaml.load(text, Loader=loader)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        place = f"{path}:{mark.line + 1}" if mark is not None else path
+        raise ConfigFileError(f"{place}: not valid YAML ({getattr(err, 'problem', None) or err})") from None
+    lines: dict = {}
+    mappings = [node] if isinstance(node, yaml.MappingNode) else []
+    while mappings:
+        mapping = mappings.pop()
+        seen = set()
+        for key, value in mapping.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else None
+            if name in seen:
+                raise ConfigFileError(f"{path}:{key.start_mark.line + 1}: {name}: given twice")
+            seen.add(name)
+            lines.setdefault(name, key.start_mark.line + 1)
+            if name == "config" and isinstance(value, yaml.MappingNode) and mapping is node:
+                mappings.append(value)
+    return doc, lines
+
+
+def _read_json(path: str, text: str) -> tuple[object, dict]:
+    def pairs(items):
+        out = {}
+        for key, value in items:
+            if key in out:
+                raise ConfigFileError(f"{path}:{_line_of(text, key)}: {key}: given twice")
+            out[key] = value
+        return out
+
+    try:
+        doc = json.loads(text, object_pairs_hook=pairs)
+    except json.JSONDecodeError as err:
+        raise ConfigFileError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
+    return doc, {}
+
+
+def _line_of(text: str, key: str) -> int | None:
+    """The line of a JSON key's first occurrence (json gives no positions)."""
+    m = re.search(r'"' + re.escape(key) + r'"\s*:', text)
+    return text.count("\n", 0, m.start()) + 1 if m else None
+
+
+def read(path) -> dict:
+    """The Config fields a file sets, checked: {field name: value}. ConfigFileError (one line) otherwise."""
+    path = str(path)
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".yaml", ".yml", ".json"):
+        raise ConfigFileError(f"--config {path}: a configuration file ends in .yaml, .yml or .json")
+    if Path(path).is_dir():
+        raise ConfigFileError(f"--config {path}: a directory, not a file")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigFileError(f"--config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigFileError(f"--config {path}: cannot read it ({getattr(err, 'strerror', None) or err})") \
+            from None
+    doc, lines = _read_yaml(path, text) if suffix != ".json" else _read_json(path, text)
+    if doc is None:  # an empty file (or comments only): nothing set
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigFileError(f"{path}: expected a mapping of Config fields (key: value), got "
+                              f"{type(doc).__name__}")
+    record = isinstance(doc.get("config"), dict)  # a run's config.json
+    items = doc["config"] if record else doc
+    out, spelled = {}, {}
+
+    def where(key) -> str:
+        line = lines.get(key) if lines else _line_of(text, key)
+        return f"{path}:{line}" if line else path
+
+    for key, value in items.items():
+        name = key.replace("-", "_") if isinstance(key, str) else key
+        if name not in FIELDS:
+            if record:  # a field of another version of twophase: as a checkpoint's, dropped
+                continue
+            close = difflib.get_close_matches(str(name), FIELDS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigFileError(f"{where(key)}: {key}: unknown key{hint}; the keys are train.py's flags "
+                                  "(python train.py --help)")
+        if name in spelled:
+            raise ConfigFileError(f"{where(key)}: {key}: given twice (as {spelled[name]} too)")
+        spelled[name] = key
+        if record and name in RECORD_ONLY:
+            continue
+        if name in COMMAND_ONLY:
+            raise ConfigFileError(f"{where(key)}: {key}: what a command does with a run is said on its command "
+                                  f"line (--{name.replace('_', '-')}), not in a configuration file")
+        out[name] = check_value(name, value, f"{where(key)}: {key}")
+    return out
+
+
+def check_value(name: str, value, label: str):
+    """`value` for the field `name` as its flag would take it (type, parse, minimum, choices), or
+    ConfigFileError starting with `label`."""
+    f = FIELDS[name]
+    kinds = [k.strip() for k in str(f.type).split("|")]
+    if value is None:
+        if "None" in kinds:
+            return None
+        raise ConfigFileError(f"{label}: expected {_expected(kinds)}, got null")
+    if isinstance(value, bool):
+        ok = "bool" in kinds
+    elif isinstance(value, int):
+        ok = "int" in kinds or "float" in kinds
+    elif isinstance(value, float):
+        ok = "float" in kinds
+    elif isinstance(value, str):
+        ok = "str" in kinds
+    else:
+        ok = False
+    if not ok:
+        raise ConfigFileError(f"{label}: expected {_expected(kinds)}, got {_shown(value)}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "float" in kinds:
+            value = float(value)
+            if not math.isfinite(value):
+                raise ConfigFileError(f"{label}: expected a finite number, got {value}")
+    parse = f.metadata.get("parse")
+    if parse is not None:
+        try:
+            value = parse(str(value))
+        except Exception as err:  # argparse.ArgumentTypeError, as the flag's
+            raise ConfigFileError(f"{label}: {err}") from None
+    minimum = f.metadata.get("minimum")
+    if minimum is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and value < minimum:
+        raise ConfigFileError(f"{label}: must be >= {minimum}, got {value}")
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigFileError(f"{label}: expected one of {', '.join(map(str, choices))}, got {_shown(value)}")
+    return value
+
+
+def _expected(kinds: list[str]) -> str:
+    names = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string", "None": "null"}
+    return " or ".join(names[k] for k in kinds if k in names)
+
+
+def _shown(value) -> str:
+    return json.dumps(value) if isinstance(value, (bool, str, int, float)) or value is None else \
+        f"a {type(value).__name__}"
+
+
+def changed(values: dict) -> frozenset[str]:
+    """The fields of a file's `values` that count as given (startup's checks): those differing from Config's
+    defaults, so a run's record, which lists every field, gives only what its run changed."""
+    return frozenset(k for k, v in values.items()
+                     if FIELDS[k].default is MISSING or v != FIELDS[k].default)
+
+
+def dumps(cfg: Config) -> str:
+    """`--print-config`: the configuration as YAML that `--config` reads back to the same Config (every field but
+    COMMAND_ONLY, in Config's order; each value a JSON scalar, which YAML 1.2 reads as JSON does)."""
+    lines = ["# twophase configuration: python train.py --config FILE.yaml (flags given with it still win)"]
+    for f in fields(cfg):
+        if f.name not in COMMAND_ONLY:
+            lines.append(f"{f.name}: {json.dumps(getattr(cfg, f.name))}")
+    return "\n".join(lines) + "\n"
