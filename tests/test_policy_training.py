@@ -105,6 +105,8 @@ def test_two_processes_train_the_same_parameters_as_one(data, tmp_path):
     ("dapo", dict(advantage_scale="batch", drop_zero_std=True, baseline="loo")),  # tokens, batch std, drops
     ("grpo", dict(kl_importance_weighted=False)),  # rows
     ("sequence", dict(advantage_scale="none")),  # sources
+    ("grpo", dict(importance_sampling_level="sequence", mask_truncated_completions=True)),  # GSPO: row sums
+    ("cispo", dict(mask_truncated_completions=True, clip_epsilon_high=1.001)),  # tokens without the cut rows
 ])
 def test_grad_accum_equals_one_big_batch_over_several_updates(data, tmp_path, one_thread, loss_type, flags):
     """--grad-accum 2 of 3 sources trains the parameters --grad-accum 1 of 6 trains, in float64, over the two
@@ -160,6 +162,10 @@ def test_a_generation_saved_before_grad_accum_loads_as_one_batch():
     (["--objective", "policy", "--kl-beta", "0.1", "--ref-checkpoint", "nowhere.pt"], "no such file"),
     (["--objective", "policy", "--baseline", "greedy"], "not greedy"),
     (["--objective", "policy", "--loss-type", "ppo"], "--loss-type"),
+    (["--objective", "policy", "--sapo-temperature-neg", "2"], "applies to --loss-type sapo only"),
+    (["--objective", "policy", "--loss-type", "cispo", "--delta", "2"], "--delta caps the clipped"),
+    (["--objective", "beam", "--importance-sampling-level", "sequence"], "applies to --objective policy only"),
+    (["--objective", "policy", "--importance-sampling-level", "row"], "--importance-sampling-level"),
 ])
 def test_bad_flags_exit_2_in_one_line(data, tmp_path, capsys, argv, match):
     _fails_with_one_line([*data, "--save-dir", str(tmp_path / "r"), *argv], capsys, match)

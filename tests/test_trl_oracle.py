@@ -89,3 +89,78 @@ def test_gradient_equals_trls(setup, loss_type, beta, eps_high):
     metrics = trainer._metrics["eval"]  # TRL's clip ratios are the share of clipped tokens, as ours
     assert metrics["clip_ratio/low_mean"][-1] == pytest.approx(stats["clip_low"] / stats["tokens"])
     assert metrics["clip_ratio/high_mean"][-1] == pytest.approx(stats["clip_high"] / stats["tokens"])
+
+
+# TRL's other loss types and options, each with the parameters moved so that its clipping, cap or mask bites:
+# (name, TRL attributes, twophase's policy_loss arguments).
+OPTIONS = {
+    "cispo": ({"loss_type": "cispo", "epsilon_high": 1.2}, {"loss_type": "cispo", "epsilon_high": 1.2}),
+    "sapo": ({"loss_type": "sapo", "args.sapo_temperature_pos": 0.8, "args.sapo_temperature_neg": 1.3},
+             {"loss_type": "sapo", "sapo_temperature_pos": 0.8, "sapo_temperature_neg": 1.3}),
+    "delta": ({"loss_type": "dapo", "args.delta": 1.5}, {"loss_type": "dapo", "delta": 1.5}),
+    "gspo": ({"loss_type": "grpo", "importance_sampling_level": "sequence"},
+             {"loss_type": "grpo", "importance_sampling_level": "sequence"}),
+    "gspo-dapo-delta": ({"loss_type": "dapo", "importance_sampling_level": "sequence", "args.delta": 1.3},
+                        {"loss_type": "dapo", "importance_sampling_level": "sequence", "delta": 1.3}),
+    "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"},
+              {"loss_type": "luspo", "importance_sampling_level": "sequence"}),
+    "luspo-token": ({"loss_type": "luspo"}, {"loss_type": "luspo"}),
+    "sapo-sequence": ({"loss_type": "sapo", "importance_sampling_level": "sequence"},
+                      {"loss_type": "sapo", "importance_sampling_level": "sequence"}),
+    "cispo-sequence": ({"loss_type": "cispo", "epsilon_high": 1.1, "importance_sampling_level": "sequence"},
+                       {"loss_type": "cispo", "epsilon_high": 1.1, "importance_sampling_level": "sequence"}),
+}
+
+
+def _set(trainer, attrs: dict) -> dict:
+    """Set TRL's attributes (`args.x`: its config's), returning the old values to put back."""
+    saved = {}
+    for key, value in attrs.items():
+        owner, name = (trainer.args, key[5:]) if key.startswith("args.") else (trainer, key)
+        saved[key] = getattr(owner, name)
+        setattr(owner, name, value)
+    return saved
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_other_losses_equal_trls(setup, name, beta, mask_truncated):
+    """Each of TRL's other loss types and options at a moved policy, with and without the KL term, and with
+    TRL's mask_truncated_completions (its zeroed completion mask of rows ending without EOS): TRL's own
+    compute_loss gradient and value to 1e-5."""
+    from twophase.policy import truncated_rows
+    trainer, wrapper, source, s = setup
+    trl_attrs, ours = OPTIONS[name]
+    inputs = _inputs(wrapper, source, s, torch.Generator().manual_seed(1))
+    truncated = truncated_rows(s.tokens, s.lengths, wrapper.eos_id)
+    assert truncated.any() and not truncated.all()
+    if mask_truncated:  # what TRL's _generate_and_score_completions does with the flag
+        inputs["completion_mask"] = inputs["completion_mask"] * (~truncated).long()[:, None]
+        inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
+    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": beta, **trl_attrs})
+    try:
+        wrapper.zero_grad(set_to_none=True)
+        trl_loss = trainer.compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+    finally:
+        _set(trainer, saved)
+    want = take_grads(wrapper)
+    kw = {"epsilon": 0.2, "epsilon_high": 0.28, **ours}
+    obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, beta=beta,
+                      ref_token_logps=inputs["ref_per_token_logps"], max_len=MAX_LEN,
+                      truncated=truncated if mask_truncated else None, **kw)
+    stats = {}
+    loss = rescore_backward(wrapper, source, s, obj, chunk_size=5, stats=stats)
+    got = take_grads(wrapper)
+    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
+    scale = max(float(w.abs().max()) for w in want)
+    assert scale > 0
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+    metrics = trainer._metrics["eval"]
+    if ours["loss_type"] == "cispo" and "importance_sampling_level" not in ours:
+        assert stats["clip_high"] > 0  # the cap bites
+        assert metrics["cispo_clip_ratio"][-1] == pytest.approx(stats["clip_high"] / stats["tokens"])
+    elif name == "delta":
+        assert metrics["clip_ratio/high_mean"][-1] == pytest.approx(stats["clip_high"] / stats["tokens"])

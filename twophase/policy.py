@@ -2,24 +2,34 @@
 
 Each row's loss is a function of its own current per-token log-probabilities l_rt = log pi(y_rt | x, y_r<t):
 
-    rho = exp(l - old)                                     importance ratio to phase one's policy (1 at first)
-    surrogate = -min(rho * A_r, clip(rho, 1 - eps, 1 + eps_high) * A_r)
-    k3 = exp(ref - l) - (ref - l) - 1                      KL to the reference, per token (times rho when
+    u = exp(l - old)                                       importance ratio to phase one's policy (1 at first);
+                                                           importance_sampling_level "sequence" (GSPO): the
+                                                           row's exp(mean_t (l - old)), one per row
+    surrogate = -min(u * A_r, clip(u, 1 - eps, 1 + eps_high) * A_r)   grpo, dr_grpo, dapo, bnpo, luspo,
+                                                           sequence; with delta the first u is min(u, delta)
+              = -sg(min(u, eps_high)) * A_r * l            cispo (sg: a constant, no gradient)
+              = -sigmoid(tau (u - 1)) * 4 / tau * A_r      sapo, tau = sapo_temperature_pos where A_r > 0, else
+                                                           sapo_temperature_neg
+    k3 = exp(ref - l) - (ref - l) - 1                      KL to the reference, per token (times u when
                                                            kl_importance_weighted: TRL's use_bias_correction_kl)
     L = sum_r scale_r * sum_{t < len_r} (surrogate_rt + beta * k3_rt)
 
 with every normaliser a constant of the whole batch (loss_type):
 
-    grpo      scale_r = 1 / (len_r * N)          each row's token mean, then the mean over rows
-    dr_grpo   scale_r = 1 / (N * max_len)        Dr. GRPO: a fixed length
-    dapo      scale_r = 1 / num_items            the token mean over the global batch (TRL's num_items_in_batch
+    grpo, sapo  scale_r = 1 / (len_r * N)        each row's token mean, then the mean over rows
+    dr_grpo     scale_r = 1 / (N * max_len)      Dr. GRPO: a fixed length
+    dapo, cispo scale_r = 1 / num_items          the token mean over the global batch (TRL's num_items_in_batch
                                                  divided by the number of processes)
-    bnpo      scale_r = 1 / num_items            the same here (TRL: each process's own tokens)
-    sequence  scale_r = 1 / (B * K_owner(r))     per-sequence sums averaged per source, then over sources: at
-                                                 rho = 1 and beta = 0 today's `objectives.reinforce` coefficients
+    bnpo        scale_r = 1 / num_items          the same here (TRL: each process's own tokens)
+    luspo       scale_r = 1 / N                  each row's token sum, then the mean over rows
+    sequence    scale_r = 1 / (B * K_owner(r))   per-sequence sums averaged per source, then over sources: at
+                                                 u = 1 and beta = 0 today's `objectives.reinforce` coefficients
 
-So dL/dl_rt = scale_r * (d surrogate + beta * d k3) depends on l_rt alone: phase two computes it from the
-log-probabilities it decodes (`twophase.tokenweights`) and back-propagates sum w * l, chunk by chunk, exactly.
+At the token level dL/dl_rt = scale_r * (d surrogate + beta * d k3) depends on l_rt alone: phase two computes it
+from the log-probabilities it decodes (`twophase.tokenweights`) and back-propagates sum w * l, chunk by chunk,
+exactly. At the sequence level it also depends on the row's sums of l - old and (importance-weighted) k3:
+dL/dl_rt = scale_r * (direct_rt + (d surrogate / d log u * len_r + beta * u * sum_t k3_rt) / len_r). Phase two
+computes those sums first, without a graph, over the same chunks (`row_statistic_terms`), then the exact weights.
 
 Letters: B sources, N rows, T positions, P scored positions (row, col) of some rows.
 """
@@ -32,7 +42,8 @@ from torch import Tensor
 
 from .objectives import group_sum, scored_values
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "sequence")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "sequence")
+LEVELS = ("token", "sequence")
 
 
 @dataclass
@@ -45,9 +56,15 @@ class PolicyLoss:
     scale: Tensor  # (N,) float64: the row's normaliser (see the module docstring)
     lengths: Tensor  # (N,) positions each row scores
     epsilon_low: float
-    epsilon_high: float
+    epsilon_high: float  # cispo: the ratio's cap itself (TRL's epsilon_high there)
     beta: float
     kl_importance_weighted: bool
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    delta: float | None = None  # the clipped types' cap on the unclipped ratio (two-sided clipping)
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    row_stats: Tensor | None = None  # (N, 3) the statistics pass's sums (sequence level; `row_statistic_terms`)
 
     def __len__(self) -> int:
         return len(self.advantages)
@@ -61,44 +78,141 @@ class PolicyLoss:
         """(N,) bool: rows whose loss can have a gradient (a zero advantage without KL has none)."""
         return (self.scale != 0) & ((self.advantages != 0) | (self.beta != 0))
 
+    # ------------------------------------------------------------------ the row statistics
+    def needs_row_statistics(self) -> bool:
+        """Whether a position's derivative needs its whole row's sums (the sequence-level ratio): phase two then
+        runs a statistics pass without a graph first (`row_statistic_terms`, `with_row_statistics`)."""
+        return self.importance_sampling_level == "sequence"
+
+    def row_statistic_terms(self, logp: Tensor, row: Tensor, col: Tensor) -> Tensor:
+        """(P, 3) each position's share of its row's statistics at current log-probabilities logp (P,): the
+        log-ratio l - old, the KL's k3 (where the KL is importance-weighted, else 0) and 1 (the count)."""
+        with torch.no_grad():
+            logp, old, ref, _, _ = self._at(row, col, logp)
+            kl = _k3(ref, logp)[0] if self.beta != 0 and self.kl_importance_weighted else torch.zeros_like(logp)
+            return torch.stack([logp - old, kl, torch.ones_like(logp)], dim=1)
+
+    def with_row_statistics(self, stats: Tensor) -> "PolicyLoss":
+        """This objective with its rows' statistics (N, 3): the sums of `row_statistic_terms` over each row."""
+        return replace(self, row_stats=stats)
+
+    def _log_ratio(self, logp: Tensor, old: Tensor, row: Tensor) -> Tensor:
+        """(P,) the log importance weight of each position: its own l - old, or its row's mean l - old (from the
+        statistics pass: a constant here, its derivative being `_row_share`'s)."""
+        if self.importance_sampling_level == "token":
+            return logp - old
+        if self.row_stats is None:
+            raise ValueError("importance_sampling_level 'sequence' needs the rows' statistics: pass the objective "
+                             "to rescore_backward, which computes them")
+        stats = self.row_stats.to(logp.dtype).index_select(0, row)  # (P, 3)
+        return stats[:, 0] / stats[:, 2].clamp(min=1)
+
+    def _row_share(self, u: Tensor, d_ratio: Tensor, row: Tensor) -> Tensor:
+        """(P,) at the sequence level, what each position of a row adds to every position's derivative through
+        the row's ratio: (d surrogate / d log u * n_r + beta * u * sum_t k3_rt) / n_r (the surrogate is the
+        same at every position of the row; d log u / d l_rt = 1 / n_r)."""
+        stats = self.row_stats.to(u.dtype).index_select(0, row)  # (P, 3)
+        share = d_ratio * stats[:, 2]
+        if self.beta != 0 and self.kl_importance_weighted:
+            share = share + self.beta * stats[:, 1] * u
+        return share / stats[:, 2].clamp(min=1)
+
     def _at(self, row: Tensor, col: Tensor, logp: Tensor):
         dtype = torch.promote_types(logp.dtype, self.old.dtype)
         old = self.old[row, col].to(dtype)
         ref = self.ref[row, col].to(dtype) if self.beta != 0 else None
         return logp.to(dtype), old, ref, self.advantages[row].to(dtype), self.scale[row].to(dtype)
 
+    def _temperature(self, adv: Tensor) -> Tensor:
+        return torch.full_like(adv, self.sapo_temperature_pos).masked_fill_(adv <= 0, self.sapo_temperature_neg)
+
+    def _surrogate(self, u: Tensor, adv: Tensor, logp: Tensor):
+        """(value, d value / d logp through logp itself, d value / d log u, clipped low, clipped high) of the
+        policy term at ratios u (P,), no graph."""
+        zero = torch.zeros_like(u)
+        low = high = torch.zeros_like(u, dtype=torch.bool)
+        if self.loss_type == "cispo":
+            capped = torch.clamp(u, max=self.epsilon_high)  # a constant: TRL detaches it
+            return -capped * adv * logp, -capped * adv, zero, low, (u > self.epsilon_high) & (adv > 0)
+        if self.loss_type == "sapo":
+            tau = self._temperature(adv)
+            sig = torch.sigmoid(tau * (u - 1))
+            return -sig * 4 / tau * adv, zero, -4 * adv * sig * (1 - sig) * u, low, high
+        capped = u if self.delta is None else torch.clamp(u, max=self.delta)
+        clipped = torch.clamp(u, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        a, b = capped * adv, clipped * adv
+        # the min's branch, and whether its ratio still moves with u there (not clamped)
+        unclamped = torch.ones_like(low) if self.delta is None else u <= self.delta
+        moves = torch.where(a <= b, unclamped, (u >= 1 - self.epsilon_low) & (u <= 1 + self.epsilon_high))
+        low, high = (capped < 1 - self.epsilon_low) & (adv < 0), (capped > 1 + self.epsilon_high) & (adv > 0)
+        return -torch.min(a, b), zero, torch.where(moves, -adv * u, zero), low, high
+
+    # ------------------------------------------------------------------ the loss and its derivative
     def terms(self, logp: Tensor, row: Tensor, col: Tensor) -> Tensor:
         """(P,) each position's share of L at log-probabilities logp (P,) of rows row (P,), positions col (P,):
-        TRL's operations, differentiable (autograd's path, and the check of `derivative`)."""
+        TRL's operations, differentiable (autograd's path, and the check of `derivative`). At the sequence level
+        the row's ratio is the statistics pass's constant, and each position's derivative through it (which
+        every position of its row contributes to, wherever they are scored) is added as `_row_share`."""
         logp, old, ref, adv, scale = self._at(row, col, logp)
-        coef_1 = torch.exp(logp - old)
-        coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
-        loss = -torch.min(coef_1 * adv, coef_2 * adv)
+        sequence = self.importance_sampling_level == "sequence"
+        coef_1 = torch.exp(self._log_ratio(logp.detach() if sequence else logp, old, row))
+        if self.loss_type == "cispo":
+            loss = -torch.clamp(coef_1, max=self.epsilon_high).detach() * adv * logp
+        elif self.loss_type == "sapo":
+            tau = self._temperature(adv)
+            loss = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv
+        else:
+            coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
+            capped = coef_1 if self.delta is None else torch.clamp(coef_1, max=self.delta)
+            loss = -torch.min(capped * adv, coef_2 * adv)
         if self.beta != 0:
             kl = torch.exp(ref - logp) - (ref - logp) - 1
             loss = loss + self.beta * (kl * coef_1 if self.kl_importance_weighted else kl)
+        if sequence:
+            with torch.no_grad():
+                u = coef_1.detach()
+                share = self._row_share(u, self._surrogate(u, adv, logp.detach())[2], row)
+            loss = loss + share * (logp - logp.detach())  # value unchanged, derivative + share
         return loss * scale
 
     def derivative(self, logp: Tensor, row: Tensor, col: Tensor) -> tuple[Tensor, Tensor, dict]:
-        """(terms (P,), d terms / d logp (P,), sums) in closed form, no graph: the weights of a by-hand path.
-        sums: clipped positions ("clip_low", "clip_high") and the summed k3 as it enters the loss (times rho when
-        importance-weighted: "kl"), TRL's metrics' definitions."""
+        """(terms (P,), d terms / d logp (P,), sums) in closed form, no graph: the weights of a by-hand path. At
+        the sequence level a position's derivative adds its row's share, from the row's statistics. sums (0-dim
+        tensors on logp's device, read by no one here): clipped positions ("clip_low", "clip_high": TRL's
+        definitions; cispo's capped positions count as "clip_high") and the summed k3 as it enters the loss
+        (times the ratio when importance-weighted: "kl")."""
         with torch.no_grad():
             logp, old, ref, adv, scale = self._at(row, col, logp)
-            rho = torch.exp(logp - old)
-            low, high = (rho < 1 - self.epsilon_low) & (adv < 0), (rho > 1 + self.epsilon_high) & (adv > 0)
-            clipped = low | high  # the clipped branch is the min there: a constant, no gradient
-            surrogate = -torch.min(rho * adv, torch.clamp(rho, 1 - self.epsilon_low, 1 + self.epsilon_high) * adv)
-            d = torch.where(clipped, torch.zeros_like(rho), -adv * rho)
-            sums = {"clip_low": int(low.sum()), "clip_high": int(high.sum()), "kl": 0.0}
+            u = torch.exp(self._log_ratio(logp, old, row))  # (P,) the importance ratio
+            value, direct, d_ratio, low, high = self._surrogate(u, adv, logp)
+            kl_sum = torch.zeros_like(u).sum()
             if self.beta != 0:
-                e = torch.exp(ref - logp)
-                kl, dkl = e - (ref - logp) - 1, 1 - e
-                if self.kl_importance_weighted:  # d(k3 * rho) = dk3 * rho + k3 * rho
-                    kl, dkl = kl * rho, (dkl + kl) * rho
-                sums["kl"] = float(kl.sum())
-                surrogate, d = surrogate + self.beta * kl, d + self.beta * dkl
-            return surrogate * scale, d * scale, sums
+                k3, dk3 = _k3(ref, logp)
+                weight = u if self.kl_importance_weighted else torch.ones_like(u)
+                kl_sum = (k3 * weight).sum()
+                value = value + self.beta * k3 * weight
+                direct = direct + self.beta * dk3 * weight
+                if self.kl_importance_weighted and self.importance_sampling_level == "token":
+                    d_ratio = d_ratio + self.beta * k3 * u  # d (k3 u) / d log u
+            if self.importance_sampling_level == "token":
+                d = direct + d_ratio  # d log u / d logp = 1
+            else:
+                d = direct + self._row_share(u, d_ratio, row)
+            sums = {"clip_low": low.sum(), "clip_high": high.sum(), "kl": kl_sum}
+            return value * scale, d * scale, sums
+
+
+def _k3(ref: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
+    """(k3, d k3 / d logp): the KL estimator exp(ref - l) - (ref - l) - 1 and its derivative 1 - exp(ref - l)."""
+    e = torch.exp(ref - logp)
+    return e - (ref - logp) - 1, 1 - e
+
+
+def truncated_rows(tokens: Tensor, lengths: Tensor, eos_id: int) -> Tensor:
+    """(N,) bool: rows that end without eos_id (cut at the length limit, or by a stop string): TRL's truncated
+    completions, which `mask_truncated_completions` leaves out of the loss."""
+    last = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)  # (N,)
+    return (lengths == 0) | (last != eos_id)
 
 
 def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor, loss_type: str = "dapo",
@@ -106,19 +220,29 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                 ref_token_logps: Tensor | None = None, kl_importance_weighted: bool = True,
                 max_len: int | None = None, num_sources: int | None = None, owner: Tensor | None = None,
                 num_items: float | None = None, num_rows: int | None = None,
-                scored: Tensor | None = None) -> PolicyLoss:
+                scored: Tensor | None = None, importance_sampling_level: str = "token", delta: float | None = None,
+                sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+                truncated: Tensor | None = None) -> PolicyLoss:
     """The token-level objective of N rows (see the module docstring) for `rescore_backward`.
 
     advantages (N,); old_token_logps (N, T) (`Samples.token_scores`); lengths (N,) the positions each row
     scores (`Samples.lengths`); ref_token_logps (N, T) needed when beta != 0; epsilon_high None = epsilon;
-    max_len (dr_grpo) defaults to T; num_items (dapo, bnpo) to the rows' scored tokens and num_rows (grpo,
-    dr_grpo) to N: several processes pass the global batch's, so that their summed gradients are one process's
-    (TRL's bnpo normalises by each process's own tokens); `sequence` needs owner (N,) and num_sources B.
-    scored (N,) bool: the rows that have a reward (default all). A row without one has advantage 0 (`advantages`)
-    and stays in the token-level types' normalisers and KL, as TRL keeps it in its completion mask; `sequence`
-    averages over a source's scored rows only, as `objectives.reinforce` does."""
+    max_len (dr_grpo) defaults to T; num_items (dapo, bnpo, cispo) to the rows' scored tokens and num_rows
+    (grpo, dr_grpo, sapo, luspo) to N: several processes pass the global batch's, so that their summed gradients
+    are one process's (TRL's bnpo normalises by each process's own tokens); `sequence` needs owner (N,) and
+    num_sources B. scored (N,) bool: the rows that have a reward (default all). A row without one has advantage
+    0 (`advantages`) and stays in the token-level types' normalisers and KL, as TRL keeps it in its completion
+    mask; `sequence` averages over a source's scored rows only, as `objectives.reinforce` does.
+
+    TRL's options: importance_sampling_level "sequence" (GSPO: each row's ratio exp(mean of l - old)); delta
+    (the clipped types' cap on the unclipped ratio); sapo_temperature_pos / _neg; truncated (N,) bool, the rows
+    TRL's mask_truncated_completions leaves out (`truncated_rows`): no loss, no KL, not in num_items' default,
+    still counted in num_rows, as TRL's zeroed completion mask."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(LOSS_TYPES)}")
+    if importance_sampling_level not in LEVELS:
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; choose from token, "
+                         "sequence")
     if beta != 0 and ref_token_logps is None:
         raise ValueError("beta != 0 needs ref_token_logps")
     if old_token_logps is None:
@@ -129,23 +253,32 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
     if old_token_logps.shape[0] != N or len(lengths) != N:
         raise ValueError(f"expected {N} rows of old_token_logps and lengths, got {tuple(old_token_logps.shape)}, "
                          f"{tuple(lengths.shape)}")
+    kept = None if truncated is None else ~truncated.to(torch.bool)  # (N,)
     n = lengths.to(torch.float64)
     rows = N if num_rows is None else num_rows
-    tokens = float(n.sum()) if num_items is None else float(num_items)
-    if loss_type == "grpo":
+    tokens = float((n if kept is None else n * kept).sum()) if num_items is None else float(num_items)
+    if loss_type in ("grpo", "sapo"):
         scale = 1.0 / (n.clamp(min=1) * rows)
     elif loss_type == "dr_grpo":
         scale = torch.full_like(n, 1.0 / (rows * (max_len or old_token_logps.shape[1])))
-    elif loss_type in ("dapo", "bnpo"):
+    elif loss_type in ("dapo", "bnpo", "cispo"):
         scale = torch.full_like(n, 1.0 / max(tokens, 1.0))
+    elif loss_type == "luspo":
+        scale = torch.full_like(n, 1.0 / rows)
     else:
         if owner is None or num_sources is None:
             raise ValueError("loss_type 'sequence' needs owner and num_sources")
         counted = torch.ones(N, dtype=torch.float64, device=owner.device) if scored is None else scored.double()
+        if kept is not None:
+            counted = counted * kept
         scale = 1.0 / (num_sources * group_sum(counted, owner, num_sources)[owner].clamp(min=1))
+    if kept is not None:
+        scale = scale * kept
     high = epsilon if epsilon_high is None else epsilon_high
     return PolicyLoss(advantages.to(torch.float64), old_token_logps, ref_token_logps if beta != 0 else None,
-                      scale, lengths, float(epsilon), float(high), float(beta), bool(kl_importance_weighted))
+                      scale, lengths, float(epsilon), float(high), float(beta), bool(kl_importance_weighted),
+                      loss_type, importance_sampling_level, None if delta is None else float(delta),
+                      float(sapo_temperature_pos), float(sapo_temperature_neg))
 
 
 def advantages(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = "mean",

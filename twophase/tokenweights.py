@@ -9,7 +9,8 @@ it reads: its weight is the sum of those rows' derivatives.
 
 `ChunkLoss` is the objective bound to one chunk's C rows, handed to the model in place of its (C,) coefficients;
 `weights(c, ...)` / `loss(c, ...)` let a model's fast path treat both alike. The chunk's loss and statistics
-(clipped positions, summed KL) accumulate as the weights are read: each entry must be read exactly once.
+(clipped positions, summed KL) accumulate on the device as the weights are read, for phase two to read back once
+per batch: each entry must be read exactly once.
 
 Letters: C rows of a chunk, M entries (scored positions, or tree nodes), P scored positions.
 """

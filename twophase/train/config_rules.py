@@ -93,7 +93,9 @@ def _policy(cfg) -> None:
     combinations it does not support."""
     defaults = {f.name: f.default for f in fields(cfg)}
     names = ("loss_type", "updates_per_generation", "clip_epsilon", "clip_epsilon_high", "kl_beta",
-             "kl_importance_weighted", "ref_checkpoint", "advantage_scale", "drop_zero_std")
+             "kl_importance_weighted", "ref_checkpoint", "advantage_scale", "drop_zero_std",
+             "importance_sampling_level", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
+             "mask_truncated_completions")
     if cfg.objective != "policy":
         for name in names:
             if getattr(cfg, name) != defaults[name]:
@@ -111,6 +113,13 @@ def _policy(cfg) -> None:
     if cfg.sampler == "sbs":
         raise ValueError("--objective policy takes --sampler sample or beam, not sbs (its candidates are not "
                          "independent draws)")
+    if cfg.loss_type != "sapo":
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if getattr(cfg, name) != defaults[name]:
+                raise ValueError(f"{_flag(name)} applies to --loss-type sapo only, not {cfg.loss_type}")
+    if cfg.delta is not None and cfg.loss_type in ("cispo", "sapo"):
+        raise ValueError(f"--delta caps the clipped loss types' ratio (grpo, dr_grpo, dapo, bnpo, luspo, "
+                         f"sequence), not --loss-type {cfg.loss_type}'s")
     if cfg.ref_checkpoint is not None and cfg.kl_beta == 0:
         raise ValueError("--ref-checkpoint needs --kl-beta > 0")
     if cfg.ref_checkpoint is not None and not Path(cfg.ref_checkpoint).is_file():
