@@ -180,3 +180,29 @@ def test_sequence_level_without_statistics_is_refused():
         obj.derivative(torch.zeros(2), torch.tensor([0, 1]), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="importance_sampling_level"):
         policy_loss(torch.ones(2), torch.zeros(2, 3), lengths=torch.tensor([3, 2]), importance_sampling_level="row")
+
+
+@pytest.mark.parametrize("tree", [True, False])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_token_level_objective_adds_no_host_sync_per_chunk(tree, level):
+    """The clip counts and summed KL stay on the device until the batch ends: a token-level chunk waits for the
+    host no more than a coefficient chunk does (`test_host_syncs_phase2.LSTM_READS`); the sequence level's
+    statistics pass adds only what the model's per-token scoring reads (the LSTM's token_scores: its positions'
+    count, twice)."""
+    from test_host_syncs_phase2 import LSTM_READS, _lstm
+    from twophase.bench.hostsyncs import count_host_syncs
+    model, source, s = _lstm()
+    adv = advantages(torch.rand(len(s), generator=torch.Generator().manual_seed(0), dtype=torch.float64), s.owner, 4)
+    obj = policy_loss(adv, s.token_scores, lengths=s.lengths, beta=0.04, ref_token_logps=s.token_scores - 0.1,
+                      importance_sampling_level=level)
+    counts = []
+    for chunk in (16, 2):
+        stats = {}
+        with count_host_syncs() as syncs:
+            rescore_backward(model, source, s, obj, chunk, prefix_sharing=tree, stats=stats)
+        counts.append((stats["chunks"], syncs.total))
+    (n1, t1), (n2, t2) = counts
+    assert n2 >= n1 + 3
+    per = (t2 - t1) / (n2 - n1)
+    allowed = LSTM_READS["tree" if tree else "rows"] + (0 if level == "token" else 2)
+    assert per <= allowed, (counts, syncs.report(8))
