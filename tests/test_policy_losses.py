@@ -158,7 +158,7 @@ def test_closed_form_weights_equal_autograd_of_trls_formula():
             (d_want,) = torch.autograd.grad(want, tok)
             logp = tok.detach()[row, col]
             if obj.needs_row_statistics():
-                stats = torch.zeros(N, 3, dtype=torch.float64).index_add_(0, row, obj.row_statistic_terms(logp, row, col))
+                stats = torch.zeros(N, 4, dtype=torch.float64).index_add_(0, row, obj.row_statistic_terms(logp, row, col))
                 obj = obj.with_row_statistics(stats)
             value, d, _ = obj.derivative(logp, row, col)
             assert float(value.sum()) == pytest.approx(want.item(), rel=1e-12), name

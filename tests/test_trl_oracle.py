@@ -164,3 +164,40 @@ def test_other_losses_equal_trls(setup, name, beta, mask_truncated):
         assert metrics["cispo_clip_ratio"][-1] == pytest.approx(stats["clip_high"] / stats["tokens"])
     elif name == "delta":
         assert metrics["clip_ratio/high_mean"][-1] == pytest.approx(stats["clip_high"] / stats["tokens"])
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_engine_mismatch_correction_equals_trls(setup, mode, level):
+    """Completions of another engine: TRL's compute_loss with use_vllm and its importance_sampling_ratio (its
+    formula, `test_mismatch._trl_ratio`) against policy_loss's sampling_token_logps and correction_mode."""
+    from test_mismatch import _trl_ratio
+    trainer, wrapper, source, s = setup
+    inputs = _inputs(wrapper, source, s, torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    mask = inputs["completion_mask"].double()
+    engine = ((s.token_scores + 0.2 * torch.randn(s.token_scores.shape, generator=g, dtype=torch.float64))
+              .clamp(max=-1e-4) * mask)
+    clip_min, clip_max = 0.6, 1.5
+    ratio = _trl_ratio(s.token_scores, engine, mask, mode, clip_min, clip_max)
+    assert ((ratio * mask) != mask).any()
+    inputs.update(importance_sampling_ratio=ratio, sampling_per_token_logps=engine)
+    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": "grpo",
+                           "importance_sampling_level": level, "use_vllm": True,
+                           "vllm_importance_sampling_correction": True})
+    try:
+        wrapper.zero_grad(set_to_none=True)
+        trl_loss = trainer.compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+    finally:
+        _set(trainer, saved)
+    want = take_grads(wrapper)
+    obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type="grpo", epsilon=0.2,
+                      epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
+                      importance_sampling_level=level, sampling_token_logps=engine, correction_mode=mode,
+                      correction_clip_min=clip_min, correction_clip_max=clip_max)
+    loss = rescore_backward(wrapper, source, s, obj, chunk_size=5)
+    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
+    scale = max(float(w.abs().max()) for w in want)
+    for a, b in zip(take_grads(wrapper), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
+from .mismatch import importance_correction
 from .objectives import group_sum, scored_values
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "sequence")
@@ -64,7 +65,8 @@ class PolicyLoss:
     delta: float | None = None  # the clipped types' cap on the unclipped ratio (two-sided clipping)
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
-    row_stats: Tensor | None = None  # (N, 3) the statistics pass's sums (sequence level; `row_statistic_terms`)
+    correction: Tensor | None = None  # (N, T) the engine-mismatch factor of the policy term (`twophase.mismatch`)
+    row_stats: Tensor | None = None  # (N, 4) the statistics pass's sums (sequence level; `row_statistic_terms`)
 
     def __len__(self) -> int:
         return len(self.advantages)
@@ -85,15 +87,18 @@ class PolicyLoss:
         return self.importance_sampling_level == "sequence"
 
     def row_statistic_terms(self, logp: Tensor, row: Tensor, col: Tensor) -> Tensor:
-        """(P, 3) each position's share of its row's statistics at current log-probabilities logp (P,): the
-        log-ratio l - old, the KL's k3 (where the KL is importance-weighted, else 0) and 1 (the count)."""
+        """(P, 4) each position's share of its row's statistics at current log-probabilities logp (P,): the
+        log-ratio l - old, the KL's k3 (where the KL is importance-weighted, else 0), 1 (the count) and the
+        policy term's correction factor (1 without)."""
         with torch.no_grad():
             logp, old, ref, _, _ = self._at(row, col, logp)
             kl = _k3(ref, logp)[0] if self.beta != 0 and self.kl_importance_weighted else torch.zeros_like(logp)
-            return torch.stack([logp - old, kl, torch.ones_like(logp)], dim=1)
+            one = torch.ones_like(logp)
+            factor = self._factor(row, col, logp)
+            return torch.stack([logp - old, kl, one, one if factor is None else factor], dim=1)
 
     def with_row_statistics(self, stats: Tensor) -> "PolicyLoss":
-        """This objective with its rows' statistics (N, 3): the sums of `row_statistic_terms` over each row."""
+        """This objective with its rows' statistics (N, 4): the sums of `row_statistic_terms` over each row."""
         return replace(self, row_stats=stats)
 
     def _log_ratio(self, logp: Tensor, old: Tensor, row: Tensor) -> Tensor:
@@ -104,15 +109,19 @@ class PolicyLoss:
         if self.row_stats is None:
             raise ValueError("importance_sampling_level 'sequence' needs the rows' statistics: pass the objective "
                              "to rescore_backward, which computes them")
-        stats = self.row_stats.to(logp.dtype).index_select(0, row)  # (P, 3)
+        stats = self.row_stats.to(logp.dtype).index_select(0, row)  # (P, 4)
         return stats[:, 0] / stats[:, 2].clamp(min=1)
+
+    def _factor(self, row: Tensor, col: Tensor, like: Tensor) -> Tensor | None:
+        """(P,) the correction factor of positions (row, col), or None without a correction."""
+        return None if self.correction is None else self.correction[row, col].to(like.dtype)
 
     def _row_share(self, u: Tensor, d_ratio: Tensor, row: Tensor) -> Tensor:
         """(P,) at the sequence level, what each position of a row adds to every position's derivative through
-        the row's ratio: (d surrogate / d log u * n_r + beta * u * sum_t k3_rt) / n_r (the surrogate is the
-        same at every position of the row; d log u / d l_rt = 1 / n_r)."""
-        stats = self.row_stats.to(u.dtype).index_select(0, row)  # (P, 3)
-        share = d_ratio * stats[:, 2]
+        the row's ratio: (d surrogate / d log u * sum_t f_rt + beta * u * sum_t k3_rt) / n_r (the surrogate is
+        the same at every position of the row, times its correction factor f; d log u / d l_rt = 1 / n_r)."""
+        stats = self.row_stats.to(u.dtype).index_select(0, row)  # (P, 4)
+        share = d_ratio * stats[:, 3]
         if self.beta != 0 and self.kl_importance_weighted:
             share = share + self.beta * stats[:, 1] * u
         return share / stats[:, 2].clamp(min=1)
@@ -165,6 +174,9 @@ class PolicyLoss:
             coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
             capped = coef_1 if self.delta is None else torch.clamp(coef_1, max=self.delta)
             loss = -torch.min(capped * adv, coef_2 * adv)
+        factor = self._factor(row, col, loss)
+        if factor is not None:
+            loss = loss * factor
         if self.beta != 0:
             kl = torch.exp(ref - logp) - (ref - logp) - 1
             loss = loss + self.beta * (kl * coef_1 if self.kl_importance_weighted else kl)
@@ -185,6 +197,11 @@ class PolicyLoss:
             logp, old, ref, adv, scale = self._at(row, col, logp)
             u = torch.exp(self._log_ratio(logp, old, row))  # (P,) the importance ratio
             value, direct, d_ratio, low, high = self._surrogate(u, adv, logp)
+            factor = self._factor(row, col, u)
+            if factor is not None:  # a constant factor of the policy term
+                value, direct = value * factor, direct * factor
+                if self.importance_sampling_level == "token":
+                    d_ratio = d_ratio * factor  # (the sequence level's share sums the row's factors)
             kl_sum = torch.zeros_like(u).sum()
             if self.beta != 0:
                 k3, dk3 = _k3(ref, logp)
@@ -222,7 +239,9 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                 num_items: float | None = None, num_rows: int | None = None,
                 scored: Tensor | None = None, importance_sampling_level: str = "token", delta: float | None = None,
                 sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
-                truncated: Tensor | None = None) -> PolicyLoss:
+                truncated: Tensor | None = None, sampling_token_logps: Tensor | None = None,
+                correction_mode: str = "sequence_mask", correction_clip_min: float | None = None,
+                correction_clip_max: float | None = 3.0) -> PolicyLoss:
     """The token-level objective of N rows (see the module docstring) for `rescore_backward`.
 
     advantages (N,); old_token_logps (N, T) (`Samples.token_scores`); lengths (N,) the positions each row
@@ -237,7 +256,12 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
     TRL's options: importance_sampling_level "sequence" (GSPO: each row's ratio exp(mean of l - old)); delta
     (the clipped types' cap on the unclipped ratio); sapo_temperature_pos / _neg; truncated (N,) bool, the rows
     TRL's mask_truncated_completions leaves out (`truncated_rows`): no loss, no KL, not in num_items' default,
-    still counted in num_rows, as TRL's zeroed completion mask."""
+    still counted in num_rows, as TRL's zeroed completion mask.
+
+    sampling_token_logps (N, T): the generating engine's log-probabilities where another engine made the rows
+    (`Samples.sampling_token_scores`; old_token_logps are then the trainer's own, `mismatch.own_token_logps`):
+    the policy term is corrected by `mismatch.importance_correction(old, sampling, correction_mode,
+    correction_clip_min, correction_clip_max)`, as TRL's vllm_importance_sampling_correction."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(LOSS_TYPES)}")
     if importance_sampling_level not in LEVELS:
@@ -275,10 +299,12 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
     if kept is not None:
         scale = scale * kept
     high = epsilon if epsilon_high is None else epsilon_high
+    correction = None if sampling_token_logps is None else importance_correction(
+        old_token_logps, sampling_token_logps, lengths, correction_mode, correction_clip_min, correction_clip_max)
     return PolicyLoss(advantages.to(torch.float64), old_token_logps, ref_token_logps if beta != 0 else None,
                       scale, lengths, float(epsilon), float(high), float(beta), bool(kl_importance_weighted),
                       loss_type, importance_sampling_level, None if delta is None else float(delta),
-                      float(sapo_temperature_pos), float(sapo_temperature_neg))
+                      float(sapo_temperature_pos), float(sapo_temperature_neg), correction)
 
 
 def advantages(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = "mean",
