@@ -16,7 +16,7 @@ MAX_LEN = 6
 
 
 def _trl_loss(tok, mask, adv, old, ref, *, loss_type, beta, eps_low=0.2, eps_high=0.28, level="token",
-              delta=None, tau_pos=1.0, tau_neg=1.05, is_ratio=None):
+              delta=None, tau_pos=1.0, tau_neg=1.05, is_ratio=None, off_policy=None, sampling=None):
     """TRL 1.16's `_compute_loss` from per-token log-probs tok (N, T) with a graph (eval mode, one process)."""
     adv = adv[:, None]
     log_ratio = tok - old
@@ -38,6 +38,10 @@ def _trl_loss(tok, mask, adv, old, ref, *, loss_type, beta, eps_low=0.2, eps_hig
         if delta is not None:
             coef_1 = torch.clamp(coef_1, max=delta)
         loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    if off_policy is not None:  # TRL's get_off_policy_mask
+        kl_div = torch.nan_to_num((old if sampling is None else sampling) - tok.detach(), nan=0.0)
+        avg_seq_kl = (kl_div * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+        loss = loss * ((adv >= 0) | (avg_seq_kl <= off_policy)).to(mask.dtype)
     if is_ratio is not None:
         loss = loss * is_ratio
     if beta != 0:
@@ -60,6 +64,9 @@ CASES = {  # name: policy_loss's options (TRL's names)
     "gspo-delta-dr": {"loss_type": "dr_grpo", "importance_sampling_level": "sequence", "delta": 1.2},
     "sapo-sequence": {"loss_type": "sapo", "importance_sampling_level": "sequence"},
     "cispo-sequence": {"loss_type": "cispo", "epsilon_high": 1.1, "importance_sampling_level": "sequence"},
+    "off-policy-mask": {"loss_type": "dapo", "off_policy_mask_threshold": 0.05},
+    "gspo-off-policy-mask": {"loss_type": "grpo", "importance_sampling_level": "sequence",
+                             "off_policy_mask_threshold": 0.05},
 }
 
 
@@ -88,7 +95,8 @@ def _one_backward(model, source, s, adv, ref, truncated, mask_truncated, beta, k
         loss = _trl_loss(tok, mask, adv, s.token_scores, ref, loss_type=kw["loss_type"], beta=beta,
                          eps_low=kw["epsilon"], eps_high=kw["epsilon_high"],
                          level=kw.get("importance_sampling_level", "token"), delta=kw.get("delta"),
-                         tau_pos=kw.get("sapo_temperature_pos", 1.0), tau_neg=kw.get("sapo_temperature_neg", 1.05))
+                         tau_pos=kw.get("sapo_temperature_pos", 1.0), tau_neg=kw.get("sapo_temperature_neg", 1.05),
+                         off_policy=kw.get("off_policy_mask_threshold"))
     loss.backward()
     return loss.item(), take_grads(model)
 
@@ -107,7 +115,7 @@ def _check(model, source, name, beta, mask_truncated, chunks=(1, 4, 1000), trees
             assert stats["tokens"] == int(s.lengths[obj.live()].sum())  # masked rows are not decoded
             if mask_truncated:
                 assert not obj.live()[truncated].any()
-    return stats
+    return stats, s, obj
 
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
@@ -115,9 +123,16 @@ def _check(model, source, name, beta, mask_truncated, chunks=(1, 4, 1000), trees
 @pytest.mark.parametrize("name", list(CASES))
 def test_lstm_fast_paths(name, beta, mask_truncated):
     model, source = tiny_model(), toy_batch()
-    stats = _check(model, source, name, beta, mask_truncated)
+    stats, s, obj = _check(model, source, name, beta, mask_truncated)
     if name in ("cispo", "delta"):
         assert stats["clip_high"] > 0  # the cap bites
+    if "off_policy_mask_threshold" in CASES[name]:  # the mask drops some rows' policy terms and keeps others'
+        with protocol.scoring_mode(model):
+            tok = protocol.token_scores(model, model.encode(source), s.tokens, s.owner)
+        mean_kl = ((s.token_scores - tok) * protocol.target_mask(s.tokens, model.pad_id, model.eos_id)).sum(1) \
+            / s.lengths
+        dropped = (obj.advantages < 0) & (mean_kl > 0.05)
+        assert dropped.any() and (~dropped & (obj.advantages < 0)).any()
 
 
 def test_sequence_level_every_chunk_size():
@@ -154,7 +169,8 @@ def test_closed_form_weights_equal_autograd_of_trls_formula():
             want = _trl_loss(tok, mask, adv, old, ref, loss_type=kw["loss_type"], beta=beta,
                              eps_high=kw["epsilon_high"], level=kw.get("importance_sampling_level", "token"),
                              delta=kw.get("delta"), tau_pos=kw.get("sapo_temperature_pos", 1.0),
-                             tau_neg=kw.get("sapo_temperature_neg", 1.05))
+                             tau_neg=kw.get("sapo_temperature_neg", 1.05),
+                             off_policy=kw.get("off_policy_mask_threshold"))
             (d_want,) = torch.autograd.grad(want, tok)
             logp = tok.detach()[row, col]
             if obj.needs_row_statistics():

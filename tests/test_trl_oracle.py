@@ -201,3 +201,47 @@ def test_engine_mismatch_correction_equals_trls(setup, mode, level):
     scale = max(float(w.abs().max()) for w in want)
     for a, b in zip(take_grads(wrapper), want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("engine", [False, True])
+@pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("grpo", "sequence")])
+def test_off_policy_mask_equals_trls(setup, loss_type, level, engine):
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold), its KL against the old
+    policy or, with an engine's log-probabilities, against the engine's (with TRL's correction on too)."""
+    from test_mismatch import _trl_ratio
+    trainer, wrapper, source, s = setup
+    inputs = _inputs(wrapper, source, s, torch.Generator().manual_seed(1))
+    mask = inputs["completion_mask"].double()
+    attrs = {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": loss_type,
+             "importance_sampling_level": level, "off_policy_mask_threshold": 0.3}
+    ours = {}
+    if engine:
+        g = torch.Generator().manual_seed(2)
+        sampling = ((s.token_scores + 0.2 * torch.randn(s.token_scores.shape, generator=g, dtype=torch.float64))
+                    .clamp(max=-1e-4) * mask)
+        inputs.update(sampling_per_token_logps=sampling,
+                      importance_sampling_ratio=_trl_ratio(s.token_scores, sampling, mask, "token_truncate", None, 3.0))
+        attrs.update(use_vllm=True, vllm_importance_sampling_correction=True)
+        ours = {"sampling_token_logps": sampling, "correction_mode": "token_truncate"}
+    saved = _set(trainer, attrs)
+    try:
+        wrapper.zero_grad(set_to_none=True)
+        trl_loss = trainer.compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+    finally:
+        _set(trainer, saved)
+    want = take_grads(wrapper)
+    obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type=loss_type, epsilon=0.2,
+                      epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
+                      importance_sampling_level=level, off_policy_mask_threshold=0.3,
+                      num_items=float(inputs["num_items_in_batch"]), **ours)
+    loss = rescore_backward(wrapper, source, s, obj, chunk_size=5)
+    with torch.no_grad(), protocol.scoring_mode(wrapper):  # the mask bites: it drops some rows, not all
+        tok = protocol.token_scores(wrapper, wrapper.encode(source), s.tokens, s.owner)
+    kl = ((inputs.get("sampling_per_token_logps", s.token_scores) - tok) * mask).sum(1) / mask.sum(1)
+    negative = inputs["advantages"] < 0
+    assert (negative & (kl > 0.3)).any() and (negative & (kl <= 0.3)).any()
+    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
+    scale = max(float(w.abs().max()) for w in want)
+    for a, b in zip(take_grads(wrapper), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)

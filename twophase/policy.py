@@ -40,8 +40,9 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
+from .advantage import advantages, scored_moments, zero_std_groups  # noqa: F401  (their home before)
 from .mismatch import importance_correction
-from .objectives import group_sum, scored_values
+from .objectives import group_sum
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "sequence")
 LEVELS = ("token", "sequence")
@@ -66,6 +67,8 @@ class PolicyLoss:
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
     correction: Tensor | None = None  # (N, T) the engine-mismatch factor of the policy term (`twophase.mismatch`)
+    off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's sequence mask (TRL's name)
+    off_policy_base: Tensor | None = None  # (N,) sum_t (sampling - old): the mask's KL is this - sum_t (l - old)
     row_stats: Tensor | None = None  # (N, 4) the statistics pass's sums (sequence level; `row_statistic_terms`)
 
     def __len__(self) -> int:
@@ -83,8 +86,9 @@ class PolicyLoss:
     # ------------------------------------------------------------------ the row statistics
     def needs_row_statistics(self) -> bool:
         """Whether a position's derivative needs its whole row's sums (the sequence-level ratio): phase two then
-        runs a statistics pass without a graph first (`row_statistic_terms`, `with_row_statistics`)."""
-        return self.importance_sampling_level == "sequence"
+        runs a statistics pass without a graph first (`row_statistic_terms`, `with_row_statistics`). So does
+        the off-policy mask, whose KL is the row's mean of the current log-probabilities."""
+        return self.importance_sampling_level == "sequence" or self.off_policy_mask_threshold is not None
 
     def row_statistic_terms(self, logp: Tensor, row: Tensor, col: Tensor) -> Tensor:
         """(P, 4) each position's share of its row's statistics at current log-probabilities logp (P,): the
@@ -94,7 +98,7 @@ class PolicyLoss:
             logp, old, ref, _, _ = self._at(row, col, logp)
             kl = _k3(ref, logp)[0] if self.beta != 0 and self.kl_importance_weighted else torch.zeros_like(logp)
             one = torch.ones_like(logp)
-            factor = self._factor(row, col, logp)
+            factor = self._correction(row, col, logp)
             return torch.stack([logp - old, kl, one, one if factor is None else factor], dim=1)
 
     def with_row_statistics(self, stats: Tensor) -> "PolicyLoss":
@@ -112,9 +116,31 @@ class PolicyLoss:
         stats = self.row_stats.to(logp.dtype).index_select(0, row)  # (P, 4)
         return stats[:, 0] / stats[:, 2].clamp(min=1)
 
-    def _factor(self, row: Tensor, col: Tensor, like: Tensor) -> Tensor | None:
-        """(P,) the correction factor of positions (row, col), or None without a correction."""
+    def _correction(self, row: Tensor, col: Tensor, like: Tensor) -> Tensor | None:
+        """(P,) the engine-mismatch factor of positions (row, col), or None without a correction."""
         return None if self.correction is None else self.correction[row, col].to(like.dtype)
+
+    def _kept(self, row: Tensor, like: Tensor) -> Tensor | None:
+        """(P,) 1 where the off-policy mask keeps the position's row, else 0 (None without the mask): TRL's
+        advantage >= 0 or the row's mean KL sum_t (sampling - l) / n_r <= threshold, l a constant."""
+        if self.off_policy_mask_threshold is None:
+            return None
+        if self.row_stats is None:
+            raise ValueError("off_policy_mask_threshold needs the rows' statistics: pass the objective to "
+                             "rescore_backward, which computes them")
+        stats = self.row_stats.to(like.dtype).index_select(0, row)  # (P, 4)
+        base = self.off_policy_base.to(like.dtype).index_select(0, row)
+        kl = (base - stats[:, 0]) / stats[:, 2].clamp(min=1)
+        adv = self.advantages.index_select(0, row)
+        return ((adv >= 0) | (kl <= self.off_policy_mask_threshold)).to(like.dtype)
+
+    def _factor(self, row: Tensor, col: Tensor, like: Tensor) -> Tensor | None:
+        """(P,) the constant factor of the policy term at positions (row, col): the off-policy mask times the
+        engine-mismatch correction (TRL's order), or None without either."""
+        kept, correction = self._kept(row, like), self._correction(row, col, like)
+        if kept is None or correction is None:
+            return kept if correction is None else correction
+        return kept * correction
 
     def _row_share(self, u: Tensor, d_ratio: Tensor, row: Tensor) -> Tensor:
         """(P,) at the sequence level, what each position of a row adds to every position's derivative through
@@ -122,6 +148,9 @@ class PolicyLoss:
         the same at every position of the row, times its correction factor f; d log u / d l_rt = 1 / n_r)."""
         stats = self.row_stats.to(u.dtype).index_select(0, row)  # (P, 4)
         share = d_ratio * stats[:, 3]
+        kept = self._kept(row, u)
+        if kept is not None:
+            share = share * kept
         if self.beta != 0 and self.kl_importance_weighted:
             share = share + self.beta * stats[:, 1] * u
         return share / stats[:, 2].clamp(min=1)
@@ -241,7 +270,8 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                 sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
                 truncated: Tensor | None = None, sampling_token_logps: Tensor | None = None,
                 correction_mode: str = "sequence_mask", correction_clip_min: float | None = None,
-                correction_clip_max: float | None = 3.0) -> PolicyLoss:
+                correction_clip_max: float | None = 3.0,
+                off_policy_mask_threshold: float | None = None) -> PolicyLoss:
     """The token-level objective of N rows (see the module docstring) for `rescore_backward`.
 
     advantages (N,); old_token_logps (N, T) (`Samples.token_scores`); lengths (N,) the positions each row
@@ -261,7 +291,11 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
     sampling_token_logps (N, T): the generating engine's log-probabilities where another engine made the rows
     (`Samples.sampling_token_scores`; old_token_logps are then the trainer's own, `mismatch.own_token_logps`):
     the policy term is corrected by `mismatch.importance_correction(old, sampling, correction_mode,
-    correction_clip_min, correction_clip_max)`, as TRL's vllm_importance_sampling_correction."""
+    correction_clip_min, correction_clip_max)`, as TRL's vllm_importance_sampling_correction.
+
+    off_policy_mask_threshold (DeepSeek-V3.2's off-policy sequence mask, TRL's name): a row with a negative
+    advantage whose mean KL sum_t (sampling - l) / len_r (sampling: sampling_token_logps, else old) exceeds it
+    loses its policy term (not its KL); l is the current policy's, a constant, from the statistics pass."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(LOSS_TYPES)}")
     if importance_sampling_level not in LEVELS:
@@ -301,65 +335,17 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
     high = epsilon if epsilon_high is None else epsilon_high
     correction = None if sampling_token_logps is None else importance_correction(
         old_token_logps, sampling_token_logps, lengths, correction_mode, correction_clip_min, correction_clip_max)
+    base = None
+    if off_policy_mask_threshold is not None:
+        if sampling_token_logps is None:
+            base = torch.zeros(N, dtype=torch.float64, device=old_token_logps.device)
+        else:
+            scored_at = torch.arange(old_token_logps.shape[1], device=old_token_logps.device)[None, :] \
+                < lengths.to(old_token_logps.device)[:, None]  # (N, T)
+            gap = torch.nan_to_num(sampling_token_logps.to(torch.float64) - old_token_logps.to(torch.float64))
+            base = torch.where(scored_at, gap, torch.zeros_like(gap)).sum(1)  # (N,)
     return PolicyLoss(advantages.to(torch.float64), old_token_logps, ref_token_logps if beta != 0 else None,
                       scale, lengths, float(epsilon), float(high), float(beta), bool(kl_importance_weighted),
                       loss_type, importance_sampling_level, None if delta is None else float(delta),
-                      float(sapo_temperature_pos), float(sapo_temperature_neg), correction)
-
-
-def advantages(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = "mean",
-               scale: str = "group", batch_std: float | None = None) -> Tensor:
-    """(N,) advantages r - b divided by the reward std (TRL's `scale_rewards`): baseline "mean" (the source's
-    mean reward), "loo" (the mean of the source's other rows, RLOO) or "none"; scale "group" (the source's
-    std), "batch" (the whole batch's) or "none". Stds are unbiased (torch.std, as TRL); + 1e-4 as TRL. batch_std:
-    the whole batch's std where its rows are spread over processes (`scored_moments` of the whole batch).
-
-    A NaN reward (a TRL-style reward's None: no reward for that row) is left out as TRL's nanmean and nanstd
-    leave it out: it counts in no source's mean, count or std, nor in the batch std, and its advantage is 0
-    (TRL's nan_to_num). Its tokens stay in the loss's normalisers, as TRL keeps them in its completion mask."""
-    r, scored = scored_values(rewards)
-    count = group_sum(scored.to(r.dtype), owner, num_sources)[owner]  # (N,) scored rows of the row's source
-    total = group_sum(r, owner, num_sources)[owner]  # (N,)
-    mean = total / count.clamp(min=1)
-    if baseline == "mean":
-        a = r - mean
-    elif baseline == "loo":
-        a = torch.where(count > 1, r - (total - r) / (count - 1).clamp(min=1), torch.zeros_like(r))
-    elif baseline == "none":
-        a = r
-    else:
-        raise ValueError(f"unknown baseline {baseline!r}; choose from mean, loo, none")
-    if scale == "group":
-        dev = torch.where(scored, r - mean, torch.zeros_like(r))
-        sq = group_sum(dev ** 2, owner, num_sources)[owner]
-        std = torch.sqrt(sq / (count - 1).clamp(min=1))
-        a = a / (std + 1e-4)
-    elif scale == "batch":
-        if batch_std is None:  # this batch's, two-pass over the scored rows (no host read)
-            n = scored.to(r.dtype).sum()
-            dev = torch.where(scored, r - r.sum() / n.clamp(min=1), torch.zeros_like(r))
-            batch_std = torch.where(n > 1, torch.sqrt((dev ** 2).sum() / (n - 1).clamp(min=1)), torch.zeros_like(n))
-        a = a / (batch_std + 1e-4)
-    elif scale != "none":
-        raise ValueError(f"unknown advantage scale {scale!r}; choose from group, batch, none")
-    return torch.where(scored, a, torch.zeros_like(a))
-
-
-def scored_moments(rewards: Tensor) -> tuple[int, float, float]:
-    """(count, sum, sum of squares) of the rewards that are not NaN: additive over processes, the batch std's
-    sufficient statistics (one host read)."""
-    r, scored = scored_values(rewards)
-    n, s, q = torch.stack([scored.to(r.dtype).sum(), r.sum(), (r * r).sum()]).tolist()
-    return int(n), s, q
-
-
-def zero_std_groups(rewards: Tensor, owner: Tensor, num_sources: int) -> Tensor:
-    """(B,) bool: sources whose scored rows' rewards are all equal, or that have fewer than two scored rows (DAPO's
-    dynamic sampling drops them: no signal). NaN rewards (no reward) are left out."""
-    r, scored = scored_values(rewards)
-    inf = torch.full_like(r, float("inf"))
-    hi = torch.full((num_sources,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(
-        0, owner, torch.where(scored, r, -inf), "amax")
-    lo = torch.full((num_sources,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(
-        0, owner, torch.where(scored, r, inf), "amin")
-    return hi <= lo  # no scored row: -inf <= inf
+                      float(sapo_temperature_pos), float(sapo_temperature_neg), correction,
+                      None if off_policy_mask_threshold is None else float(off_policy_mask_threshold), base)

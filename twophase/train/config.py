@@ -167,6 +167,10 @@ class Config:
                                            "where the advantage is positive", minimum=1e-6)
     sapo_temperature_neg: float = arg(1.05, "--objective policy --loss-type sapo: its temperature elsewhere",
                                       minimum=1e-6)
+    off_policy_mask_threshold: float | None = arg(None, "--objective policy: DeepSeek-V3.2's off-policy sequence "
+                                                        "mask: a candidate with a negative advantage whose mean "
+                                                        "per-token KL from the old policy exceeds this loses its "
+                                                        "policy term (TRL's flag)", minimum=0.0)
     mask_truncated_completions: bool = arg(False, "--objective policy: candidates that end without EOS (cut at "
                                                   "--max-len) leave the loss and its token count (TRL's flag)")
     updates_per_generation: int = arg(1, "--objective policy: optimizer steps per phase one (TRL's "

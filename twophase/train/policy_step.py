@@ -121,7 +121,8 @@ class PolicyStep:
                            num_rows=int(counts["rows"]), scored=part.get("scored"),
                            importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
                            sapo_temperature_pos=cfg.sapo_temperature_pos,
-                           sapo_temperature_neg=cfg.sapo_temperature_neg, truncated=self.truncated(part))
+                           sapo_temperature_neg=cfg.sapo_temperature_neg, truncated=self.truncated(part),
+                           off_policy_mask_threshold=cfg.off_policy_mask_threshold)
 
     def counted_tokens(self, part: dict):
         """The batch's tokens in the loss's token count: every candidate's, or the terminated ones' with
