@@ -77,7 +77,8 @@ def _setup(model, source, B, name, beta, mask_truncated, seed=7):
     adv = advantages(torch.rand(len(s), generator=g, dtype=torch.float64), s.owner, B)
     ref = s.token_scores + 0.3 * torch.randn(s.token_scores.shape, generator=g, dtype=torch.float64)
     truncated = truncated_rows(s.tokens, s.lengths, model.eos_id)
-    assert truncated.any() and not truncated.all()
+    if mask_truncated:
+        assert truncated.any() and not truncated.all()
     kw = {"epsilon": 0.2, "epsilon_high": 0.28, **CASES[name]}
     obj = policy_loss(adv, s.token_scores, lengths=s.lengths, beta=beta, ref_token_logps=ref, max_len=MAX_LEN,
                       truncated=truncated if mask_truncated else None, **kw)
@@ -222,3 +223,26 @@ def test_token_level_objective_adds_no_host_sync_per_chunk(tree, level):
     per = (t2 - t1) / (n2 - n1)
     allowed = LSTM_READS["tree" if tree else "rows"] + (0 if level == "token" else 2)
     assert per <= allowed, (counts, syncs.report(8))
+
+
+@pytest.mark.parametrize("case", ["gspo-off-policy-mask", "sapo"])
+@pytest.mark.parametrize("name", ["transformer", "scored-transformer", "gru"])
+def test_protocol_models(name, case):
+    """Models of the protocol alone (`step` over the tree; their own `score` / `token_scores` over rows)."""
+    import foreign_models
+    model, source = foreign_models.make(name), foreign_models.sources(name)
+    _check(model, source, case, 0.04, False, chunks=(2, 1000))
+
+
+@pytest.mark.parametrize("case", ["gspo", "cispo-sequence"])
+@pytest.mark.parametrize("kind,head", [("llama", True), ("t5", True), ("gpt2", False)])
+def test_hf_wrappers(kind, head, case):
+    """The HF wrappers' by-hand output layer (the causal LM's first token by autograd, the rest by hand: one
+    row's positions split between two paths) and, without the head, autograd over the full logits."""
+    pytest.importorskip("transformers")
+    from test_hf import PROMPTS, _batch, _wrapped
+    wrapper = _wrapped(kind)
+    if not head:
+        wrapper.head = None
+    source = _batch(PROMPTS, wrapper.pad_id, left=kind != "t5")
+    _check(wrapper, source, case, 0.04, False, chunks=(2, 1000), trees=(True,))
