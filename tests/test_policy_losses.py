@@ -119,8 +119,7 @@ def _check(model, source, name, beta, mask_truncated, chunks=(1, 4, 1000), trees
     return stats, s, obj
 
 
-@pytest.mark.parametrize("mask_truncated", [False, True])
-@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("beta,mask_truncated", [(0.0, False), (0.04, True)])
 @pytest.mark.parametrize("name", list(CASES))
 def test_lstm_fast_paths(name, beta, mask_truncated):
     model, source = tiny_model(), toy_batch()
