@@ -108,6 +108,7 @@ def test_two_processes_train_the_same_parameters_as_one(data, tmp_path):
     ("grpo", dict(importance_sampling_level="sequence", mask_truncated_completions=True)),  # GSPO: row sums
     ("cispo", dict(mask_truncated_completions=True, clip_epsilon_high=1.001)),  # tokens without the cut rows
     ("dapo", dict(off_policy_mask_threshold=1e-3, delta=1.02)),  # the mask's row sums
+    ("grpo", dict(entropy_coef=0.05, mask_truncated_completions=True)),  # the bonus's token count
 ])
 def test_grad_accum_equals_one_big_batch_over_several_updates(data, tmp_path, one_thread, loss_type, flags):
     """--grad-accum 2 of 3 sources trains the parameters --grad-accum 1 of 6 trains, in float64, over the two

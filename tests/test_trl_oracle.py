@@ -245,3 +245,29 @@ def test_off_policy_mask_equals_trls(setup, loss_type, level, engine):
     scale = max(float(w.abs().max()) for w in want)
     for a, b in zip(take_grads(wrapper), want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("grpo", "sequence")])
+def test_entropy_bonus_equals_trls(setup, loss_type, level):
+    """TRL's entropy bonus (entropy_coef, static): the causal LM's first positions by autograd over their
+    distributions, the others through the by-hand output layer a block at a time."""
+    trainer, wrapper, source, s = setup
+    inputs = _inputs(wrapper, source, s, torch.Generator().manual_seed(1))
+    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": loss_type,
+                           "importance_sampling_level": level, "_entropy_bonus_enabled": True,
+                           "entropy_coef": 0.5, "use_adaptive_entropy": False})
+    try:
+        wrapper.zero_grad(set_to_none=True)
+        trl_loss = trainer.compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+    finally:
+        _set(trainer, saved)
+    want = take_grads(wrapper)
+    obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type=loss_type, epsilon=0.2,
+                      epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
+                      importance_sampling_level=level, entropy_coef=0.5)
+    loss = rescore_backward(wrapper, source, s, obj, chunk_size=5)
+    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
+    scale = max(float(w.abs().max()) for w in want)
+    for a, b in zip(take_grads(wrapper), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)

@@ -70,6 +70,7 @@ class PolicyLoss:
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's sequence mask (TRL's name)
     off_policy_base: Tensor | None = None  # (N,) sum_t (sampling - old): the mask's KL is this - sum_t (l - old)
     row_stats: Tensor | None = None  # (N, 4) the statistics pass's sums (sequence level; `row_statistic_terms`)
+    entropy_weight: Tensor | None = None  # (N,) -entropy_coef / tokens per position of the row (0: masked rows)
 
     def __len__(self) -> int:
         return len(self.advantages)
@@ -81,7 +82,8 @@ class PolicyLoss:
 
     def live(self) -> Tensor:
         """(N,) bool: rows whose loss can have a gradient (a zero advantage without KL has none)."""
-        return (self.scale != 0) & ((self.advantages != 0) | (self.beta != 0))
+        live = (self.scale != 0) & ((self.advantages != 0) | (self.beta != 0))
+        return live if self.entropy_weight is None else live | (self.entropy_weight != 0)
 
     # ------------------------------------------------------------------ the row statistics
     def needs_row_statistics(self) -> bool:
@@ -271,7 +273,7 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                 truncated: Tensor | None = None, sampling_token_logps: Tensor | None = None,
                 correction_mode: str = "sequence_mask", correction_clip_min: float | None = None,
                 correction_clip_max: float | None = 3.0,
-                off_policy_mask_threshold: float | None = None) -> PolicyLoss:
+                off_policy_mask_threshold: float | None = None, entropy_coef: float = 0.0) -> PolicyLoss:
     """The token-level objective of N rows (see the module docstring) for `rescore_backward`.
 
     advantages (N,); old_token_logps (N, T) (`Samples.token_scores`); lengths (N,) the positions each row
@@ -295,7 +297,11 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
 
     off_policy_mask_threshold (DeepSeek-V3.2's off-policy sequence mask, TRL's name): a row with a negative
     advantage whose mean KL sum_t (sampling - l) / len_r (sampling: sampling_token_logps, else old) exceeds it
-    loses its policy term (not its KL); l is the current policy's, a constant, from the statistics pass."""
+    loses its policy term (not its KL); l is the current policy's, a constant, from the statistics pass.
+
+    entropy_coef (TRL's entropy bonus): L - entropy_coef * (sum of the scored positions' entropies of the next-token
+    distribution) / num_items, whatever the loss type (masked rows left out). Its gradient goes through the
+    model's by-hand output layer, a block of logits at a time (`outputlayer.target_log_probs_and_grads`)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(LOSS_TYPES)}")
     if importance_sampling_level not in LEVELS:
@@ -344,8 +350,14 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                 < lengths.to(old_token_logps.device)[:, None]  # (N, T)
             gap = torch.nan_to_num(sampling_token_logps.to(torch.float64) - old_token_logps.to(torch.float64))
             base = torch.where(scored_at, gap, torch.zeros_like(gap)).sum(1)  # (N,)
+    entropy_weight = None
+    if entropy_coef != 0:
+        entropy_weight = torch.full_like(n, -float(entropy_coef) / max(tokens, 1.0))
+        if kept is not None:
+            entropy_weight = entropy_weight * kept
     return PolicyLoss(advantages.to(torch.float64), old_token_logps, ref_token_logps if beta != 0 else None,
                       scale, lengths, float(epsilon), float(high), float(beta), bool(kl_importance_weighted),
                       loss_type, importance_sampling_level, None if delta is None else float(delta),
                       float(sapo_temperature_pos), float(sapo_temperature_neg), correction,
-                      None if off_policy_mask_threshold is None else float(off_policy_mask_threshold), base)
+                      None if off_policy_mask_threshold is None else float(off_policy_mask_threshold), base,
+                      entropy_weight=entropy_weight)

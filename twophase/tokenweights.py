@@ -43,12 +43,29 @@ class ChunkLoss:
         nodes they read."""
         return PositionWeights(self, row, col, node, size)
 
-    def terms(self, logp: Tensor, row: Tensor, col: Tensor) -> Tensor:
-        """The loss of positions (row, col) at log-probabilities logp (P,) with autograd's graph (0-dim)."""
+    def has_entropy(self) -> bool:
+        """Whether the objective has an entropy bonus, which needs each position's whole distribution."""
+        return getattr(self.objective, "entropy_weight", None) is not None
+
+    def terms(self, logp: Tensor, row: Tensor, col: Tensor, log_probs: Tensor | None = None) -> Tensor:
+        """The loss of positions (row, col) at log-probabilities logp (P,) with autograd's graph (0-dim); with an
+        entropy bonus, log_probs (P, V) are the positions' whole next-token log-distributions."""
         loss = self.objective.terms(logp, row, col)
         _, _, sums = self.objective.derivative(logp.detach(), row, col)
         self._add(loss, sums, len(row))
+        if self.has_entropy():
+            if log_probs is None:
+                raise ValueError("entropy_coef needs the model's by-hand output layer (weighted_score_backward or "
+                                 "weighted_tree_backward: the built-in LSTM, the HF wrappers with their head): "
+                                 "this model's phase two differentiates its per-token log-probabilities alone")
+            bonus = (self.objective.entropy_weight[row].to(log_probs.dtype) * entropy(log_probs)).sum()
+            self._add(bonus, {}, 0)
+            return loss.sum() + bonus
         return loss.sum()
+
+    def add_loss(self, value: Tensor) -> None:
+        """Add a term computed elsewhere (a block's entropy bonus) to the chunk's loss."""
+        self._add(value, {}, 0)
 
 
 class PositionWeights:
@@ -80,9 +97,31 @@ class PositionWeights:
         self.chunk._add(loss, sums, b - a)
         return torch.zeros(stop - start, dtype=d.dtype, device=d.device).index_add_(0, local, d)
 
+    def entropy(self, index: slice) -> Tensor | None:
+        """(m,) the entropy bonus's weight of entries index (summed over the positions a tree node stands for),
+        or None without a bonus."""
+        weight = getattr(self.chunk.objective, "entropy_weight", None)
+        if weight is None:
+            return None
+        start, stop, _ = index.indices(self.size)
+        if self.node is None:
+            return weight.index_select(0, self.row[start:stop])
+        a, b = self.ptr[start], self.ptr[stop]
+        local = self.node[a:b] - start  # (p,)
+        return weight.new_zeros(stop - start).index_add_(0, local, weight.index_select(0, self.row[a:b]))
+
+    def add_loss(self, value: Tensor) -> None:
+        self.chunk.add_loss(value)
+
     def autograd(self, tok: Tensor) -> Tensor:
         """The loss at entry log-probabilities tok (M,) with autograd's graph (0-dim)."""
         return self.chunk.terms(tok if self.node is None else tok.index_select(0, self.node), self.row, self.col)
+
+
+def entropy(log_probs: Tensor) -> Tensor:
+    """(P,) the entropies of log-distributions log_probs (P, V) (-inf entries: probability 0), with a graph."""
+    p = log_probs.exp()
+    return -(p * log_probs.masked_fill(p == 0, 0.0)).sum(-1)
 
 
 def is_token_level(c) -> bool:

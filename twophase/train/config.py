@@ -171,6 +171,9 @@ class Config:
                                                         "mask: a candidate with a negative advantage whose mean "
                                                         "per-token KL from the old policy exceeds this loses its "
                                                         "policy term (TRL's flag)", minimum=0.0)
+    entropy_coef: float = arg(0.0, "--objective policy: TRL's entropy bonus, the loss minus this times the mean "
+                                   "entropy of the scored positions' next-token distributions (needs the "
+                                   "model's by-hand output layer: the LSTM, the HF wrappers)", minimum=0.0)
     mask_truncated_completions: bool = arg(False, "--objective policy: candidates that end without EOS (cut at "
                                                   "--max-len) leave the loss and its token count (TRL's flag)")
     updates_per_generation: int = arg(1, "--objective policy: optimizer steps per phase one (TRL's "

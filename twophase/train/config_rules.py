@@ -95,7 +95,7 @@ def _policy(cfg) -> None:
     names = ("loss_type", "updates_per_generation", "clip_epsilon", "clip_epsilon_high", "kl_beta",
              "kl_importance_weighted", "ref_checkpoint", "advantage_scale", "drop_zero_std",
              "importance_sampling_level", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
-             "mask_truncated_completions", "off_policy_mask_threshold")
+             "mask_truncated_completions", "off_policy_mask_threshold", "entropy_coef")
     if cfg.objective != "policy":
         for name in names:
             if getattr(cfg, name) != defaults[name]:

@@ -122,7 +122,7 @@ class PolicyStep:
                            importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
                            sapo_temperature_pos=cfg.sapo_temperature_pos,
                            sapo_temperature_neg=cfg.sapo_temperature_neg, truncated=self.truncated(part),
-                           off_policy_mask_threshold=cfg.off_policy_mask_threshold)
+                           off_policy_mask_threshold=cfg.off_policy_mask_threshold, entropy_coef=cfg.entropy_coef)
 
     def counted_tokens(self, part: dict):
         """The batch's tokens in the loss's token count: every candidate's, or the terminated ones' with
