@@ -100,3 +100,45 @@ def test_entropy_bonus_adds_a_block_not_the_logits(monkeypatch):
     logits = int(s.lengths.sum()) * V * 8  # the chunk's (C, T, V) float64 logits
     assert peaks[0.1] - peaks[0.0] <= 3 * fused.BLOCK_BYTES, peaks  # p and p * log p, one block each
     assert peaks[0.1] - peaks[0.0] < logits / 4, (peaks, logits)
+
+
+def _high_entropy_mask(H, mask, q):
+    """TRL's get_high_entropy_mask (one process)."""
+    local = H.detach()[mask.bool()].float()
+    threshold = torch.quantile(local, 1 - q)
+    return ((H.detach() * mask) >= threshold) & mask.bool()
+
+
+@pytest.mark.parametrize("coef", [0.0, COEF])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_top_entropy_quantile_is_exact_for_every_chunk(level, coef):
+    """TRL's top_entropy_quantile: the policy term (and the bonus, averaged over them) on the positions of
+    highest entropy only, the threshold from every row's entropies (the statistics pass, `step`)."""
+    model, source = tiny_model(), toy_batch()
+    s = _candidates(model, source, 3, MAX_LEN)
+    _moved(model, scale=1.0)
+    g = torch.Generator().manual_seed(4)
+    adv = advantages(torch.rand(len(s), generator=g, dtype=torch.float64), s.owner, 3)
+    ref = s.token_scores + 0.3 * torch.randn(s.token_scores.shape, generator=g, dtype=torch.float64)
+    obj = policy_loss(adv, s.token_scores, lengths=s.lengths, loss_type="grpo", beta=0.04, ref_token_logps=ref,
+                      epsilon_high=0.28, importance_sampling_level=level, entropy_coef=coef,
+                      top_entropy_quantile=0.4)
+    model.zero_grad(set_to_none=True)
+    with protocol.scoring_mode(model):
+        tok = protocol.token_scores(model, model.encode(source), s.tokens, s.owner)
+        mask = protocol.target_mask(s.tokens, model.pad_id, model.eos_id).double()
+        H = _entropies(model, source, s)
+        em = _high_entropy_mask(H, mask, 0.4).double()
+        assert 0 < em.sum() < mask.sum()
+        want_loss = _trl_loss(tok, mask, adv, s.token_scores, ref, loss_type="grpo", beta=0.04, level=level,
+                              is_ratio=em)  # TRL multiplies the policy term by the mask as by a ratio
+        if coef:
+            want_loss = want_loss - coef * (H * em).sum() / em.sum()
+    want_loss.backward()
+    want = take_grads(model)
+    for tree in (True, False):
+        for chunk in (1, 3, 1000):
+            loss = rescore_backward(model, source, s, obj, chunk, prefix_sharing=tree)
+            assert loss == pytest.approx(want_loss.item(), rel=1e-10, abs=1e-13), (tree, chunk)
+            for a, b in zip(take_grads(model), want):
+                torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)

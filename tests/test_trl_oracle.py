@@ -271,3 +271,28 @@ def test_entropy_bonus_equals_trls(setup, loss_type, level):
     scale = max(float(w.abs().max()) for w in want)
     for a, b in zip(take_grads(wrapper), want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.5])
+def test_top_entropy_quantile_equals_trls(setup, coef):
+    """TRL's high-entropy mask (top_entropy_quantile 0.3), alone and with the entropy bonus on the same tokens."""
+    trainer, wrapper, source, s = setup
+    inputs = _inputs(wrapper, source, s, torch.Generator().manual_seed(1))
+    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": "dapo",
+                           "top_entropy_quantile": 0.3, "_entropy_bonus_enabled": coef != 0, "entropy_coef": coef,
+                           "use_adaptive_entropy": False})
+    try:
+        wrapper.zero_grad(set_to_none=True)
+        trl_loss = trainer.compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+    finally:
+        _set(trainer, saved)
+    want = take_grads(wrapper)
+    obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type="dapo", epsilon=0.2,
+                      epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
+                      num_items=float(inputs["num_items_in_batch"]), entropy_coef=coef, top_entropy_quantile=0.3)
+    loss = rescore_backward(wrapper, source, s, obj, chunk_size=5)
+    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
+    scale = max(float(w.abs().max()) for w in want)
+    for a, b in zip(take_grads(wrapper), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)

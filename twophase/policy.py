@@ -71,6 +71,9 @@ class PolicyLoss:
     off_policy_base: Tensor | None = None  # (N,) sum_t (sampling - old): the mask's KL is this - sum_t (l - old)
     row_stats: Tensor | None = None  # (N, 4) the statistics pass's sums (sequence level; `row_statistic_terms`)
     entropy_weight: Tensor | None = None  # (N,) -entropy_coef / tokens per position of the row (0: masked rows)
+    entropy_coef: float = 0.0
+    top_entropy_quantile: float = 1.0  # < 1: the policy term (and bonus) on the positions of highest entropy only
+    entropy_mask: Tensor | None = None  # (N, T) 1 / 0 from the statistics pass's entropies (TRL's entropy_mask)
 
     def __len__(self) -> int:
         return len(self.advantages)
@@ -82,6 +85,8 @@ class PolicyLoss:
 
     def live(self) -> Tensor:
         """(N,) bool: rows whose loss can have a gradient (a zero advantage without KL has none)."""
+        if self.top_entropy_quantile < 1:  # every row's entropies set the threshold: all of them are decoded
+            return self.scale != 0
         live = (self.scale != 0) & ((self.advantages != 0) | (self.beta != 0))
         return live if self.entropy_weight is None else live | (self.entropy_weight != 0)
 
@@ -90,7 +95,37 @@ class PolicyLoss:
         """Whether a position's derivative needs its whole row's sums (the sequence-level ratio): phase two then
         runs a statistics pass without a graph first (`row_statistic_terms`, `with_row_statistics`). So does
         the off-policy mask, whose KL is the row's mean of the current log-probabilities."""
-        return self.importance_sampling_level == "sequence" or self.off_policy_mask_threshold is not None
+        return (self.importance_sampling_level == "sequence" or self.off_policy_mask_threshold is not None
+                or self.needs_entropies())
+
+    def needs_entropies(self) -> bool:
+        """Whether the statistics pass also computes every position's entropy (top_entropy_quantile < 1)."""
+        return self.top_entropy_quantile < 1
+
+    def with_entropies(self, entropies: Tensor, scored: Tensor) -> "PolicyLoss":
+        """This objective (its row statistics set) with TRL's high-entropy mask from every scored position's
+        entropy (N, T) (scored (N, T) bool: the loss's positions): the positions at or above the
+        (1 - top_entropy_quantile) quantile. The rows' summed factors and the bonus's normaliser follow it."""
+        high = entropies >= torch.quantile(entropies[scored].float(), 1 - self.top_entropy_quantile)
+        mask = (high & scored).to(torch.float64)  # (N, T)
+        factor = mask
+        if self.correction is not None:  # (N, T') to the entropies' width
+            width = mask.shape[1]
+            correction = torch.nn.functional.pad(self.correction, (0, max(0, width - self.correction.shape[1])))
+            factor = mask * correction[:, :width].to(torch.float64)
+        stats = self.row_stats.clone()
+        stats[:, 3] = factor.sum(1)
+        weight = self.entropy_weight
+        if weight is not None:  # the bonus's mean over the masked positions: -coef / their count
+            weight = torch.where(weight != 0, -self.entropy_coef / mask.sum().clamp(min=1), weight)
+        return replace(self, entropy_mask=mask, row_stats=stats, entropy_weight=weight)
+
+    def entropy_weights(self, row: Tensor, col: Tensor) -> Tensor | None:
+        """(P,) the entropy bonus's weight of positions (row, col) (0 off the high-entropy mask), or None."""
+        if self.entropy_weight is None:
+            return None
+        weight = self.entropy_weight.index_select(0, row)
+        return weight if self.entropy_mask is None else weight * self.entropy_mask[row, col].to(weight.dtype)
 
     def row_statistic_terms(self, logp: Tensor, row: Tensor, col: Tensor) -> Tensor:
         """(P, 4) each position's share of its row's statistics at current log-probabilities logp (P,): the
@@ -139,10 +174,12 @@ class PolicyLoss:
     def _factor(self, row: Tensor, col: Tensor, like: Tensor) -> Tensor | None:
         """(P,) the constant factor of the policy term at positions (row, col): the off-policy mask times the
         engine-mismatch correction (TRL's order), or None without either."""
-        kept, correction = self._kept(row, like), self._correction(row, col, like)
-        if kept is None or correction is None:
-            return kept if correction is None else correction
-        return kept * correction
+        factor = None
+        for part in (self._kept(row, like), self._correction(row, col, like),
+                     None if self.entropy_mask is None else self.entropy_mask[row, col].to(like.dtype)):
+            if part is not None:
+                factor = part if factor is None else factor * part
+        return factor
 
     def _row_share(self, u: Tensor, d_ratio: Tensor, row: Tensor) -> Tensor:
         """(P,) at the sequence level, what each position of a row adds to every position's derivative through
@@ -273,7 +310,8 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                 truncated: Tensor | None = None, sampling_token_logps: Tensor | None = None,
                 correction_mode: str = "sequence_mask", correction_clip_min: float | None = None,
                 correction_clip_max: float | None = 3.0,
-                off_policy_mask_threshold: float | None = None, entropy_coef: float = 0.0) -> PolicyLoss:
+                off_policy_mask_threshold: float | None = None, entropy_coef: float = 0.0,
+                top_entropy_quantile: float = 1.0) -> PolicyLoss:
     """The token-level objective of N rows (see the module docstring) for `rescore_backward`.
 
     advantages (N,); old_token_logps (N, T) (`Samples.token_scores`); lengths (N,) the positions each row
@@ -301,9 +339,15 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
 
     entropy_coef (TRL's entropy bonus): L - entropy_coef * (sum of the scored positions' entropies of the next-token
     distribution) / num_items, whatever the loss type (masked rows left out). Its gradient goes through the
-    model's by-hand output layer, a block of logits at a time (`outputlayer.target_log_probs_and_grads`)."""
+    model's by-hand output layer, a block of logits at a time (`outputlayer.target_log_probs_and_grads`).
+
+    top_entropy_quantile < 1 (TRL's): only the positions whose entropy is at or above the (1 - q) quantile of
+    this call's scored positions keep their policy term (and the entropy bonus, averaged over them); the
+    entropies come from the statistics pass (the model's `step`, no graph)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(LOSS_TYPES)}")
+    if not 0 < top_entropy_quantile <= 1:
+        raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
     if importance_sampling_level not in LEVELS:
         raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; choose from token, "
                          "sequence")
@@ -360,4 +404,5 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                       loss_type, importance_sampling_level, None if delta is None else float(delta),
                       float(sapo_temperature_pos), float(sapo_temperature_neg), correction,
                       None if off_policy_mask_threshold is None else float(off_policy_mask_threshold), base,
-                      entropy_weight=entropy_weight)
+                      entropy_weight=entropy_weight, entropy_coef=float(entropy_coef),
+                      top_entropy_quantile=float(top_entropy_quantile))

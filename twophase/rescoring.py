@@ -150,22 +150,46 @@ def _with_row_statistics(model, enc, samples: Samples, objective, plan: "_Plan",
     """The objective with its rows' statistics (`PolicyLoss.row_statistic_terms` summed over each row's scored
     positions): a pass without a graph over the plan's chunks, each chunk's rows scored by the model's
     per-token log-probabilities (rows, never the (C, T, V) logits a model's own token_scores avoids)."""
-    parts, start = [], 0
+    parts, entropies, start, width = [], [], 0, samples.tokens.shape[1]
     with torch.no_grad():
         while start < len(samples):
             end, _ = plan.chunk(start, size)
             rows = slice(start, end)
             T = plan.longest(rows)
             owner = owners.declare(samples.owner[rows], plan.groups(rows))
-            tok = protocol.token_scores(model, enc, samples.tokens[rows, :T], owner)  # (C, T)
+            if objective.needs_entropies():  # whole distributions: `step`, one (C, V) at a time
+                tok, ent = _step_scores_and_entropies(model, enc, samples.tokens[rows, :T], owner)  # (C, T) each
+                entropies.append(torch.nn.functional.pad(ent, (0, width - T)))
+            else:
+                tok = protocol.token_scores(model, enc, samples.tokens[rows, :T], owner)  # (C, T)
             C = tok.shape[0]
             at = torch.arange(T, device=tok.device)
             scored = (at[None, :] < samples.lengths[rows, None]).reshape(-1, 1)  # (C * T, 1)
             row, col = torch.arange(C, device=tok.device).repeat_interleave(T), at.repeat(C)  # (C * T,) each
-            terms = objective[rows].row_statistic_terms(tok.reshape(-1), row, col)  # (C * T, 3)
-            parts.append(torch.where(scored, terms, torch.zeros_like(terms)).reshape(C, T, -1).sum(1))  # (C, 3)
+            terms = objective[rows].row_statistic_terms(tok.reshape(-1), row, col)  # (C * T, 4)
+            parts.append(torch.where(scored, terms, torch.zeros_like(terms)).reshape(C, T, -1).sum(1))  # (C, 4)
             start = end
-    return objective.with_row_statistics(torch.cat(parts))
+    objective = objective.with_row_statistics(torch.cat(parts))
+    if entropies:
+        at = torch.arange(width, device=samples.lengths.device)
+        objective = objective.with_entropies(torch.cat(entropies), at[None, :] < samples.lengths[:, None])
+    return objective
+
+
+def _step_scores_and_entropies(model, enc, tokens: Tensor, owner: Tensor) -> tuple[Tensor, Tensor]:
+    """((C, T) log p of tokens, (C, T) the entropy of each position's next-token distribution), teacher-forced
+    by `step` without a graph (0 past each row's end)."""
+    mask = protocol.target_mask(tokens, model.pad_id, model.eos_id)  # (C, T)
+    prev = protocol.teacher_forced_inputs(tokens, model.bos_id)  # (C, T)
+    state, toks, ents = model.init_state(enc, owner), [], []
+    for t in range(tokens.shape[1]):
+        state, log_probs = model.step(enc, owner, prev[:, t], state)  # (C, V)
+        log_probs = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
+        tok = log_probs.gather(1, tokens[:, t:t + 1]).squeeze(1)  # (C,)
+        ent = tokenweights.entropy(log_probs)  # (C,)
+        toks.append(torch.where(mask[:, t], tok, torch.zeros_like(tok)))
+        ents.append(torch.where(mask[:, t], ent, torch.zeros_like(ent)))
+    return torch.stack(toks, 1), torch.stack(ents, 1)
 
 
 def retries_out_of_memory(device: torch.device) -> bool:

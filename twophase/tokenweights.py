@@ -47,6 +47,9 @@ class ChunkLoss:
         """Whether the objective has an entropy bonus, which needs each position's whole distribution."""
         return getattr(self.objective, "entropy_weight", None) is not None
 
+    def entropy_weights(self, row: Tensor, col: Tensor) -> Tensor:
+        return self.objective.entropy_weights(row, col)
+
     def terms(self, logp: Tensor, row: Tensor, col: Tensor, log_probs: Tensor | None = None) -> Tensor:
         """The loss of positions (row, col) at log-probabilities logp (P,) with autograd's graph (0-dim); with an
         entropy bonus, log_probs (P, V) are the positions' whole next-token log-distributions."""
@@ -58,7 +61,7 @@ class ChunkLoss:
                 raise ValueError("entropy_coef needs the model's by-hand output layer (weighted_score_backward or "
                                  "weighted_tree_backward: the built-in LSTM, the HF wrappers with their head): "
                                  "this model's phase two differentiates its per-token log-probabilities alone")
-            bonus = (self.objective.entropy_weight[row].to(log_probs.dtype) * entropy(log_probs)).sum()
+            bonus = (self.entropy_weights(row, col).to(log_probs.dtype) * entropy(log_probs)).sum()
             self._add(bonus, {}, 0)
             return loss.sum() + bonus
         return loss.sum()
@@ -100,15 +103,15 @@ class PositionWeights:
     def entropy(self, index: slice) -> Tensor | None:
         """(m,) the entropy bonus's weight of entries index (summed over the positions a tree node stands for),
         or None without a bonus."""
-        weight = getattr(self.chunk.objective, "entropy_weight", None)
-        if weight is None:
+        if not self.chunk.has_entropy():
             return None
         start, stop, _ = index.indices(self.size)
         if self.node is None:
-            return weight.index_select(0, self.row[start:stop])
+            return self.chunk.entropy_weights(self.row[start:stop], self.col[start:stop])
         a, b = self.ptr[start], self.ptr[stop]
         local = self.node[a:b] - start  # (p,)
-        return weight.new_zeros(stop - start).index_add_(0, local, weight.index_select(0, self.row[a:b]))
+        weight = self.chunk.entropy_weights(self.row[a:b], self.col[a:b])
+        return weight.new_zeros(stop - start).index_add_(0, local, weight)
 
     def add_loss(self, value: Tensor) -> None:
         self.chunk.add_loss(value)

@@ -174,6 +174,9 @@ class Config:
     entropy_coef: float = arg(0.0, "--objective policy: TRL's entropy bonus, the loss minus this times the mean "
                                    "entropy of the scored positions' next-token distributions (needs the "
                                    "model's by-hand output layer: the LSTM, the HF wrappers)", minimum=0.0)
+    top_entropy_quantile: float = arg(1.0, "--objective policy: below 1, only the positions whose next-token "
+                                           "entropy is in this top fraction of the batch's keep their policy term "
+                                           "(TRL's high-entropy mask)", minimum=1e-9)
     mask_truncated_completions: bool = arg(False, "--objective policy: candidates that end without EOS (cut at "
                                                   "--max-len) leave the loss and its token count (TRL's flag)")
     updates_per_generation: int = arg(1, "--objective policy: optimizer steps per phase one (TRL's "

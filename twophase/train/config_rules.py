@@ -95,7 +95,7 @@ def _policy(cfg) -> None:
     names = ("loss_type", "updates_per_generation", "clip_epsilon", "clip_epsilon_high", "kl_beta",
              "kl_importance_weighted", "ref_checkpoint", "advantage_scale", "drop_zero_std",
              "importance_sampling_level", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
-             "mask_truncated_completions", "off_policy_mask_threshold", "entropy_coef")
+             "mask_truncated_completions", "off_policy_mask_threshold", "entropy_coef", "top_entropy_quantile")
     if cfg.objective != "policy":
         for name in names:
             if getattr(cfg, name) != defaults[name]:
@@ -117,6 +117,11 @@ def _policy(cfg) -> None:
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if getattr(cfg, name) != defaults[name]:
                 raise ValueError(f"{_flag(name)} applies to --loss-type sapo only, not {cfg.loss_type}")
+    if cfg.top_entropy_quantile > 1:
+        raise ValueError(f"--top-entropy-quantile is a fraction in (0, 1], got {cfg.top_entropy_quantile}")
+    if cfg.top_entropy_quantile < 1 and cfg.grad_accum > 1:
+        raise ValueError("--top-entropy-quantile takes its threshold over one batch's positions; it does not "
+                         "take --grad-accum > 1")
     if cfg.delta is not None and cfg.loss_type in ("cispo", "sapo"):
         raise ValueError(f"--delta caps the clipped loss types' ratio (grpo, dr_grpo, dapo, bnpo, luspo, "
                          f"sequence), not --loss-type {cfg.loss_type}'s")

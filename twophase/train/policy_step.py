@@ -122,7 +122,8 @@ class PolicyStep:
                            importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
                            sapo_temperature_pos=cfg.sapo_temperature_pos,
                            sapo_temperature_neg=cfg.sapo_temperature_neg, truncated=self.truncated(part),
-                           off_policy_mask_threshold=cfg.off_policy_mask_threshold, entropy_coef=cfg.entropy_coef)
+                           off_policy_mask_threshold=cfg.off_policy_mask_threshold, entropy_coef=cfg.entropy_coef,
+                           top_entropy_quantile=cfg.top_entropy_quantile)
 
     def counted_tokens(self, part: dict):
         """The batch's tokens in the loss's token count: every candidate's, or the terminated ones' with
