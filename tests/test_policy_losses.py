@@ -3,6 +3,8 @@ the sequence-level ratio of GSPO): for every chunk size, with and without the pr
 equal one plain autograd of TRL's formulas over all rows at once (float64, written out here from TRL 1.16's
 `_compute_loss`), for the LSTM's by-hand paths and its autograd paths, at a policy moved since phase one so
 that the clipping, caps and masks bite. The sequence level's statistics pass keeps no graph."""
+import math
+
 import pytest
 import torch
 
@@ -29,6 +31,14 @@ def _trl_loss(tok, mask, adv, old, ref, *, loss_type, beta, eps_low=0.2, eps_hig
         kl = (torch.exp(ref - tok) - (ref - tok) - 1) * coef_1
     if loss_type == "cispo":
         loss = -torch.clamp(coef_1, max=eps_high).detach() * adv * tok
+    elif loss_type == "vespo":  # TRL's get_gamma_weights, default k and lambda
+        with torch.no_grad():
+            log_w = torch.clamp(torch.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True),
+                                math.log(1e-8), 20.0)
+            k = torch.where(adv >= 0, 2.0, 3.0).to(log_w.dtype)
+            lam = torch.where(adv >= 0, 3.0, 2.0).to(log_w.dtype).clamp(min=1e-4)
+            phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        loss = -phi * adv * tok
     elif loss_type == "sapo":
         # TRL's torch.where of two Python floats is float32; float64 here (the test checks exactness)
         t = torch.where(adv > 0, torch.tensor(tau_pos, dtype=adv.dtype), torch.tensor(tau_neg, dtype=adv.dtype))
@@ -52,7 +62,7 @@ def _trl_loss(tok, mask, adv, old, ref, *, loss_type, beta, eps_low=0.2, eps_hig
         return (loss * mask).sum() / (loss.size(0) * MAX_LEN)
     if loss_type == "luspo":
         return (loss * mask).sum(-1).mean()
-    return (loss * mask).sum() / mask.sum().clamp(min=1.0)  # dapo, cispo (num_items = the mask's), bnpo
+    return (loss * mask).sum() / mask.sum().clamp(min=1.0)  # dapo, cispo, vespo (num_items: the mask's), bnpo
 
 
 CASES = {  # name: policy_loss's options (TRL's names)
@@ -65,6 +75,7 @@ CASES = {  # name: policy_loss's options (TRL's names)
     "sapo-sequence": {"loss_type": "sapo", "importance_sampling_level": "sequence"},
     "cispo-sequence": {"loss_type": "cispo", "epsilon_high": 1.1, "importance_sampling_level": "sequence"},
     "off-policy-mask": {"loss_type": "dapo", "off_policy_mask_threshold": 0.05},
+    "vespo": {"loss_type": "vespo"},
     "gspo-off-policy-mask": {"loss_type": "grpo", "importance_sampling_level": "sequence",
                              "off_policy_mask_threshold": 0.05},
 }
@@ -174,7 +185,8 @@ def test_closed_form_weights_equal_autograd_of_trls_formula():
             (d_want,) = torch.autograd.grad(want, tok)
             logp = tok.detach()[row, col]
             if obj.needs_row_statistics():
-                stats = torch.zeros(N, 4, dtype=torch.float64).index_add_(0, row, obj.row_statistic_terms(logp, row, col))
+                terms = obj.row_statistic_terms(logp, row, col)
+                stats = terms.new_zeros(N, terms.shape[1]).index_add_(0, row, terms)
                 obj = obj.with_row_statistics(stats)
             value, d, _ = obj.derivative(logp, row, col)
             assert float(value.sum()) == pytest.approx(want.item(), rel=1e-12), name

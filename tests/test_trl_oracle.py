@@ -105,6 +105,7 @@ OPTIONS = {
     "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"},
               {"loss_type": "luspo", "importance_sampling_level": "sequence"}),
     "luspo-token": ({"loss_type": "luspo"}, {"loss_type": "luspo"}),
+    "vespo": ({"loss_type": "vespo"}, {"loss_type": "vespo"}),
     "sapo-sequence": ({"loss_type": "sapo", "importance_sampling_level": "sequence"},
                       {"loss_type": "sapo", "importance_sampling_level": "sequence"}),
     "cispo-sequence": ({"loss_type": "cispo", "epsilon_high": 1.1, "importance_sampling_level": "sequence"},
@@ -166,9 +167,11 @@ def test_other_losses_equal_trls(setup, name, beta, mask_truncated):
         assert metrics["clip_ratio/high_mean"][-1] == pytest.approx(stats["clip_high"] / stats["tokens"])
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
-def test_engine_mismatch_correction_equals_trls(setup, mode, level):
+@pytest.mark.parametrize("loss_type,level,mode", [
+    *((t, lv, m) for lv in ("token", "sequence")
+      for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask") for t in ("grpo",)),
+    ("vespo", "token", "token_truncate"), ("vespo", "token", "token_mask")])  # VESPO: the ratio inside phi
+def test_engine_mismatch_correction_equals_trls(setup, loss_type, mode, level):
     """Completions of another engine: TRL's compute_loss with use_vllm and its importance_sampling_ratio (its
     formula, `test_mismatch._trl_ratio`) against policy_loss's sampling_token_logps and correction_mode."""
     from test_mismatch import _trl_ratio
@@ -182,7 +185,7 @@ def test_engine_mismatch_correction_equals_trls(setup, mode, level):
     ratio = _trl_ratio(s.token_scores, engine, mask, mode, clip_min, clip_max)
     assert ((ratio * mask) != mask).any()
     inputs.update(importance_sampling_ratio=ratio, sampling_per_token_logps=engine)
-    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": "grpo",
+    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": loss_type,
                            "importance_sampling_level": level, "use_vllm": True,
                            "vllm_importance_sampling_correction": True})
     try:
@@ -192,8 +195,9 @@ def test_engine_mismatch_correction_equals_trls(setup, mode, level):
     finally:
         _set(trainer, saved)
     want = take_grads(wrapper)
-    obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type="grpo", epsilon=0.2,
+    obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type=loss_type, epsilon=0.2,
                       epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
+                      num_items=float(inputs["num_items_in_batch"]),
                       importance_sampling_level=level, sampling_token_logps=engine, correction_mode=mode,
                       correction_clip_min=clip_min, correction_clip_max=clip_max)
     loss = rescore_backward(wrapper, source, s, obj, chunk_size=5)

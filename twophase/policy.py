@@ -35,7 +35,8 @@ Letters: B sources, N rows, T positions, P scored positions (row, col) of some r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+import math
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import Tensor
@@ -44,7 +45,9 @@ from .advantage import advantages, scored_moments, zero_std_groups  # noqa: F401
 from .mismatch import importance_correction
 from .objectives import group_sum
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "sequence")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo", "sequence")
+VESPO_DEFAULTS = {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0}  # TRL's vespo_* defaults
+LOG_MIN = math.log(1e-8)  # VESPO's lower clamp of log-weights (TRL's)
 LEVELS = ("token", "sequence")
 
 
@@ -69,7 +72,9 @@ class PolicyLoss:
     correction: Tensor | None = None  # (N, T) the engine-mismatch factor of the policy term (`twophase.mismatch`)
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's sequence mask (TRL's name)
     off_policy_base: Tensor | None = None  # (N,) sum_t (sampling - old): the mask's KL is this - sum_t (l - old)
-    row_stats: Tensor | None = None  # (N, 4) the statistics pass's sums (sequence level; `row_statistic_terms`)
+    row_stats: Tensor | None = None  # (N, 5) the statistics pass's sums (sequence level; `row_statistic_terms`)
+    vespo: dict = field(default_factory=lambda: dict(VESPO_DEFAULTS))  # k and lambda of each advantage sign
+    vespo_log_is: Tensor | None = None  # (N,) sum_t clamp(log correction): an engine's ratio, inside VESPO's phi
     entropy_weight: Tensor | None = None  # (N,) -entropy_coef / tokens per position of the row (0: masked rows)
     entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0  # < 1: the policy term (and bonus) on the positions of highest entropy only
@@ -96,7 +101,7 @@ class PolicyLoss:
         runs a statistics pass without a graph first (`row_statistic_terms`, `with_row_statistics`). So does
         the off-policy mask, whose KL is the row's mean of the current log-probabilities."""
         return (self.importance_sampling_level == "sequence" or self.off_policy_mask_threshold is not None
-                or self.needs_entropies())
+                or self.needs_entropies() or self.loss_type == "vespo")
 
     def needs_entropies(self) -> bool:
         """Whether the statistics pass also computes every position's entropy (top_entropy_quantile < 1)."""
@@ -128,18 +133,19 @@ class PolicyLoss:
         return weight if self.entropy_mask is None else weight * self.entropy_mask[row, col].to(weight.dtype)
 
     def row_statistic_terms(self, logp: Tensor, row: Tensor, col: Tensor) -> Tensor:
-        """(P, 4) each position's share of its row's statistics at current log-probabilities logp (P,): the
-        log-ratio l - old, the KL's k3 (where the KL is importance-weighted, else 0), 1 (the count) and the
-        policy term's correction factor (1 without)."""
+        """(P, 5) each position's share of its row's statistics at current log-probabilities logp (P,): the
+        log-ratio l - old, the KL's k3 (where the KL is importance-weighted, else 0), 1 (the count), the
+        policy term's correction factor (1 without) and the log-ratio clamped to [-20, 20] (VESPO's)."""
         with torch.no_grad():
             logp, old, ref, _, _ = self._at(row, col, logp)
             kl = _k3(ref, logp)[0] if self.beta != 0 and self.kl_importance_weighted else torch.zeros_like(logp)
             one = torch.ones_like(logp)
             factor = self._correction(row, col, logp)
-            return torch.stack([logp - old, kl, one, one if factor is None else factor], dim=1)
+            return torch.stack([logp - old, kl, one, one if factor is None else factor,
+                                torch.clamp(logp - old, -20.0, 20.0)], dim=1)
 
     def with_row_statistics(self, stats: Tensor) -> "PolicyLoss":
-        """This objective with its rows' statistics (N, 4): the sums of `row_statistic_terms` over each row."""
+        """This objective with its rows' statistics (N, 5): the sums of `row_statistic_terms` over each row."""
         return replace(self, row_stats=stats)
 
     def _log_ratio(self, logp: Tensor, old: Tensor, row: Tensor) -> Tensor:
@@ -203,11 +209,31 @@ class PolicyLoss:
     def _temperature(self, adv: Tensor) -> Tensor:
         return torch.full_like(adv, self.sapo_temperature_pos).masked_fill_(adv <= 0, self.sapo_temperature_neg)
 
-    def _surrogate(self, u: Tensor, adv: Tensor, logp: Tensor):
+    def _gamma_weight(self, row: Tensor, like: Tensor) -> Tensor:
+        """(P,) VESPO's phi(w) of each position's row, w its sequence weight exp(sum_t clamp(l - old, +-20)
+        (+ an engine's log-ratios)), phi = exp(lambda + k log w - lambda w): a constant (TRL's get_gamma_weights)."""
+        if self.row_stats is None:
+            raise ValueError("loss_type 'vespo' needs the rows' statistics: pass the objective to rescore_backward, "
+                             "which computes them")
+        seq = self.row_stats.to(like.dtype)[:, 4]  # (N,)
+        if self.vespo_log_is is not None:
+            seq = seq + self.vespo_log_is.to(like.dtype)
+        log_w = torch.clamp(seq, LOG_MIN, 20.0).index_select(0, row)  # (P,)
+        positive = self.advantages.index_select(0, row) >= 0
+        k = torch.where(positive, torch.full_like(log_w, self.vespo["k_pos"]), torch.full_like(log_w, self.vespo["k_neg"]))
+        lam = torch.where(positive, torch.full_like(log_w, self.vespo["lambda_pos"]),
+                          torch.full_like(log_w, self.vespo["lambda_neg"])).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+    def _surrogate(self, u: Tensor, adv: Tensor, logp: Tensor, row: Tensor):
         """(value, d value / d logp through logp itself, d value / d log u, clipped low, clipped high) of the
         policy term at ratios u (P,), no graph."""
         zero = torch.zeros_like(u)
         low = high = torch.zeros_like(u, dtype=torch.bool)
+        if self.loss_type == "vespo":
+            phi = self._gamma_weight(row, u)
+            return -phi * adv * logp, -phi * adv, zero, low, high
         if self.loss_type == "cispo":
             capped = torch.clamp(u, max=self.epsilon_high)  # a constant: TRL detaches it
             return -capped * adv * logp, -capped * adv, zero, low, (u > self.epsilon_high) & (adv > 0)
@@ -235,6 +261,8 @@ class PolicyLoss:
         coef_1 = torch.exp(self._log_ratio(logp.detach() if sequence else logp, old, row))
         if self.loss_type == "cispo":
             loss = -torch.clamp(coef_1, max=self.epsilon_high).detach() * adv * logp
+        elif self.loss_type == "vespo":
+            loss = -self._gamma_weight(row, logp.detach()) * adv * logp
         elif self.loss_type == "sapo":
             tau = self._temperature(adv)
             loss = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv
@@ -251,7 +279,7 @@ class PolicyLoss:
         if sequence:
             with torch.no_grad():
                 u = coef_1.detach()
-                share = self._row_share(u, self._surrogate(u, adv, logp.detach())[2], row)
+                share = self._row_share(u, self._surrogate(u, adv, logp.detach(), row)[2], row)
             loss = loss + share * (logp - logp.detach())  # value unchanged, derivative + share
         return loss * scale
 
@@ -264,7 +292,7 @@ class PolicyLoss:
         with torch.no_grad():
             logp, old, ref, adv, scale = self._at(row, col, logp)
             u = torch.exp(self._log_ratio(logp, old, row))  # (P,) the importance ratio
-            value, direct, d_ratio, low, high = self._surrogate(u, adv, logp)
+            value, direct, d_ratio, low, high = self._surrogate(u, adv, logp, row)
             factor = self._factor(row, col, u)
             if factor is not None:  # a constant factor of the policy term
                 value, direct = value * factor, direct * factor
@@ -311,7 +339,7 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                 correction_mode: str = "sequence_mask", correction_clip_min: float | None = None,
                 correction_clip_max: float | None = 3.0,
                 off_policy_mask_threshold: float | None = None, entropy_coef: float = 0.0,
-                top_entropy_quantile: float = 1.0) -> PolicyLoss:
+                top_entropy_quantile: float = 1.0, vespo: dict | None = None) -> PolicyLoss:
     """The token-level objective of N rows (see the module docstring) for `rescore_backward`.
 
     advantages (N,); old_token_logps (N, T) (`Samples.token_scores`); lengths (N,) the positions each row
@@ -343,7 +371,11 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
 
     top_entropy_quantile < 1 (TRL's): only the positions whose entropy is at or above the (1 - q) quantile of
     this call's scored positions keep their policy term (and the entropy bonus, averaged over them); the
-    entropies come from the statistics pass (the model's `step`, no graph)."""
+    entropies come from the statistics pass (the model's `step`, no graph).
+
+    loss_type "vespo" (TRL's): -phi(w_r) * A_r * l, phi a constant of the row's sequence weight (`_gamma_weight`),
+    the token mean over the batch as dapo; vespo: {"k_pos", "lambda_pos", "k_neg", "lambda_neg"} (TRL's
+    vespo_* defaults 2, 3, 3, 2); an engine's correction (token modes only) enters phi's weight, as in TRL."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(LOSS_TYPES)}")
     if not 0 < top_entropy_quantile <= 1:
@@ -369,7 +401,7 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
         scale = 1.0 / (n.clamp(min=1) * rows)
     elif loss_type == "dr_grpo":
         scale = torch.full_like(n, 1.0 / (rows * (max_len or old_token_logps.shape[1])))
-    elif loss_type in ("dapo", "bnpo", "cispo"):
+    elif loss_type in ("dapo", "bnpo", "cispo", "vespo"):
         scale = torch.full_like(n, 1.0 / max(tokens, 1.0))
     elif loss_type == "luspo":
         scale = torch.full_like(n, 1.0 / rows)
@@ -385,6 +417,13 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
     high = epsilon if epsilon_high is None else epsilon_high
     correction = None if sampling_token_logps is None else importance_correction(
         old_token_logps, sampling_token_logps, lengths, correction_mode, correction_clip_min, correction_clip_max)
+    vespo_log_is = None
+    if loss_type == "vespo" and correction is not None:  # the engine's ratio goes inside phi, not onto the loss
+        if not correction_mode.startswith("token"):
+            raise ValueError(f"loss_type 'vespo' takes correction_mode token_truncate or token_mask, not "
+                             f"{correction_mode!r}")
+        vespo_log_is = torch.clamp(torch.log(correction), LOG_MIN, 20.0).sum(1)  # (N,)
+        correction = None
     base = None
     if off_policy_mask_threshold is not None:
         if sampling_token_logps is None:
@@ -405,4 +444,5 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                       float(sapo_temperature_pos), float(sapo_temperature_neg), correction,
                       None if off_policy_mask_threshold is None else float(off_policy_mask_threshold), base,
                       entropy_weight=entropy_weight, entropy_coef=float(entropy_coef),
-                      top_entropy_quantile=float(top_entropy_quantile))
+                      top_entropy_quantile=float(top_entropy_quantile),
+                      vespo={**VESPO_DEFAULTS, **(vespo or {})}, vespo_log_is=vespo_log_is)

@@ -156,8 +156,8 @@ class Config:
                                choices=("none", "mean", "loo", "greedy"))
     # ---- --objective policy (docs/policy.md)
     loss_type: str = arg("dapo", "--objective policy: TRL's loss types (grpo, dr_grpo, dapo, bnpo, cispo, sapo, "
-                                 "luspo) or sequence (per-sequence sums, averaged per source)",
-                         choices=("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "sequence"))
+                                 "luspo, vespo) or sequence (per-sequence sums, averaged per source)",
+                         choices=("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo", "sequence"))
     importance_sampling_level: str = arg("token", "--objective policy: the importance ratio per token, or per "
                                                   "sequence (GSPO: exp of the row's mean log-ratio)",
                                          choices=("token", "sequence"))

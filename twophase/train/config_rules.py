@@ -122,7 +122,7 @@ def _policy(cfg) -> None:
     if cfg.top_entropy_quantile < 1 and cfg.grad_accum > 1:
         raise ValueError("--top-entropy-quantile takes its threshold over one batch's positions; it does not "
                          "take --grad-accum > 1")
-    if cfg.delta is not None and cfg.loss_type in ("cispo", "sapo"):
+    if cfg.delta is not None and cfg.loss_type in ("cispo", "sapo", "vespo"):
         raise ValueError(f"--delta caps the clipped loss types' ratio (grpo, dr_grpo, dapo, bnpo, luspo, "
                          f"sequence), not --loss-type {cfg.loss_type}'s")
     if cfg.ref_checkpoint is not None and cfg.kl_beta == 0:
