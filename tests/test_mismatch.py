@@ -81,7 +81,8 @@ def test_corrected_objective_is_exact_through_phase_two(level, mode):
     model, source = tiny_model(), toy_batch()
     c = _candidates(model, source, 3, MAX_LEN)
     g = torch.Generator().manual_seed(5)
-    engine = (c.token_scores + 0.3 * torch.randn(c.token_scores.shape, generator=g, dtype=torch.float64)).clamp(max=-1e-3)
+    noise = 0.3 * torch.randn(c.token_scores.shape, generator=g, dtype=torch.float64)
+    engine = (c.token_scores + noise).clamp(max=-1e-3)
     rows = [r[:n] for r, n in zip(c.tokens.tolist(), c.lengths.tolist())]
     s = Samples.from_completions(rows, c.owner, model.pad_id, model.eos_id,
                                  sampling_token_logps=[e[:n] for e, n in zip(engine.tolist(), c.lengths.tolist())])
@@ -92,7 +93,8 @@ def test_corrected_objective_is_exact_through_phase_two(level, mode):
     ref = old + 0.3 * torch.randn(old.shape, generator=g, dtype=torch.float64)
     clip_min, clip_max = 0.7, 1.6
     obj = policy_loss(adv, old, lengths=s.lengths, loss_type="grpo", epsilon=0.2, epsilon_high=0.28, beta=0.04,
-                      ref_token_logps=ref, importance_sampling_level=level, sampling_token_logps=s.sampling_token_scores,
+                      ref_token_logps=ref, importance_sampling_level=level,
+                      sampling_token_logps=s.sampling_token_scores,
                       correction_mode=mode, correction_clip_min=clip_min, correction_clip_max=clip_max)
     mask = protocol.target_mask(s.tokens, model.pad_id, model.eos_id).double()
     ratio = _trl_ratio(old, s.sampling_token_scores, mask, mode, clip_min, clip_max)
