@@ -142,3 +142,48 @@ def test_top_entropy_quantile_is_exact_for_every_chunk(level, coef):
             assert loss == pytest.approx(want_loss.item(), rel=1e-10, abs=1e-13), (tree, chunk)
             for a, b in zip(take_grads(model), want):
                 torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def _step_oracle(model, source, s):
+    """((N, T) log p of the rows' tokens, (N, T) entropies), with a graph, by the model's `step` row by row."""
+    enc = model.encode(source)
+    prev = protocol.teacher_forced_inputs(s.tokens, model.bos_id)
+    state, toks, ents = model.init_state(enc, s.owner), [], []
+    for t in range(s.tokens.shape[1]):
+        state, log_probs = model.step(enc, s.owner, prev[:, t], state)  # (N, V)
+        toks.append(log_probs.gather(1, s.tokens[:, t:t + 1]).squeeze(1))
+        p = log_probs.exp()
+        ents.append(-(p * log_probs.masked_fill(p == 0, 0.0)).sum(-1))
+    mask = protocol.target_mask(s.tokens, model.pad_id, model.eos_id)
+    tok, H = torch.stack(toks, 1), torch.stack(ents, 1)
+    return torch.where(mask, tok, torch.zeros_like(tok)), torch.where(mask, H, torch.zeros_like(H))
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_hf_wrappers_entropy_bonus_and_mask(kind):
+    """The HF wrappers: the bonus through their head's by-hand output layer (the causal LM's first positions by
+    autograd), the mask's entropies by their `step`; against autograd through `step` itself."""
+    pytest.importorskip("transformers")
+    from test_hf import PROMPTS, _batch, _wrapped
+    model = _wrapped(kind)
+    source = _batch(PROMPTS, model.pad_id, left=kind != "t5")
+    s = _candidates(model, source, 3, MAX_LEN)
+    _moved(model, scale=1.0)
+    g = torch.Generator().manual_seed(4)
+    adv = advantages(torch.rand(len(s), generator=g, dtype=torch.float64), s.owner, 3)
+    obj = policy_loss(adv, s.token_scores, lengths=s.lengths, loss_type="dapo", epsilon_high=0.28,
+                      entropy_coef=COEF, top_entropy_quantile=0.5)
+    model.zero_grad(set_to_none=True)
+    with protocol.scoring_mode(model):
+        tok, H = _step_oracle(model, source, s)
+        mask = protocol.target_mask(s.tokens, model.pad_id, model.eos_id).double()
+        em = _high_entropy_mask(H, mask, 0.5).double()
+        want_loss = _trl_loss(tok, mask, adv, s.token_scores, None, loss_type="dapo", beta=0.0, is_ratio=em) \
+            - COEF * (H * em).sum() / em.sum()
+    want_loss.backward()
+    want = take_grads(model)
+    for chunk in (2, 1000):
+        loss = rescore_backward(model, source, s, obj, chunk)
+        assert loss == pytest.approx(want_loss.item(), rel=1e-9)
+        for a, b in zip(take_grads(model), want):
+            torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-9)
