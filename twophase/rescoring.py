@@ -73,8 +73,9 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     (optional dict) gets "rows", "chunks", "positions" (token positions the rows score) and "nodes" (positions
     decoded: the distinct prefixes, or every position without sharing) added to its counts; with a token-level
     objective also "tokens", "clip_low", "clip_high" (positions clipped, TRL's definitions) and "kl" (summed k3).
-    An objective whose weights need each row's sums (`needs_row_statistics`: the sequence-level ratio) gets them
-    from a pass without a graph over the same chunks first (`_with_row_statistics`).
+    An objective whose weights need each row's sums (`needs_row_statistics`: the sequence-level ratio, VESPO, the
+    off-policy mask, the high-entropy mask's entropies) gets them from a pass without a graph over the same chunks
+    first (`_with_row_statistics`), which raises out-of-memory errors rather than retrying (it holds no graph).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
