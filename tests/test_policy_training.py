@@ -105,6 +105,10 @@ def test_two_processes_train_the_same_parameters_as_one(data, tmp_path):
     ("dapo", dict(advantage_scale="batch", drop_zero_std=True, baseline="loo")),  # tokens, batch std, drops
     ("grpo", dict(kl_importance_weighted=False)),  # rows
     ("sequence", dict(advantage_scale="none")),  # sources
+    ("grpo", dict(importance_sampling_level="sequence", mask_truncated_completions=True)),  # GSPO: row sums
+    ("cispo", dict(mask_truncated_completions=True, clip_epsilon_high=1.001)),  # tokens without the cut rows
+    ("dapo", dict(off_policy_mask_threshold=1e-3, delta=1.02)),  # the mask's row sums
+    ("grpo", dict(entropy_coef=0.05, mask_truncated_completions=True)),  # the bonus's token count
 ])
 def test_grad_accum_equals_one_big_batch_over_several_updates(data, tmp_path, one_thread, loss_type, flags):
     """--grad-accum 2 of 3 sources trains the parameters --grad-accum 1 of 6 trains, in float64, over the two
@@ -160,6 +164,24 @@ def test_a_generation_saved_before_grad_accum_loads_as_one_batch():
     (["--objective", "policy", "--kl-beta", "0.1", "--ref-checkpoint", "nowhere.pt"], "no such file"),
     (["--objective", "policy", "--baseline", "greedy"], "not greedy"),
     (["--objective", "policy", "--loss-type", "ppo"], "--loss-type"),
+    (["--objective", "policy", "--sapo-temperature-neg", "2"], "applies to --loss-type sapo only"),
+    (["--objective", "policy", "--loss-type", "cispo", "--delta", "2"], "--delta caps the clipped"),
+    (["--objective", "beam", "--importance-sampling-level", "sequence"], "applies to --objective policy only"),
+    (["--objective", "policy", "--importance-sampling-level", "row"], "--importance-sampling-level"),
+    (["--objective", "policy", "--top-entropy-quantile", "0.2", "--grad-accum", "2"], "does not take --grad-accum"),
+    (["--objective", "policy", "--top-entropy-quantile", "1.5"], "fraction in"),
 ])
 def test_bad_flags_exit_2_in_one_line(data, tmp_path, capsys, argv, match):
     _fails_with_one_line([*data, "--save-dir", str(tmp_path / "r"), *argv], capsys, match)
+
+
+def test_the_loss_options_train_end_to_end(data, tmp_path, one_thread):
+    """GSPO with the entropy bonus, the high-entropy mask, the off-policy mask and truncated rows masked: a
+    run's updates are finite and move the parameters."""
+    save = tmp_path / "run"
+    assert cli.main([*data, *TINY, *POLICY, "--mle-steps", "2", "--rl-steps", "2", "--save-dir", str(save),
+                     "--loss-type", "grpo", "--importance-sampling-level", "sequence", "--entropy-coef", "0.01",
+                     "--top-entropy-quantile", "0.5", "--off-policy-mask-threshold", "0.5",
+                     "--mask-truncated-completions"]) == 0
+    rl = [r for r in _rows(save) if r["phase"] == "rl"]
+    assert len(rl) == 2 and all(r["grad_norm"] > 0 and r["loss"] == r["loss"] for r in rl)

@@ -89,3 +89,214 @@ def test_gradient_equals_trls(setup, loss_type, beta, eps_high):
     metrics = trainer._metrics["eval"]  # TRL's clip ratios are the share of clipped tokens, as ours
     assert metrics["clip_ratio/low_mean"][-1] == pytest.approx(stats["clip_low"] / stats["tokens"])
     assert metrics["clip_ratio/high_mean"][-1] == pytest.approx(stats["clip_high"] / stats["tokens"])
+
+
+# TRL's other loss types and options, each with the parameters moved so that its clipping, cap or mask bites:
+# (name, TRL attributes, twophase's policy_loss arguments).
+OPTIONS = {
+    "cispo": ({"loss_type": "cispo", "epsilon_high": 1.2}, {"loss_type": "cispo", "epsilon_high": 1.2}),
+    "sapo": ({"loss_type": "sapo", "args.sapo_temperature_pos": 0.8, "args.sapo_temperature_neg": 1.3},
+             {"loss_type": "sapo", "sapo_temperature_pos": 0.8, "sapo_temperature_neg": 1.3}),
+    "delta": ({"loss_type": "dapo", "args.delta": 1.5}, {"loss_type": "dapo", "delta": 1.5}),
+    "gspo": ({"loss_type": "grpo", "importance_sampling_level": "sequence"},
+             {"loss_type": "grpo", "importance_sampling_level": "sequence"}),
+    "gspo-dapo-delta": ({"loss_type": "dapo", "importance_sampling_level": "sequence", "args.delta": 1.3},
+                        {"loss_type": "dapo", "importance_sampling_level": "sequence", "delta": 1.3}),
+    "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"},
+              {"loss_type": "luspo", "importance_sampling_level": "sequence"}),
+    "luspo-token": ({"loss_type": "luspo"}, {"loss_type": "luspo"}),
+    "vespo": ({"loss_type": "vespo"}, {"loss_type": "vespo"}),
+    "sapo-sequence": ({"loss_type": "sapo", "importance_sampling_level": "sequence"},
+                      {"loss_type": "sapo", "importance_sampling_level": "sequence"}),
+    "cispo-sequence": ({"loss_type": "cispo", "epsilon_high": 1.1, "importance_sampling_level": "sequence"},
+                       {"loss_type": "cispo", "epsilon_high": 1.1, "importance_sampling_level": "sequence"}),
+}
+
+
+def _set(trainer, attrs: dict) -> dict:
+    """Set TRL's attributes (`args.x`: its config's), returning the old values to put back."""
+    saved = {}
+    for key, value in attrs.items():
+        owner, name = (trainer.args, key[5:]) if key.startswith("args.") else (trainer, key)
+        saved[key] = getattr(owner, name)
+        setattr(owner, name, value)
+    return saved
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_other_losses_equal_trls(setup, name, beta, mask_truncated):
+    """Each of TRL's other loss types and options at a moved policy, with and without the KL term, and with
+    TRL's mask_truncated_completions (its zeroed completion mask of rows ending without EOS): TRL's own
+    compute_loss gradient and value to 1e-5."""
+    from twophase.policy import truncated_rows
+    trainer, wrapper, source, s = setup
+    trl_attrs, ours = OPTIONS[name]
+    inputs = _inputs(wrapper, source, s, torch.Generator().manual_seed(1))
+    truncated = truncated_rows(s.tokens, s.lengths, wrapper.eos_id)
+    assert truncated.any() and not truncated.all()
+    if mask_truncated:  # what TRL's _generate_and_score_completions does with the flag
+        inputs["completion_mask"] = inputs["completion_mask"] * (~truncated).long()[:, None]
+        inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
+    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": beta, **trl_attrs})
+    try:
+        wrapper.zero_grad(set_to_none=True)
+        trl_loss = trainer.compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+    finally:
+        _set(trainer, saved)
+    want = take_grads(wrapper)
+    kw = {"epsilon": 0.2, "epsilon_high": 0.28, **ours}
+    obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, beta=beta,
+                      ref_token_logps=inputs["ref_per_token_logps"], max_len=MAX_LEN,
+                      truncated=truncated if mask_truncated else None, **kw)
+    stats = {}
+    loss = rescore_backward(wrapper, source, s, obj, chunk_size=5, stats=stats)
+    got = take_grads(wrapper)
+    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
+    scale = max(float(w.abs().max()) for w in want)
+    assert scale > 0
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+    metrics = trainer._metrics["eval"]
+    if ours["loss_type"] == "cispo" and "importance_sampling_level" not in ours:
+        assert stats["clip_high"] > 0  # the cap bites
+        assert metrics["cispo_clip_ratio"][-1] == pytest.approx(stats["clip_high"] / stats["tokens"])
+    elif name == "delta":
+        assert metrics["clip_ratio/high_mean"][-1] == pytest.approx(stats["clip_high"] / stats["tokens"])
+
+
+@pytest.mark.parametrize("loss_type,level,mode", [
+    *((t, lv, m) for lv in ("token", "sequence")
+      for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask") for t in ("grpo",)),
+    ("vespo", "token", "token_truncate"), ("vespo", "token", "token_mask")])  # VESPO: the ratio inside phi
+def test_engine_mismatch_correction_equals_trls(setup, loss_type, mode, level):
+    """Completions of another engine: TRL's compute_loss with use_vllm and its importance_sampling_ratio (its
+    formula, `test_mismatch._trl_ratio`) against policy_loss's sampling_token_logps and correction_mode."""
+    from test_mismatch import _trl_ratio
+    trainer, wrapper, source, s = setup
+    inputs = _inputs(wrapper, source, s, torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    mask = inputs["completion_mask"].double()
+    engine = ((s.token_scores + 0.2 * torch.randn(s.token_scores.shape, generator=g, dtype=torch.float64))
+              .clamp(max=-1e-4) * mask)
+    clip_min, clip_max = 0.6, 1.5
+    ratio = _trl_ratio(s.token_scores, engine, mask, mode, clip_min, clip_max)
+    assert ((ratio * mask) != mask).any()
+    inputs.update(importance_sampling_ratio=ratio, sampling_per_token_logps=engine)
+    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": loss_type,
+                           "importance_sampling_level": level, "use_vllm": True,
+                           "vllm_importance_sampling_correction": True})
+    try:
+        wrapper.zero_grad(set_to_none=True)
+        trl_loss = trainer.compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+    finally:
+        _set(trainer, saved)
+    want = take_grads(wrapper)
+    obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type=loss_type, epsilon=0.2,
+                      epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
+                      num_items=float(inputs["num_items_in_batch"]),
+                      importance_sampling_level=level, sampling_token_logps=engine, correction_mode=mode,
+                      correction_clip_min=clip_min, correction_clip_max=clip_max)
+    loss = rescore_backward(wrapper, source, s, obj, chunk_size=5)
+    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
+    scale = max(float(w.abs().max()) for w in want)
+    for a, b in zip(take_grads(wrapper), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("engine", [False, True])
+@pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("grpo", "sequence")])
+def test_off_policy_mask_equals_trls(setup, loss_type, level, engine):
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's off_policy_mask_threshold), its KL against the old
+    policy or, with an engine's log-probabilities, against the engine's (with TRL's correction on too)."""
+    from test_mismatch import _trl_ratio
+    trainer, wrapper, source, s = setup
+    inputs = _inputs(wrapper, source, s, torch.Generator().manual_seed(1))
+    mask = inputs["completion_mask"].double()
+    attrs = {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": loss_type,
+             "importance_sampling_level": level, "off_policy_mask_threshold": 0.3}
+    ours = {}
+    if engine:
+        g = torch.Generator().manual_seed(2)
+        sampling = ((s.token_scores + 0.2 * torch.randn(s.token_scores.shape, generator=g, dtype=torch.float64))
+                    .clamp(max=-1e-4) * mask)
+        inputs.update(sampling_per_token_logps=sampling,
+                      importance_sampling_ratio=_trl_ratio(s.token_scores, sampling, mask, "token_truncate", None, 3.0))
+        attrs.update(use_vllm=True, vllm_importance_sampling_correction=True)
+        ours = {"sampling_token_logps": sampling, "correction_mode": "token_truncate"}
+    saved = _set(trainer, attrs)
+    try:
+        wrapper.zero_grad(set_to_none=True)
+        trl_loss = trainer.compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+    finally:
+        _set(trainer, saved)
+    want = take_grads(wrapper)
+    obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type=loss_type, epsilon=0.2,
+                      epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
+                      importance_sampling_level=level, off_policy_mask_threshold=0.3,
+                      num_items=float(inputs["num_items_in_batch"]), **ours)
+    loss = rescore_backward(wrapper, source, s, obj, chunk_size=5)
+    with torch.no_grad(), protocol.scoring_mode(wrapper):  # the mask bites: it drops some rows, not all
+        tok = protocol.token_scores(wrapper, wrapper.encode(source), s.tokens, s.owner)
+    kl = ((inputs.get("sampling_per_token_logps", s.token_scores) - tok) * mask).sum(1) / mask.sum(1)
+    negative = inputs["advantages"] < 0
+    assert (negative & (kl > 0.3)).any() and (negative & (kl <= 0.3)).any()
+    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
+    scale = max(float(w.abs().max()) for w in want)
+    for a, b in zip(take_grads(wrapper), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("grpo", "sequence")])
+def test_entropy_bonus_equals_trls(setup, loss_type, level):
+    """TRL's entropy bonus (entropy_coef, static): the causal LM's first positions by autograd over their
+    distributions, the others through the by-hand output layer a block at a time."""
+    trainer, wrapper, source, s = setup
+    inputs = _inputs(wrapper, source, s, torch.Generator().manual_seed(1))
+    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": loss_type,
+                           "importance_sampling_level": level, "_entropy_bonus_enabled": True,
+                           "entropy_coef": 0.5, "use_adaptive_entropy": False})
+    try:
+        wrapper.zero_grad(set_to_none=True)
+        trl_loss = trainer.compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+    finally:
+        _set(trainer, saved)
+    want = take_grads(wrapper)
+    obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type=loss_type, epsilon=0.2,
+                      epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
+                      importance_sampling_level=level, entropy_coef=0.5)
+    loss = rescore_backward(wrapper, source, s, obj, chunk_size=5)
+    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
+    scale = max(float(w.abs().max()) for w in want)
+    for a, b in zip(take_grads(wrapper), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.5])
+def test_top_entropy_quantile_equals_trls(setup, coef):
+    """TRL's high-entropy mask (top_entropy_quantile 0.3), alone and with the entropy bonus on the same tokens."""
+    trainer, wrapper, source, s = setup
+    inputs = _inputs(wrapper, source, s, torch.Generator().manual_seed(1))
+    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": "dapo",
+                           "top_entropy_quantile": 0.3, "_entropy_bonus_enabled": coef != 0, "entropy_coef": coef,
+                           "use_adaptive_entropy": False})
+    try:
+        wrapper.zero_grad(set_to_none=True)
+        trl_loss = trainer.compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+    finally:
+        _set(trainer, saved)
+    want = take_grads(wrapper)
+    obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type="dapo", epsilon=0.2,
+                      epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
+                      num_items=float(inputs["num_items_in_batch"]), entropy_coef=coef, top_entropy_quantile=0.3)
+    loss = rescore_backward(wrapper, source, s, obj, chunk_size=5)
+    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
+    scale = max(float(w.abs().max()) for w in want)
+    for a, b in zip(take_grads(wrapper), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)

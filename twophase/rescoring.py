@@ -73,6 +73,9 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     (optional dict) gets "rows", "chunks", "positions" (token positions the rows score) and "nodes" (positions
     decoded: the distinct prefixes, or every position without sharing) added to its counts; with a token-level
     objective also "tokens", "clip_low", "clip_high" (positions clipped, TRL's definitions) and "kl" (summed k3).
+    An objective whose weights need each row's sums (`needs_row_statistics`: the sequence-level ratio, VESPO, the
+    off-policy mask, the high-entropy mask's entropies) gets them from a pass without a graph over the same chunks
+    first (`_with_row_statistics`), which raises out-of-memory errors rather than retrying (it holds no graph).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -100,6 +103,9 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
         if token_level:
             counts.update(tokens=0, clip_low=0, clip_high=0, kl=0.0)
         boundary = tree.cut_floating(enc)
+        if token_level and coefficients.needs_row_statistics():  # the sequence-level ratio's row sums
+            with section("phase 2: row statistics"):
+                coefficients = _with_row_statistics(model, boundary, samples, coefficients, plan, chunk_size)
         params = [p for p in model.parameters() if p.requires_grad]
         # the chunks' losses summed where they are computed, read once at the end (not a host sync per chunk)
         total = torch.zeros((), dtype=torch.float64, device=device)
@@ -127,9 +133,64 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
         with section("phase 2: encoder backward"):
             _encoder_backward(enc, boundary, sums)
     if stats is not None:
-        for key, value in counts.items():
+        for key, value in _read_counts(counts).items():
             stats[key] = stats.get(key, 0) + value
     return float(total)
+
+
+def _read_counts(counts: dict) -> dict:
+    """The counts with a token-level objective's device sums (clipped positions, summed KL) read back at once."""
+    on_device = [key for key, value in counts.items() if isinstance(value, Tensor)]
+    if not on_device:
+        return counts
+    values = torch.stack([counts[key].to(torch.float64) for key in on_device]).tolist()  # one host read
+    return {**counts, **{key: value if key == "kl" else int(round(value)) for key, value in zip(on_device, values)}}
+
+
+def _with_row_statistics(model, enc, samples: Samples, objective, plan: "_Plan", size: int):
+    """The objective with its rows' statistics (`PolicyLoss.row_statistic_terms` summed over each row's scored
+    positions): a pass without a graph over the plan's chunks, each chunk's rows scored by the model's
+    per-token log-probabilities (rows, never the (C, T, V) logits a model's own token_scores avoids)."""
+    parts, entropies, start, width = [], [], 0, samples.tokens.shape[1]
+    with torch.no_grad():
+        while start < len(samples):
+            end, _ = plan.chunk(start, size)
+            rows = slice(start, end)
+            T = plan.longest(rows)
+            owner = owners.declare(samples.owner[rows], plan.groups(rows))
+            if objective.needs_entropies():  # whole distributions: `step`, one (C, V) at a time
+                tok, ent = _step_scores_and_entropies(model, enc, samples.tokens[rows, :T], owner)  # (C, T) each
+                entropies.append(torch.nn.functional.pad(ent, (0, width - T)))
+            else:
+                tok = protocol.token_scores(model, enc, samples.tokens[rows, :T], owner)  # (C, T)
+            C = tok.shape[0]
+            at = torch.arange(T, device=tok.device)
+            scored = (at[None, :] < samples.lengths[rows, None]).reshape(-1, 1)  # (C * T, 1)
+            row, col = torch.arange(C, device=tok.device).repeat_interleave(T), at.repeat(C)  # (C * T,) each
+            terms = objective[rows].row_statistic_terms(tok.reshape(-1), row, col)  # (C * T, 4)
+            parts.append(torch.where(scored, terms, torch.zeros_like(terms)).reshape(C, T, -1).sum(1))  # (C, 4)
+            start = end
+    objective = objective.with_row_statistics(torch.cat(parts))
+    if entropies:
+        at = torch.arange(width, device=samples.lengths.device)
+        objective = objective.with_entropies(torch.cat(entropies), at[None, :] < samples.lengths[:, None])
+    return objective
+
+
+def _step_scores_and_entropies(model, enc, tokens: Tensor, owner: Tensor) -> tuple[Tensor, Tensor]:
+    """((C, T) log p of tokens, (C, T) the entropy of each position's next-token distribution), teacher-forced
+    by `step` without a graph (0 past each row's end)."""
+    mask = protocol.target_mask(tokens, model.pad_id, model.eos_id)  # (C, T)
+    prev = protocol.teacher_forced_inputs(tokens, model.bos_id)  # (C, T)
+    state, toks, ents = model.init_state(enc, owner), [], []
+    for t in range(tokens.shape[1]):
+        state, log_probs = model.step(enc, owner, prev[:, t], state)  # (C, V)
+        log_probs = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
+        tok = log_probs.gather(1, tokens[:, t:t + 1]).squeeze(1)  # (C,)
+        ent = tokenweights.entropy(log_probs)  # (C,)
+        toks.append(torch.where(mask[:, t], tok, torch.zeros_like(tok)))
+        ents.append(torch.where(mask[:, t], ent, torch.zeros_like(ent)))
+    return torch.stack(toks, 1), torch.stack(ents, 1)
 
 
 def retries_out_of_memory(device: torch.device) -> bool:

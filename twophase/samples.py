@@ -32,6 +32,9 @@ class Samples:
     perturbed: Tensor | None = None  # (N,) each candidate's Gumbel-perturbed score G_y ~ Gumbel(scores)
     threshold: Tensor | None = None  # (N,) kappa of the row's source: the (K+1)-th largest perturbed score of all
     #                                  its sequences (-inf when it has at most K), which all its G_y exceed
+    # (N, T) float64, 0 past the end: another engine's per-token log-probabilities of the rows it generated
+    # (`from_completions`' sampling_token_logps: vLLM's, SGLang's), for `policy_loss`'s mismatch correction
+    sampling_token_scores: Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -45,7 +48,7 @@ class Samples:
 
     @staticmethod
     def from_completions(completion_ids, owner, pad_id: int, eos_id: int, token_logps=None, *,
-                         vocab_size: int | None = None, device=None) -> "Samples":
+                         sampling_token_logps=None, vocab_size: int | None = None, device=None) -> "Samples":
         """Phase two's rows from any generator's output (vLLM, SGLang, `generate`, a file of sampled completions).
 
         completion_ids: N lists of ids, or an (N, T) tensor; row i completes source owner[i] (N,). The ids are
@@ -62,6 +65,11 @@ class Samples:
         unknown: `objectives.reinforce` never reads them, `beam` and `mrt` refuse them. vocab_size, where given,
         bounds the ids. The rows are built on `device`: by default owner's (a tensor), else completion_ids',
         else the CPU; pass the model's, `next(model.parameters()).device`, for list inputs.
+
+        sampling_token_logps (the same layout, checked as token_logps): the generating engine's own
+        log-probabilities where they differ from the trainer's (vLLM, SGLang), kept as `sampling_token_scores`
+        for `policy_loss`'s correction of the mismatch (TRL's vllm_importance_sampling_*); token_logps are then
+        the trainer's own (`twophase.mismatch.own_token_logps`).
 
         Inconsistent inputs (counts, shapes, ids outside [0, vocab_size), log-probabilities that are positive,
         NaN or missing) raise ValueError in one line naming the argument and the row."""
@@ -88,28 +96,14 @@ class Samples:
         _check_ids(tokens, kept, vocab_size)
         T = int(lengths.max()) if N else 0
         tokens = tokens.masked_fill(~kept, pad_id)[:, :T]  # (N, T)
+        kept = kept[:, :T]
+        sampling = None if sampling_token_logps is None else _log_probs(
+            sampling_token_logps, "sampling_token_logps", lengths, kept, device)
         if token_logps is None:
             scores = torch.full((N,), float("nan"), dtype=torch.float64, device=device)
-            return Samples(tokens, lengths, owner, scores)
-        logps, given = _padded(token_logps, 0.0, torch.float64, device, "token_logps")  # (N', T'), (N',)
-        if len(logps) != N:
-            raise ValueError(f"token_logps has {len(logps)} rows but completion_ids {N}")
-        short = given < lengths
-        if bool(short.any()):
-            i = _first(short)
-            raise ValueError(f"token_logps row {i} has {int(given[i])} log-probabilities for its "
-                             f"{int(lengths[i])} tokens")
-        logps = logps[:, :T]
-        kept = kept[:, :T]
-        bad = kept & ~((logps <= 0) & (logps > float("-inf")))  # positive, infinite or NaN
-        if bool(bad.any()):
-            i = _first(bad.any(1))
-            t = _first(bad[i])
-            raise ValueError(f"token_logps row {i} position {t} is {float(logps[i, t])}: log-probabilities are "
-                             f"finite and <= 0 (the generator's logprobs of the ids it drew, not probabilities "
-                             f"or logits)")
-        token_scores = logps.masked_fill(~kept, 0.0)  # (N, T)
-        return Samples(tokens, lengths, owner, token_scores.sum(1), token_scores)
+            return Samples(tokens, lengths, owner, scores, sampling_token_scores=sampling)
+        token_scores = _log_probs(token_logps, "token_logps", lengths, kept, device)  # (N, T)
+        return Samples(tokens, lengths, owner, token_scores.sum(1), token_scores, sampling_token_scores=sampling)
 
     def select(self, rows: Tensor) -> "Samples":
         return Samples(*(None if getattr(self, f.name) is None else getattr(self, f.name)[rows] for f in fields(self)))
@@ -124,8 +118,12 @@ class Samples:
             dtype = functools.reduce(torch.promote_types, [p.token_scores.dtype for p in parts])
             token_scores = torch.cat([torch.nn.functional.pad(p.token_scores.to(dtype), (0, T - p.tokens.shape[1]))
                                       for p in parts])
+        sampling = None
+        if all(p.sampling_token_scores is not None for p in parts):  # (sum N, T)
+            sampling = torch.cat([torch.nn.functional.pad(p.sampling_token_scores, (0, T - p.tokens.shape[1]))
+                                  for p in parts])
         out = Samples(tokens, *(torch.cat([getattr(p, f) for p in parts]) for f in ("lengths", "owner", "scores")),
-                      token_scores)
+                      token_scores, sampling_token_scores=sampling)
         for f in OPTIONAL:
             if any(getattr(p, f) is not None for p in parts):
                 setattr(out, f, torch.cat([getattr(p, f) if getattr(p, f) is not None
@@ -164,6 +162,28 @@ def _padded(rows, fill, dtype, device, name: str) -> tuple[Tensor, Tensor]:
         out[i, :len(r)] = torch.as_tensor(r, dtype=dtype)
     own = torch.tensor([len(r) for r in rows], dtype=torch.long)
     return out.to(device), own.to(device)
+
+
+def _log_probs(values, name: str, lengths: Tensor, kept: Tensor, device) -> Tensor:
+    """(N, T) float64 log-probabilities of the kept positions kept (N, T), 0 elsewhere, from values in
+    completion_ids' layout; ValueError naming the argument and the row where they are missing, positive,
+    infinite or NaN."""
+    N, T = kept.shape
+    logps, given = _padded(values, 0.0, torch.float64, device, name)  # (N', T'), (N',)
+    if len(logps) != N:
+        raise ValueError(f"{name} has {len(logps)} rows but completion_ids {N}")
+    short = given < lengths
+    if bool(short.any()):
+        i = _first(short)
+        raise ValueError(f"{name} row {i} has {int(given[i])} log-probabilities for its {int(lengths[i])} tokens")
+    logps = torch.nn.functional.pad(logps, (0, max(0, T - logps.shape[1])))[:, :T]
+    bad = kept & ~((logps <= 0) & (logps > float("-inf")))  # positive, infinite or NaN
+    if bool(bad.any()):
+        i = _first(bad.any(1))
+        t = _first(bad[i])
+        raise ValueError(f"{name} row {i} position {t} is {float(logps[i, t])}: log-probabilities are finite and "
+                         f"<= 0 (the generator's logprobs of the ids it drew, not probabilities or logits)")
+    return logps.masked_fill(~kept, 0.0)
 
 
 def _check_ids(tokens: Tensor, kept: Tensor, vocab_size: int | None) -> None:

@@ -9,7 +9,8 @@ it reads: its weight is the sum of those rows' derivatives.
 
 `ChunkLoss` is the objective bound to one chunk's C rows, handed to the model in place of its (C,) coefficients;
 `weights(c, ...)` / `loss(c, ...)` let a model's fast path treat both alike. The chunk's loss and statistics
-(clipped positions, summed KL) accumulate as the weights are read: each entry must be read exactly once.
+(clipped positions, summed KL) accumulate on the device as the weights are read, for phase two to read back once
+per batch: each entry must be read exactly once.
 
 Letters: C rows of a chunk, M entries (scored positions, or tree nodes), P scored positions.
 """
@@ -42,12 +43,32 @@ class ChunkLoss:
         nodes they read."""
         return PositionWeights(self, row, col, node, size)
 
-    def terms(self, logp: Tensor, row: Tensor, col: Tensor) -> Tensor:
-        """The loss of positions (row, col) at log-probabilities logp (P,) with autograd's graph (0-dim)."""
+    def has_entropy(self) -> bool:
+        """Whether the objective has an entropy bonus, which needs each position's whole distribution."""
+        return getattr(self.objective, "entropy_weight", None) is not None
+
+    def entropy_weights(self, row: Tensor, col: Tensor) -> Tensor:
+        return self.objective.entropy_weights(row, col)
+
+    def terms(self, logp: Tensor, row: Tensor, col: Tensor, log_probs: Tensor | None = None) -> Tensor:
+        """The loss of positions (row, col) at log-probabilities logp (P,) with autograd's graph (0-dim); with an
+        entropy bonus, log_probs (P, V) are the positions' whole next-token log-distributions."""
         loss = self.objective.terms(logp, row, col)
         _, _, sums = self.objective.derivative(logp.detach(), row, col)
         self._add(loss, sums, len(row))
+        if self.has_entropy():
+            if log_probs is None:
+                raise ValueError("entropy_coef needs the model's by-hand output layer (weighted_score_backward or "
+                                 "weighted_tree_backward: the built-in LSTM, the HF wrappers with their head): "
+                                 "this model's phase two differentiates its per-token log-probabilities alone")
+            bonus = (self.entropy_weights(row, col).to(log_probs.dtype) * entropy(log_probs)).sum()
+            self._add(bonus, {}, 0)
+            return loss.sum() + bonus
         return loss.sum()
+
+    def add_loss(self, value: Tensor) -> None:
+        """Add a term computed elsewhere (a block's entropy bonus) to the chunk's loss."""
+        self._add(value, {}, 0)
 
 
 class PositionWeights:
@@ -79,9 +100,31 @@ class PositionWeights:
         self.chunk._add(loss, sums, b - a)
         return torch.zeros(stop - start, dtype=d.dtype, device=d.device).index_add_(0, local, d)
 
+    def entropy(self, index: slice) -> Tensor | None:
+        """(m,) the entropy bonus's weight of entries index (summed over the positions a tree node stands for),
+        or None without a bonus."""
+        if not self.chunk.has_entropy():
+            return None
+        start, stop, _ = index.indices(self.size)
+        if self.node is None:
+            return self.chunk.entropy_weights(self.row[start:stop], self.col[start:stop])
+        a, b = self.ptr[start], self.ptr[stop]
+        local = self.node[a:b] - start  # (p,)
+        weight = self.chunk.entropy_weights(self.row[a:b], self.col[a:b])
+        return weight.new_zeros(stop - start).index_add_(0, local, weight)
+
+    def add_loss(self, value: Tensor) -> None:
+        self.chunk.add_loss(value)
+
     def autograd(self, tok: Tensor) -> Tensor:
         """The loss at entry log-probabilities tok (M,) with autograd's graph (0-dim)."""
         return self.chunk.terms(tok if self.node is None else tok.index_select(0, self.node), self.row, self.col)
+
+
+def entropy(log_probs: Tensor) -> Tensor:
+    """(P,) the entropies of log-distributions log_probs (P, V) (-inf entries: probability 0), with a graph."""
+    p = log_probs.exp()
+    return -(p * log_probs.masked_fill(p == 0, 0.0)).sum(-1)
 
 
 def is_token_level(c) -> bool:

@@ -128,11 +128,15 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
     decodes, so it needs each logit block once, where forward-then-backward computes it twice. Given dw / db,
     the weight and bias gradients are added into them (e.g. the parameters' .grad) instead of fresh tensors.
     w may also be a function of the log-probabilities (`twophase.tokenweights.PositionWeights`: a token-level
-    objective), called once per block with the block's rows and log p."""
+    objective), called once per block with the block's rows and log p; where it has an `entropy(rows)` (an
+    entropy bonus's weights), the gradient of those weights times each row's entropy joins in the same block pass
+    (one more block-sized tensor), its value handed to `w.add_loss`."""
     M, V = h.shape[0], weight.shape[0]
     # Under autocast the three matmuls run in its dtype; logsumexp, softmax, log p and dw / db in float32.
     acc, mm = sum_dtype(weight), _matmul_dtype(h, weight)
     dynamic = callable(w)  # each block's weights from its log-probabilities
+    # an entropy bonus's weights per entry (`PositionWeights.entropy`): its gradient in the same block pass
+    entropy = getattr(w, "entropy", None) if dynamic else None
     hm, wm = h.to(mm), weight.to(mm)
     if not dynamic:
         w = w.to(acc)
@@ -147,13 +151,25 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
         z = logits(hm[rows], wm, bias, banned).to(acc)  # (m, V)
         lse = torch.logsumexp(z, dim=1)  # (m,)
         tok[rows] = z.gather(1, target[rows, None]).squeeze(1) - lse
+        ew = None
         if dynamic:
             w_rows = w(rows, tok[rows]).to(acc)  # (m,)
             w_tgt = w_rows.masked_fill(banned[target[rows]], 0.0)
+            ew = entropy(rows) if entropy is not None else None
         else:
             w_rows, w_tgt = w[rows], w_target[rows]
-        # w * (onehot(target) - softmax), in place over the block; banned columns have softmax exactly 0
-        dz = z.sub_(lse[:, None]).exp_().mul_(-w_rows[:, None])
+        if ew is None:
+            # w * (onehot(target) - softmax), in place over the block; banned columns have softmax exactly 0
+            dz = z.sub_(lse[:, None]).exp_().mul_(-w_rows[:, None])
+        else:
+            # + ew * H, H = -sum p log p: d/dz = w (onehot - p) - ew p (log p + H); banned columns: p = 0, log p
+            # set to 0 so that no -inf meets a 0. One more (m, V) block (p) beside z.
+            ew = ew.to(acc)
+            logp = z.sub_(lse[:, None]).masked_fill_(banned, 0.0)  # (m, V)
+            p = logp.exp().masked_fill_(banned, 0.0)  # (m, V)
+            H = -(p * logp).sum(dim=1)  # (m,)
+            w.add_loss((ew * H).sum())
+            dz = logp.add_(H[:, None]).mul_(ew[:, None]).add_(w_rows[:, None]).mul_(p).neg_()
         dz.scatter_add_(1, target[rows, None], w_tgt[:, None])
         db += dz.sum(dim=0)
         dz = dz.to(mm)

@@ -156,9 +156,30 @@ class Config:
                                      "(default: mean)",
                                choices=("none", "mean", "loo", "greedy"))
     # ---- --objective policy (docs/policy.md)
-    loss_type: str = arg("dapo", "--objective policy: TRL's loss aggregation (grpo, dr_grpo, dapo, bnpo) or "
-                                 "sequence (per-sequence sums, averaged per source)",
-                         choices=("grpo", "dr_grpo", "dapo", "bnpo", "sequence"))
+    loss_type: str = arg("dapo", "--objective policy: TRL's loss types (grpo, dr_grpo, dapo, bnpo, cispo, sapo, "
+                                 "luspo, vespo) or sequence (per-sequence sums, averaged per source)",
+                         choices=("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo", "sequence"))
+    importance_sampling_level: str = arg("token", "--objective policy: the importance ratio per token, or per "
+                                                  "sequence (GSPO: exp of the row's mean log-ratio)",
+                                         choices=("token", "sequence"))
+    delta: float | None = arg(None, "--objective policy: two-sided clipping, the unclipped ratio capped at delta "
+                                    "(clipped loss types; > 1 + --clip-epsilon-high)", minimum=0.0)
+    sapo_temperature_pos: float = arg(1.0, "--objective policy --loss-type sapo: the soft gate's temperature "
+                                           "where the advantage is positive", minimum=1e-6)
+    sapo_temperature_neg: float = arg(1.05, "--objective policy --loss-type sapo: its temperature elsewhere",
+                                      minimum=1e-6)
+    off_policy_mask_threshold: float | None = arg(None, "--objective policy: DeepSeek-V3.2's off-policy sequence "
+                                                        "mask: a candidate with a negative advantage whose mean "
+                                                        "per-token KL from the old policy exceeds this loses its "
+                                                        "policy term (TRL's flag)", minimum=0.0)
+    entropy_coef: float = arg(0.0, "--objective policy: TRL's entropy bonus, the loss minus this times the mean "
+                                   "entropy of the scored positions' next-token distributions (needs the "
+                                   "model's by-hand output layer: the LSTM, the HF wrappers)", minimum=0.0)
+    top_entropy_quantile: float = arg(1.0, "--objective policy: below 1, only the positions whose next-token "
+                                           "entropy is in this top fraction of the batch's keep their policy term "
+                                           "(TRL's high-entropy mask)", minimum=1e-9)
+    mask_truncated_completions: bool = arg(False, "--objective policy: candidates that end without EOS (cut at "
+                                                  "--max-len) leave the loss and its token count (TRL's flag)")
     updates_per_generation: int = arg(1, "--objective policy: optimizer steps per phase one (TRL's "
                                          "num_iterations), each a phase two over the same candidates", minimum=1)
     clip_epsilon: float = arg(0.2, "--objective policy: the ratio is clipped to [1 - eps, 1 + eps_high]",

@@ -104,7 +104,9 @@ def _policy(cfg) -> None:
     combinations it does not support."""
     defaults = {f.name: f.default for f in fields(cfg)}
     names = ("loss_type", "updates_per_generation", "clip_epsilon", "clip_epsilon_high", "kl_beta",
-             "kl_importance_weighted", "ref_checkpoint", "advantage_scale", "drop_zero_std")
+             "kl_importance_weighted", "ref_checkpoint", "advantage_scale", "drop_zero_std",
+             "importance_sampling_level", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
+             "mask_truncated_completions", "off_policy_mask_threshold", "entropy_coef", "top_entropy_quantile")
     if cfg.objective != "policy":
         for name in names:
             if getattr(cfg, name) != defaults[name]:
@@ -122,6 +124,18 @@ def _policy(cfg) -> None:
     if cfg.sampler == "sbs":
         raise ValueError("--objective policy takes --sampler sample or beam, not sbs (its candidates are not "
                          "independent draws)")
+    if cfg.loss_type != "sapo":
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if getattr(cfg, name) != defaults[name]:
+                raise ValueError(f"{_flag(name)} applies to --loss-type sapo only, not {cfg.loss_type}")
+    if cfg.top_entropy_quantile > 1:
+        raise ValueError(f"--top-entropy-quantile is a fraction in (0, 1], got {cfg.top_entropy_quantile}")
+    if cfg.top_entropy_quantile < 1 and cfg.grad_accum > 1:
+        raise ValueError("--top-entropy-quantile takes its threshold over one batch's positions; it does not "
+                         "take --grad-accum > 1")
+    if cfg.delta is not None and cfg.loss_type in ("cispo", "sapo", "vespo"):
+        raise ValueError(f"--delta caps the clipped loss types' ratio (grpo, dr_grpo, dapo, bnpo, luspo, "
+                         f"sequence), not --loss-type {cfg.loss_type}'s")
     if cfg.ref_checkpoint is not None and cfg.kl_beta == 0:
         raise ValueError("--ref-checkpoint needs --kl-beta > 0")
     if cfg.ref_checkpoint is not None and not Path(cfg.ref_checkpoint).is_file():

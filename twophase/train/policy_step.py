@@ -26,7 +26,7 @@ import math
 import torch
 
 from . import distributed, fsdp
-from ..policy import advantages, policy_loss, scored_moments, zero_std_groups
+from ..policy import advantages, policy_loss, scored_moments, truncated_rows, zero_std_groups
 from ..samples import Samples
 from .reference import Reference
 
@@ -118,7 +118,24 @@ class PolicyStep:
                            beta=cfg.kl_beta, ref_token_logps=part["ref"],
                            kl_importance_weighted=cfg.kl_importance_weighted, max_len=cfg.max_len,
                            num_sources=gen["num_sources"], owner=part["owner"], num_items=counts["tokens"],
-                           num_rows=int(counts["rows"]), scored=part.get("scored"))
+                           num_rows=int(counts["rows"]), scored=part.get("scored"),
+                           importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
+                           sapo_temperature_pos=cfg.sapo_temperature_pos,
+                           sapo_temperature_neg=cfg.sapo_temperature_neg, truncated=self.truncated(part),
+                           off_policy_mask_threshold=cfg.off_policy_mask_threshold, entropy_coef=cfg.entropy_coef,
+                           top_entropy_quantile=cfg.top_entropy_quantile)
+
+    def counted_tokens(self, part: dict):
+        """The batch's tokens in the loss's token count: every candidate's, or the terminated ones' with
+        --mask-truncated-completions (TRL's num_items_in_batch of its zeroed completion mask)."""
+        cut = self.truncated(part)
+        return part["lengths"].sum() if cut is None else part["lengths"][~cut].sum()
+
+    def truncated(self, part: dict):
+        """(N,) the batch's candidates that end without EOS, with --mask-truncated-completions (else None)."""
+        if not self.t.cfg.mask_truncated_completions:
+            return None
+        return truncated_rows(part["tokens"], part["lengths"], self.t.model.eos_id)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> dict:
@@ -130,7 +147,7 @@ class PolicyStep:
             self.generation = self.new_generation()
         gen = self.generation
         counts = distributed.reduce_sums({"rows": sum(len(p["lengths"]) for p in gen["parts"]),
-                                          "tokens": sum(int(p["lengths"].sum()) for p in gen["parts"])})
+                                          "tokens": sum(int(self.counted_tokens(p)) for p in gen["parts"])})
         t.model.eval()
         t.optimizer.zero_grad(set_to_none=True)
         loss, stats = 0.0, {}

@@ -152,7 +152,10 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         first = self._first(enc, tokens, owner, mask)  # (N,): (N, V) logits, autograd's
         if tokenweights.is_token_level(c):  # the first tokens' terms of a token-level objective, by autograd
             rows = mask[:, 0].nonzero().squeeze(1)
-            first = c.terms(first.index_select(0, rows), rows, torch.zeros_like(rows))
+            dist = None  # an entropy bonus's first positions: their whole distributions (R, V)
+            if c.has_entropy():
+                dist = log_softmax(enc["last"].index_select(0, owner.index_select(0, rows)))
+            first = c.terms(first.index_select(0, rows), rows, torch.zeros_like(rows), dist)
         else:
             first = (c.to(first.dtype) * first).sum()
         if tokens.shape[1] > 1:
