@@ -12,7 +12,7 @@ Jobs (their sizes and flags in JOBS):
     hf-t5, hf-causal   bench.hf's two-phase step on its T5 / Llama-style model, default sizes (B 8, K 16, P 128,
                        T 64, width 256, 4 layers, one thread): sampling, coefficients, phase two, no optimizer
     karel              the Karel recipe's RL step (`train.py --task karel`, K 16) with the grammar off (the
-                       checkout before issue 23 has no --grammar), random weights, EOS's output bias at -30 and
+                       older checkouts have no --grammar), random weights, EOS's output bias at -30 and
                        rewards untied, as bench.karel
     g2p                the default G2P run's RL step (B 32, K 8, beam objective, chunk 128) from a checkpoint
                        of its end of MLE (--g2p-checkpoint)

@@ -19,7 +19,7 @@ all rows, as in a trained model's step where rewards differ (--keep-ties: as the
 measures the same sizes with and without the DSL's grammar, one model each (the same seed, so the same initial
 weights).
 
-    python -m twophase.bench.karel --steps 5 --grammar on,off       # issue 23's RL step split, K 16
+    python -m twophase.bench.karel --steps 5 --grammar on,off       # the RL step split, grammar on and off, K 16
 """
 from __future__ import annotations
 

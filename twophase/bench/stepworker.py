@@ -19,7 +19,7 @@ Jobs (JOB_JSON's "kind"):
          phase one (`sample`), phase two (the step's `phase2_cpu`)
 The parts are timed by wrapping those functions from outside, so that a checkout without
 `Trainer.part_times` (`twophase.train.steptimes`) is timed the same way as one with it. Only what both
-checkouts of issue 23's measurement have is used, hence bench.karel's tie-breaking written again here.
+checkouts compared have is used, hence bench.karel's tie-breaking written again here.
 """
 import contextlib
 import json

@@ -240,7 +240,7 @@ class Config:
                                                 "peft's for the model type, e.g. q,v for T5, c_attn for GPT-2)")
     merge_lora: bool = arg(False, "with --lora-r: hf_final holds the model with the adapters merged into its "
                                   "weights (default: the adapters alone, for peft's PeftModel.from_pretrained)")
-    # ---- issue 18 (Karel as Bunel et al.): RL from the best MLE validation, the reference among RL_beam's
+    # ---- Karel as Bunel et al.: RL from the best MLE validation, the reference among RL_beam's
     # candidates, a second test beam
     rl_from_best: bool = arg(False, "RL (and --compare-mle's control) start from the parameters and optimizer "
                                     "state of the best MLE validation (checkpoint_best.pt), not from the last MLE "
