@@ -75,3 +75,91 @@ def test_controller_state_round_trips():
     d = AdaptiveEntropy(0.1, 0.0, 1.0, 0.05, 0.5)
     d.load_state_dict(c.state_dict())
     assert (d.coef, d.last_entropy, d.applied()) == (pytest.approx(0.15), 0.4, pytest.approx(0.15))
+
+
+# ---------------------------------------------------------------------- TRL 1.16's own compute_loss as the oracle
+@pytest.fixture(scope="module")
+def oracle_setup():
+    """test_trl_oracle's TRL trainer and tiny Llama (its fixture's body, called once for this module)."""
+    pytest.importorskip("trl")
+    import test_trl_oracle as oracle
+    return oracle, oracle.setup.__wrapped__()
+
+
+def _objective(oracle, s, inputs, coef, quantile):
+    from twophase.policy import policy_loss
+    return policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type="dapo", epsilon=0.2,
+                       epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
+                       num_items=float(inputs["num_items_in_batch"]), entropy_coef=coef,
+                       top_entropy_quantile=quantile, measure_entropy=True)
+
+
+TRL_ATTRS = {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": "dapo",
+             "_entropy_bonus_enabled": True, "use_adaptive_entropy": True, "_entropy_window_stats": None,
+             "current_gradient_accumulation_steps": 1}
+
+
+@pytest.mark.parametrize("quantile", [1.0, 0.3])
+def test_coefficients_follow_trls_own_update_over_several_steps(oracle_setup, quantile):
+    """Six optimizer steps of TRL's compute_loss in train mode (its update, its clamps, its window entropy) against
+    the controller fed phase two's measured entropy; the targets put the entropy below, then above, then below
+    again, with the bounds reached on both sides."""
+    from twophase import rescore_backward
+    oracle, (trainer, wrapper, source, s) = oracle_setup
+    inputs = oracle._inputs(wrapper, source, s, torch.Generator().manual_seed(1))
+    settings = {"args.entropy_coef_min": 0.01, "args.entropy_coef_max": 0.06, "args.entropy_coef_delta": 0.02,
+                "args.entropy_target": 0.2, "args.top_entropy_quantile": quantile, "top_entropy_quantile": quantile,
+                "entropy_coef": 0.03, "_last_world_entropy": math.inf}
+    control = AdaptiveEntropy(0.03, 0.01, 0.06, 0.02, 0.2)
+    saved = _set_missing(oracle, trainer, {**TRL_ATTRS, **settings})
+    try:
+        trainer.model.train()
+        for below in (True, True, False, False, False, True):
+            stats = {}
+            rescore_backward(wrapper, source, s, _objective(oracle, s, inputs, control.applied(), quantile), 5,
+                             stats=stats)
+            entropy = stats["entropy"] / stats["entropy_tokens"]
+            target = entropy + (0.1 if below else -0.1)  # TRL's gate and ours on the same side
+            control.target = trainer.args.entropy_target = target
+            trainer.compute_loss(trainer.model, inputs)  # TRL's update, at the end of its optimizer step
+            assert trainer._last_world_entropy == pytest.approx(entropy, rel=1e-5)
+            assert control.update(entropy) == pytest.approx(trainer.entropy_coef, abs=1e-12)
+        assert trainer.entropy_coef == pytest.approx(0.03)  # 0.05, 0.06 (max), 0.04, 0.02, 0.01 (min), 0.03
+    finally:
+        trainer.model.eval()
+        _set_missing(oracle, trainer, saved)
+
+
+@pytest.mark.parametrize("last_entropy", [0.1, 0.9])
+def test_gradient_at_the_adaptive_coefficient_equals_trls(oracle_setup, last_entropy):
+    """TRL's compute_loss (evaluation mode: no update) with adaptive control at coefficient 0.4 and last entropy
+    below / above the target 0.5: the bonus applied or gated off, and twophase's gradient and loss equal."""
+    from conftest import take_grads
+    from twophase import rescore_backward
+    oracle, (trainer, wrapper, source, s) = oracle_setup
+    inputs = oracle._inputs(wrapper, source, s, torch.Generator().manual_seed(2))
+    saved = _set_missing(oracle, trainer, {**TRL_ATTRS, "entropy_coef": 0.4, "_last_world_entropy": last_entropy,
+                                           "args.entropy_target": 0.5})
+    try:
+        wrapper.zero_grad(set_to_none=True)
+        trl_loss = trainer.compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+    finally:
+        _set_missing(oracle, trainer, saved)
+    want = take_grads(wrapper)
+    control = AdaptiveEntropy(0.4, target=0.5, last_entropy=last_entropy)
+    assert control.applied() == (0.4 if last_entropy <= 0.5 else 0.0)
+    loss = rescore_backward(wrapper, source, s, _objective(oracle, s, inputs, control.applied(), 1.0), 5)
+    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
+    scale = max(float(w.abs().max()) for w in want)
+    for a, b in zip(take_grads(wrapper), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+
+
+def _set_missing(oracle, trainer, attrs: dict) -> dict:
+    """oracle._set, also for attributes the trainer has only once it trains (saved as None)."""
+    for key in attrs:
+        owner, name = (trainer.args, key[5:]) if key.startswith("args.") else (trainer, key)
+        if not hasattr(owner, name):
+            setattr(owner, name, None)
+    return oracle._set(trainer, attrs)

@@ -42,7 +42,7 @@ class PolicyStep:
         self.t = trainer
         self.generation: dict | None = None  # the current generation (see the module docstring)
         self.reference: Reference | None = None  # the frozen reference, made at the first RL step (or loaded)
-        cfg = trainer.cfg
+        cfg = getattr(trainer, "cfg", None)
         # --use-adaptive-entropy: the entropy bonus's coefficient, moved after every update (its state checkpointed)
         self.entropy_control = AdaptiveEntropy(cfg.entropy_coef, cfg.entropy_coef_min, cfg.entropy_coef_max,
                                                cfg.entropy_coef_delta, cfg.entropy_target) \
