@@ -163,3 +163,56 @@ def _set_missing(oracle, trainer, attrs: dict) -> dict:
         if not hasattr(owner, name):
             setattr(owner, name, None)
     return oracle._set(trainer, attrs)
+
+
+@pytest.mark.parametrize("coef,truncate", [(0.0, False), (0.3, True)])
+def test_measured_entropy_is_the_full_logits_mean_for_every_chunk(coef, truncate, one_thread):
+    """Phase two's measured mean entropy (the LSTM's by-hand output layer, float64) equals the mean over the
+    loss's tokens of every position's entropy from the full logits, rows and tree, every chunk size, at a
+    coefficient 0 (measured, not applied) and not."""
+    from conftest import tiny_model, toy_batch
+    from test_entropy_bonus import _entropies
+    from test_policy_rescoring import _candidates, _moved
+    from twophase import protocol, rescore_backward
+    from twophase.policy import advantages, policy_loss, truncated_rows
+    model, source = tiny_model(), toy_batch()
+    s = _candidates(model, source, 3, 6)
+    _moved(model, scale=1.0)
+    adv = advantages(torch.rand(len(s), generator=torch.Generator().manual_seed(3), dtype=torch.float64), s.owner, 3)
+    adv[:2] = 0.0  # rows without a gradient still count in the mean
+    truncated = truncated_rows(s.tokens, s.lengths, model.eos_id) if truncate else None
+    obj = policy_loss(adv, s.token_scores, lengths=s.lengths, truncated=truncated, entropy_coef=coef,
+                      measure_entropy=True)
+    with torch.no_grad(), protocol.scoring_mode(model):
+        mask = protocol.target_mask(s.tokens, model.pad_id, model.eos_id).double()
+        if truncate:
+            mask = mask * (~truncated).double()[:, None]
+        want = float((_entropies(model, source, s) * mask).sum() / mask.sum())
+    for tree in (True, False):
+        for chunk in (1, 2, 5, 1000):
+            stats = {}
+            rescore_backward(model, source, s, obj, chunk, prefix_sharing=tree, stats=stats)
+            assert stats["entropy_tokens"] == float(mask.sum())
+            assert stats["entropy"] / stats["entropy_tokens"] == pytest.approx(want, rel=1e-12)
+
+
+def test_measuring_the_entropy_adds_no_host_sync(one_thread):
+    """The measured sums stay on the device until the chunks' statistics are read back: rescore_backward with the
+    measure makes as many host reads as with the static bonus alone, at every chunk size."""
+    from conftest import tiny_model, toy_batch
+    from test_policy_rescoring import _candidates
+    from twophase import rescore_backward
+    from twophase.bench.hostsyncs import count_host_syncs
+    from twophase.policy import advantages, policy_loss
+    model, source = tiny_model(), toy_batch()
+    s = _candidates(model, source, 3, 6)
+    adv = advantages(torch.rand(len(s), generator=torch.Generator().manual_seed(3), dtype=torch.float64), s.owner, 3)
+    for tree in (True, False):
+        for chunk in (1, 4):
+            counts = []
+            for measure in (False, True):
+                obj = policy_loss(adv, s.token_scores, lengths=s.lengths, entropy_coef=0.3, measure_entropy=measure)
+                with count_host_syncs() as syncs:
+                    rescore_backward(model, source, s, obj, chunk, prefix_sharing=tree, stats={})
+                counts.append(syncs.total)
+            assert counts[1] == counts[0], (tree, chunk, counts)
