@@ -86,7 +86,7 @@ def oracle_setup():
     return oracle, oracle.setup.__wrapped__()
 
 
-def _objective(oracle, s, inputs, coef, quantile):
+def _objective(s, inputs, coef, quantile):
     from twophase.policy import policy_loss
     return policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type="dapo", epsilon=0.2,
                        epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
@@ -116,7 +116,7 @@ def test_coefficients_follow_trls_own_update_over_several_steps(oracle_setup, qu
         trainer.model.train()
         for below in (True, True, False, False, False, True):
             stats = {}
-            rescore_backward(wrapper, source, s, _objective(oracle, s, inputs, control.applied(), quantile), 5,
+            rescore_backward(wrapper, source, s, _objective(s, inputs, control.applied(), quantile), 5,
                              stats=stats)
             entropy = stats["entropy"] / stats["entropy_tokens"]
             target = entropy + (0.1 if below else -0.1)  # TRL's gate and ours on the same side
@@ -149,7 +149,7 @@ def test_gradient_at_the_adaptive_coefficient_equals_trls(oracle_setup, last_ent
     want = take_grads(wrapper)
     control = AdaptiveEntropy(0.4, target=0.5, last_entropy=last_entropy)
     assert control.applied() == (0.4 if last_entropy <= 0.5 else 0.0)
-    loss = rescore_backward(wrapper, source, s, _objective(oracle, s, inputs, control.applied(), 1.0), 5)
+    loss = rescore_backward(wrapper, source, s, _objective(s, inputs, control.applied(), 1.0), 5)
     assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
     scale = max(float(w.abs().max()) for w in want)
     for a, b in zip(take_grads(wrapper), want):
