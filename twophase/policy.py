@@ -62,7 +62,8 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                 correction_mode: str = "sequence_mask", correction_clip_min: float | None = None,
                 correction_clip_max: float | None = 3.0,
                 off_policy_mask_threshold: float | None = None, entropy_coef: float = 0.0,
-                top_entropy_quantile: float = 1.0, vespo: dict | None = None) -> PolicyLoss:
+                top_entropy_quantile: float = 1.0, vespo: dict | None = None,
+                measure_entropy: bool = False) -> PolicyLoss:
     """The token-level objective of N rows (see the module docstring) for `rescore_backward`.
 
     advantages (N,); old_token_logps (N, T) (`Samples.token_scores`); lengths (N,) the positions each row
@@ -156,11 +157,13 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                 < lengths.to(old_token_logps.device)[:, None]  # (N, T)
             gap = torch.nan_to_num(sampling_token_logps.to(torch.float64) - old_token_logps.to(torch.float64))
             base = torch.where(scored_at, gap, torch.zeros_like(gap)).sum(1)  # (N,)
-    entropy_weight = None
-    if entropy_coef != 0:
+    entropy_weight = entropy_rows = None
+    if entropy_coef != 0 or measure_entropy:
         entropy_weight = torch.full_like(n, -float(entropy_coef) / max(tokens, 1.0))
         if kept is not None:
             entropy_weight = entropy_weight * kept
+        if measure_entropy:
+            entropy_rows = torch.ones_like(n) if kept is None else kept.to(n.dtype)
     return PolicyLoss(advantages.to(torch.float64), old_token_logps, ref_token_logps if beta != 0 else None,
                       scale, lengths, float(epsilon), float(high), float(beta), bool(kl_importance_weighted),
                       loss_type, importance_sampling_level, None if delta is None else float(delta),
@@ -168,4 +171,5 @@ def policy_loss(advantages: Tensor, old_token_logps: Tensor, *, lengths: Tensor,
                       None if off_policy_mask_threshold is None else float(off_policy_mask_threshold), base,
                       entropy_weight=entropy_weight, entropy_coef=float(entropy_coef),
                       top_entropy_quantile=float(top_entropy_quantile),
-                      vespo={**VESPO_DEFAULTS, **(vespo or {})}, vespo_log_is=vespo_log_is)
+                      vespo={**VESPO_DEFAULTS, **(vespo or {})}, vespo_log_is=vespo_log_is,
+                      entropy_rows=entropy_rows)

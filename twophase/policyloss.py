@@ -47,6 +47,7 @@ class PolicyLoss:
     entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0  # < 1: the policy term (and bonus) on the positions of highest entropy only
     entropy_mask: Tensor | None = None  # (N, T) 1 / 0 from the statistics pass's entropies (TRL's entropy_mask)
+    entropy_rows: Tensor | None = None  # (N,) 1 where phase two measures the row's entropies (adaptive control)
 
     def __len__(self) -> int:
         return len(self.advantages)
@@ -61,6 +62,8 @@ class PolicyLoss:
         if self.top_entropy_quantile < 1:  # every row's entropies set the threshold: all of them are decoded
             return self.scale != 0
         live = (self.scale != 0) & ((self.advantages != 0) | (self.beta != 0))
+        if self.entropy_rows is not None:  # the measured mean entropy is over every kept row's tokens
+            live = live | (self.entropy_rows != 0)
         return live if self.entropy_weight is None else live | (self.entropy_weight != 0)
 
     # ------------------------------------------------------------------ the row statistics
@@ -99,6 +102,14 @@ class PolicyLoss:
             return None
         weight = self.entropy_weight.index_select(0, row)
         return weight if self.entropy_mask is None else weight * self.entropy_mask[row, col].to(weight.dtype)
+
+    def entropy_counts(self, row: Tensor, col: Tensor) -> Tensor | None:
+        """(P,) 1 where position (row, col) is in the measured entropy's token set (TRL's effective mask: the
+        kept rows, times the high-entropy mask), else 0; None where phase two measures no entropy."""
+        if self.entropy_rows is None:
+            return None
+        count = self.entropy_rows.index_select(0, row)
+        return count if self.entropy_mask is None else count * self.entropy_mask[row, col].to(count.dtype)
 
     def row_statistic_terms(self, logp: Tensor, row: Tensor, col: Tensor) -> Tensor:
         """(P, 5) each position's share of its row's statistics at current log-probabilities logp (P,): the

@@ -101,7 +101,7 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
             oom_retry = retries_out_of_memory(device)
         counts = {"rows": len(samples), "chunks": 0, "positions": plan.positions, "nodes": 0}
         if token_level:
-            counts.update(tokens=0, clip_low=0, clip_high=0, kl=0.0)
+            counts.update(tokens=0, clip_low=0, clip_high=0, kl=0.0, entropy=0.0, entropy_tokens=0.0)
         boundary = tree.cut_floating(enc)
         if token_level and coefficients.needs_row_statistics():  # the sequence-level ratio's row sums
             with section("phase 2: row statistics"):
@@ -144,7 +144,7 @@ def _read_counts(counts: dict) -> dict:
     if not on_device:
         return counts
     values = torch.stack([counts[key].to(torch.float64) for key in on_device]).tolist()  # one host read
-    return {**counts, **{key: value if key == "kl" else int(round(value)) for key, value in zip(on_device, values)}}
+    return {**counts, **{key: value if key in ("kl", "entropy") else int(round(value)) for key, value in zip(on_device, values)}}
 
 
 def _with_row_statistics(model, enc, samples: Samples, objective, plan: "_Plan", size: int):

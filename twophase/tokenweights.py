@@ -27,7 +27,7 @@ class ChunkLoss:
     def __init__(self, objective):
         self.objective = objective
         self.total = torch.zeros((), dtype=torch.float64)
-        self.sums = {"tokens": 0, "clip_low": 0, "clip_high": 0, "kl": 0.0}
+        self.sums = {"tokens": 0, "clip_low": 0, "clip_high": 0, "kl": 0.0, "entropy": 0.0, "entropy_tokens": 0.0}
 
     def __len__(self) -> int:
         return len(self.objective)
@@ -61,14 +61,26 @@ class ChunkLoss:
                 raise ValueError("entropy_coef needs the model's by-hand output layer (weighted_score_backward or "
                                  "weighted_tree_backward: the built-in LSTM, the HF wrappers with their head): "
                                  "this model's phase two differentiates its per-token log-probabilities alone")
-            bonus = (self.entropy_weights(row, col).to(log_probs.dtype) * entropy(log_probs)).sum()
+            H = entropy(log_probs)  # (P,)
+            bonus = (self.entropy_weights(row, col).to(log_probs.dtype) * H).sum()
             self._add(bonus, {}, 0)
+            self.add_entropies(self.objective.entropy_counts(row, col), H)
             return loss.sum() + bonus
         return loss.sum()
 
     def add_loss(self, value: Tensor) -> None:
         """Add a term computed elsewhere (a block's entropy bonus) to the chunk's loss."""
         self._add(value, {}, 0)
+
+    def add_entropies(self, counts: Tensor | None, H: Tensor) -> None:
+        """Add entropies H (M,) of entries counted counts (M,) times (None: not measured) to the measured sums,
+        on the device (read back with the chunk's other statistics)."""
+        if counts is None:
+            return
+        with torch.no_grad():
+            counts = counts.to(torch.float64)
+            self._add(torch.zeros((), dtype=torch.float64, device=H.device),
+                      {"entropy": (counts * H.detach().to(torch.float64)).sum(), "entropy_tokens": counts.sum()}, 0)
 
 
 class PositionWeights:
@@ -115,6 +127,25 @@ class PositionWeights:
 
     def add_loss(self, value: Tensor) -> None:
         self.chunk.add_loss(value)
+
+    def add_entropy(self, index: slice, H: Tensor) -> None:
+        """The measured entropy's share of entries index, whose entropies are H (m,): each entry counted as often
+        as it stands for positions of the measured token set."""
+        counts = self.entropy_counts(index)
+        if counts is not None:
+            self.chunk.add_entropies(counts, H)
+
+    def entropy_counts(self, index: slice) -> Tensor | None:
+        """(m,) how many positions of the measured entropy's token set entries index stand for, or None."""
+        if getattr(self.chunk.objective, "entropy_rows", None) is None:
+            return None
+        start, stop, _ = index.indices(self.size)
+        if self.node is None:
+            return self.chunk.objective.entropy_counts(self.row[start:stop], self.col[start:stop])
+        a, b = self.ptr[start], self.ptr[stop]
+        local = self.node[a:b] - start  # (p,)
+        counts = self.chunk.objective.entropy_counts(self.row[a:b], self.col[a:b])
+        return counts.new_zeros(stop - start).index_add_(0, local, counts)
 
     def autograd(self, tok: Tensor) -> Tensor:
         """The loss at entry log-probabilities tok (M,) with autograd's graph (0-dim)."""

@@ -169,6 +169,8 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
             p = logp.exp().masked_fill_(banned, 0.0)  # (m, V)
             H = -(p * logp).sum(dim=1)  # (m,)
             w.add_loss((ew * H).sum())
+            if hasattr(w, "add_entropy"):  # adaptive entropy control's measured sum, on the device
+                w.add_entropy(rows, H)
             dz = logp.add_(H[:, None]).mul_(ew[:, None]).add_(w_rows[:, None]).mul_(p).neg_()
         dz.scatter_add_(1, target[rows, None], w_tgt[:, None])
         db += dz.sum(dim=0)

@@ -178,6 +178,17 @@ class Config:
     top_entropy_quantile: float = arg(1.0, "--objective policy: below 1, only the positions whose next-token "
                                            "entropy is in this top fraction of the batch's keep their policy term "
                                            "(TRL's high-entropy mask)", minimum=1e-9)
+    use_adaptive_entropy: bool = arg(False, "--objective policy: TRL's adaptive entropy control: --entropy-coef is "
+                                            "the initial coefficient, moved by --entropy-coef-delta after each "
+                                            "update (up where the update's mean entropy is at or below "
+                                            "--entropy-target, else down) and applied only while at or below it")
+    entropy_coef_min: float = arg(0.0, "--use-adaptive-entropy: the coefficient's lower bound", minimum=0.0)
+    entropy_coef_max: float = arg(1.0, "--use-adaptive-entropy: the coefficient's upper bound", minimum=0.0)
+    entropy_coef_delta: float = arg(0.005, "--use-adaptive-entropy: the coefficient's step per update",
+                                    minimum=0.0)
+    entropy_target: float = arg(0.2, "--use-adaptive-entropy: the target mean entropy in nats per token (over the "
+                                     "loss's tokens, or the high-entropy ones with --top-entropy-quantile)",
+                                minimum=0.0)
     mask_truncated_completions: bool = arg(False, "--objective policy: candidates that end without EOS (cut at "
                                                   "--max-len) leave the loss and its token count (TRL's flag)")
     updates_per_generation: int = arg(1, "--objective policy: optimizer steps per phase one (TRL's "

@@ -106,7 +106,8 @@ def _policy(cfg) -> None:
     names = ("loss_type", "updates_per_generation", "clip_epsilon", "clip_epsilon_high", "kl_beta",
              "kl_importance_weighted", "ref_checkpoint", "advantage_scale", "drop_zero_std",
              "importance_sampling_level", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
-             "mask_truncated_completions", "off_policy_mask_threshold", "entropy_coef", "top_entropy_quantile")
+             "mask_truncated_completions", "off_policy_mask_threshold", "entropy_coef", "top_entropy_quantile",
+             "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
     if cfg.objective != "policy":
         for name in names:
             if getattr(cfg, name) != defaults[name]:
@@ -133,6 +134,7 @@ def _policy(cfg) -> None:
     if cfg.top_entropy_quantile < 1 and cfg.grad_accum > 1:
         raise ValueError("--top-entropy-quantile takes its threshold over one batch's positions; it does not "
                          "take --grad-accum > 1")
+    _adaptive_entropy(cfg, defaults)
     if cfg.delta is not None and cfg.loss_type in ("cispo", "sapo", "vespo"):
         raise ValueError(f"--delta caps the clipped loss types' ratio (grpo, dr_grpo, dapo, bnpo, luspo, "
                          f"sequence), not --loss-type {cfg.loss_type}'s")
@@ -198,3 +200,18 @@ def warnings(cfg) -> list[str]:
         return ["--objective reinforce with --sampler sbs is biased (a sample without replacement is not K "
                 "independent draws); unbiased: --objective unordered-set or priority"]
     return []
+
+
+def _adaptive_entropy(cfg, defaults: dict) -> None:
+    """--use-adaptive-entropy and its bounds, step and target."""
+    if not cfg.use_adaptive_entropy:
+        for name in ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"):
+            if getattr(cfg, name) != defaults[name]:
+                raise ValueError(f"{_flag(name)} applies with --use-adaptive-entropy only")
+        return
+    if cfg.entropy_coef_min > cfg.entropy_coef_max:
+        raise ValueError(f"--entropy-coef-min ({cfg.entropy_coef_min}) is above --entropy-coef-max "
+                         f"({cfg.entropy_coef_max})")
+    if not cfg.entropy_coef_min <= cfg.entropy_coef <= cfg.entropy_coef_max:
+        raise ValueError(f"--entropy-coef ({cfg.entropy_coef}), the initial coefficient, is outside "
+                         f"[--entropy-coef-min, --entropy-coef-max] = [{cfg.entropy_coef_min}, {cfg.entropy_coef_max}]")

@@ -26,6 +26,7 @@ import math
 import torch
 
 from . import distributed, fsdp
+from ..entropycontrol import AdaptiveEntropy
 from ..policy import advantages, policy_loss, scored_moments, truncated_rows, zero_std_groups
 from ..samples import Samples
 from .reference import Reference
@@ -41,6 +42,11 @@ class PolicyStep:
         self.t = trainer
         self.generation: dict | None = None  # the current generation (see the module docstring)
         self.reference: Reference | None = None  # the frozen reference, made at the first RL step (or loaded)
+        cfg = getattr(trainer, "cfg", None)
+        # --use-adaptive-entropy: the entropy bonus's coefficient, moved after every update (its state checkpointed)
+        self.entropy_control = AdaptiveEntropy(cfg.entropy_coef, cfg.entropy_coef_min, cfg.entropy_coef_max,
+                                               cfg.entropy_coef_delta, cfg.entropy_target) \
+            if getattr(cfg, "use_adaptive_entropy", False) else None
 
     # ------------------------------------------------------------------ reference
     def ensure_reference(self) -> None:
@@ -110,6 +116,10 @@ class PolicyStep:
         ref = self.reference_log_probs(found["source"], cand) if self.reference is not None else None
         return {"idx": idx, **{k: getattr(cand, k) for k in FIELDS}, "advantages": adv, "scored": scored, "ref": ref}
 
+    def entropy_coef(self) -> float:
+        """The entropy bonus's coefficient of this update: --entropy-coef, or the adaptive controller's."""
+        return self.t.cfg.entropy_coef if self.entropy_control is None else self.entropy_control.applied()
+
     def objective(self, gen: dict, part: dict, counts: dict):
         """The token-level objective of one batch, normalised by the whole generation's counts."""
         cfg = self.t.cfg
@@ -122,8 +132,9 @@ class PolicyStep:
                            importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
                            sapo_temperature_pos=cfg.sapo_temperature_pos,
                            sapo_temperature_neg=cfg.sapo_temperature_neg, truncated=self.truncated(part),
-                           off_policy_mask_threshold=cfg.off_policy_mask_threshold, entropy_coef=cfg.entropy_coef,
-                           top_entropy_quantile=cfg.top_entropy_quantile)
+                           off_policy_mask_threshold=cfg.off_policy_mask_threshold,
+                           entropy_coef=self.entropy_coef(), top_entropy_quantile=cfg.top_entropy_quantile,
+                           measure_entropy=self.entropy_control is not None)
 
     def counted_tokens(self, part: dict):
         """The batch's tokens in the loss's token count: every candidate's, or the terminated ones' with
@@ -157,17 +168,22 @@ class PolicyStep:
                 if len(rows):
                     got = {}  # phase_two counts this call's positions: its own dict
                     loss += t.phase_two(t._sources(part["idx"]), rows, self.objective(gen, part, counts), stats=got)
-                    for key in ("tokens", "clip_low", "clip_high", "kl"):
+                    for key in ("tokens", "clip_low", "clip_high", "kl", "entropy", "entropy_tokens"):
                         stats[key] = stats.get(key, 0) + got.get(key, 0)
         gen["used"] += 1
         total = distributed.reduce_sums({"loss": loss, "tokens": stats.get("tokens", 0),
                                          "clip_low": stats.get("clip_low", 0), "clip_high": stats.get("clip_high", 0),
-                                         "kl": stats.get("kl", 0.0)})
+                                         "kl": stats.get("kl", 0.0), "entropy": stats.get("entropy", 0.0),
+                                         "entropy_tokens": stats.get("entropy_tokens", 0.0)})
         tokens = max(total["tokens"], 1)
         row = {"loss": total["loss"], **gen["metrics"], "update_in_generation": gen["used"],
                "clip_ratio_low": total["clip_low"] / tokens, "clip_ratio_high": total["clip_high"] / tokens}
         if cfg.kl_beta != 0:
             row["kl"] = total["kl"] / tokens
+        if self.entropy_control is not None:  # TRL's order: this update applied the last one's coefficient
+            entropy = total["entropy"] / max(total["entropy_tokens"], 1.0)  # the window's token-weighted mean
+            row.update(entropy=entropy, entropy_coef_applied=self.entropy_control.applied(),
+                       entropy_coef=self.entropy_control.update(entropy))
         return {**row, **t._update(total["loss"])}
 
     # ------------------------------------------------------------------ checkpoint
@@ -177,9 +193,10 @@ class PolicyStep:
         process: "generation"; several: "rank_generations", rank r's at r (its own sources' rows)."""
         gens = distributed.gather_objects(_moved(self.generation, "cpu"))
         reference = self.reference.state_dict() if self.reference is not None else None
+        control = {} if self.entropy_control is None else {"entropy_control": self.entropy_control.state_dict()}
         if len(gens) == 1:
-            return {"generation": gens[0], "reference": reference}
-        return {"generation": None, "rank_generations": gens, "reference": reference}
+            return {"generation": gens[0], "reference": reference, **control}
+        return {"generation": None, "rank_generations": gens, "reference": reference, **control}
 
     def load_state_dict(self, state: dict) -> None:
         """This process's generation where the checkpoint has one for it (the same number of processes; else
@@ -190,6 +207,8 @@ class PolicyStep:
             gen = {"num_sources": gen["num_sources"], "used": gen["used"], "metrics": gen["metrics"],
                    "parts": [{k: gen[k] for k in ("idx", *FIELDS, "advantages", "ref")}]}
         self.generation = _moved(gen, self.t.device)
+        if self.entropy_control is not None and "entropy_control" in state:  # its coefficient and last entropy
+            self.entropy_control.load_state_dict(state["entropy_control"])
         ref = state.get("reference")
         self.reference = None if ref is None else Reference.from_state(ref, self.t.model, self.t.task.build_model)
 
