@@ -122,6 +122,27 @@ def _set(trainer, attrs: dict) -> dict:
         setattr(owner, name, value)
     return saved
 
+def _trls(trainer, wrapper, inputs: dict, attrs: dict):
+    """(TRL's loss, its gradient): its own compute_loss on `inputs` under its attributes `attrs` (put back)."""
+    saved = _set(trainer, attrs)
+    try:
+        wrapper.zero_grad(set_to_none=True)
+        trl_loss = trainer.compute_loss(trainer.model, inputs)
+        trl_loss.backward()
+    finally:
+        _set(trainer, saved)
+    return trl_loss, take_grads(wrapper)
+
+
+def _assert_equals_trls(loss: float, got, trl_loss, want) -> None:
+    """twophase's loss and gradient equal TRL's to 1e-5 (the gradient relative to its largest entry)."""
+    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
+    scale = max(float(w.abs().max()) for w in want)
+    assert scale > 0
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+
+
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
@@ -139,14 +160,7 @@ def test_other_losses_equal_trls(setup, name, beta, mask_truncated):
     if mask_truncated:  # what TRL's _generate_and_score_completions does with the flag
         inputs["completion_mask"] = inputs["completion_mask"] * (~truncated).long()[:, None]
         inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
-    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": beta, **trl_attrs})
-    try:
-        wrapper.zero_grad(set_to_none=True)
-        trl_loss = trainer.compute_loss(trainer.model, inputs)
-        trl_loss.backward()
-    finally:
-        _set(trainer, saved)
-    want = take_grads(wrapper)
+    trl_loss, want = _trls(trainer, wrapper, inputs, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": beta, **trl_attrs})
     kw = {"epsilon": 0.2, "epsilon_high": 0.28, **ours}
     obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, beta=beta,
                       ref_token_logps=inputs["ref_per_token_logps"], max_len=MAX_LEN,
@@ -185,26 +199,16 @@ def test_engine_mismatch_correction_equals_trls(setup, loss_type, mode, level):
     ratio = _trl_ratio(s.token_scores, engine, mask, mode, clip_min, clip_max)
     assert ((ratio * mask) != mask).any()
     inputs.update(importance_sampling_ratio=ratio, sampling_per_token_logps=engine)
-    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": loss_type,
+    trl_loss, want = _trls(trainer, wrapper, inputs, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": loss_type,
                            "importance_sampling_level": level, "use_vllm": True,
                            "vllm_importance_sampling_correction": True})
-    try:
-        wrapper.zero_grad(set_to_none=True)
-        trl_loss = trainer.compute_loss(trainer.model, inputs)
-        trl_loss.backward()
-    finally:
-        _set(trainer, saved)
-    want = take_grads(wrapper)
     obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type=loss_type, epsilon=0.2,
                       epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
                       num_items=float(inputs["num_items_in_batch"]),
                       importance_sampling_level=level, sampling_token_logps=engine, correction_mode=mode,
                       correction_clip_min=clip_min, correction_clip_max=clip_max)
     loss = rescore_backward(wrapper, source, s, obj, chunk_size=5)
-    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
-    scale = max(float(w.abs().max()) for w in want)
-    for a, b in zip(take_grads(wrapper), want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+    _assert_equals_trls(loss, take_grads(wrapper), trl_loss, want)
 
 
 @pytest.mark.parametrize("engine", [False, True])
@@ -245,10 +249,7 @@ def test_off_policy_mask_equals_trls(setup, loss_type, level, engine):
     kl = ((inputs.get("sampling_per_token_logps", s.token_scores) - tok) * mask).sum(1) / mask.sum(1)
     negative = inputs["advantages"] < 0
     assert (negative & (kl > 0.3)).any() and (negative & (kl <= 0.3)).any()
-    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
-    scale = max(float(w.abs().max()) for w in want)
-    for a, b in zip(take_grads(wrapper), want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+    _assert_equals_trls(loss, take_grads(wrapper), trl_loss, want)
 
 
 @pytest.mark.parametrize("loss_type,level", [("dapo", "token"), ("grpo", "sequence")])
@@ -257,24 +258,14 @@ def test_entropy_bonus_equals_trls(setup, loss_type, level):
     distributions, the others through the by-hand output layer a block at a time."""
     trainer, wrapper, source, s = setup
     inputs = _inputs(wrapper, source, s, torch.Generator().manual_seed(1))
-    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": loss_type,
+    trl_loss, want = _trls(trainer, wrapper, inputs, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": loss_type,
                            "importance_sampling_level": level, "_entropy_bonus_enabled": True,
                            "entropy_coef": 0.5, "use_adaptive_entropy": False})
-    try:
-        wrapper.zero_grad(set_to_none=True)
-        trl_loss = trainer.compute_loss(trainer.model, inputs)
-        trl_loss.backward()
-    finally:
-        _set(trainer, saved)
-    want = take_grads(wrapper)
     obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type=loss_type, epsilon=0.2,
                       epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
                       importance_sampling_level=level, entropy_coef=0.5)
     loss = rescore_backward(wrapper, source, s, obj, chunk_size=5)
-    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
-    scale = max(float(w.abs().max()) for w in want)
-    for a, b in zip(take_grads(wrapper), want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+    _assert_equals_trls(loss, take_grads(wrapper), trl_loss, want)
 
 
 @pytest.mark.parametrize("coef", [0.0, 0.5])
@@ -282,21 +273,11 @@ def test_top_entropy_quantile_equals_trls(setup, coef):
     """TRL's high-entropy mask (top_entropy_quantile 0.3), alone and with the entropy bonus on the same tokens."""
     trainer, wrapper, source, s = setup
     inputs = _inputs(wrapper, source, s, torch.Generator().manual_seed(1))
-    saved = _set(trainer, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": "dapo",
+    trl_loss, want = _trls(trainer, wrapper, inputs, {"epsilon_low": 0.2, "epsilon_high": 0.28, "beta": 0.04, "loss_type": "dapo",
                            "top_entropy_quantile": 0.3, "_entropy_bonus_enabled": coef != 0, "entropy_coef": coef,
                            "use_adaptive_entropy": False})
-    try:
-        wrapper.zero_grad(set_to_none=True)
-        trl_loss = trainer.compute_loss(trainer.model, inputs)
-        trl_loss.backward()
-    finally:
-        _set(trainer, saved)
-    want = take_grads(wrapper)
     obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type="dapo", epsilon=0.2,
                       epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
                       num_items=float(inputs["num_items_in_batch"]), entropy_coef=coef, top_entropy_quantile=0.3)
     loss = rescore_backward(wrapper, source, s, obj, chunk_size=5)
-    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
-    scale = max(float(w.abs().max()) for w in want)
-    for a, b in zip(take_grads(wrapper), want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+    _assert_equals_trls(loss, take_grads(wrapper), trl_loss, want)
