@@ -223,7 +223,7 @@ def test_rows_and_coefficients_go_to_the_encoder_outputs_device(monkeypatch):
         seen.append({f: getattr(samples, f).device.type for f in ("tokens", "lengths", "owner", "scores")})
         raise Seen
 
-    monkeypatch.setattr(rescoring, "_Plan", plan)
+    monkeypatch.setattr(rescoring, "ChunkPlan", plan)
     with pytest.raises(Seen):
         rescore_backward(model, source, s, torch.ones(3), chunk_size=2)
     assert seen == [{"tokens": "meta", "lengths": "meta", "owner": "meta", "scores": "meta"}]

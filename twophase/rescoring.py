@@ -39,14 +39,13 @@ Letters: B sources, N candidate rows, C rows per chunk, T target length, M prefi
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
-import itertools
 
 import torch
 from torch import Tensor
 
 from . import oom, owners, prefixtree, protocol, tokenweights, tree
+from .chunkplan import ChunkPlan
 from .samples import Samples
 
 
@@ -92,7 +91,7 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
         # the rows go where the model computes (samples or coefficients built on the CPU for a model on a GPU)
         device = tree.device_of(enc)
         samples, coefficients = tree.map_tensors(lambda x: x.to(device), (samples, coefficients))
-        plan = _Plan(model, samples, prefix_sharing and shares_prefixes(model))
+        plan = ChunkPlan(model, samples, prefix_sharing and shares_prefixes(model))
         samples, coefficients = plan.samples, coefficients[plan.order] if plan.tree else coefficients
         if max(plan.owners) >= protocol.num_sources(enc):
             raise ValueError(f"samples.owner names source {max(plan.owners)}, but the source holds "
@@ -147,7 +146,7 @@ def _read_counts(counts: dict) -> dict:
     return {**counts, **{key: value if key in ("kl", "entropy") else int(round(value)) for key, value in zip(on_device, values)}}
 
 
-def _with_row_statistics(model, enc, samples: Samples, objective, plan: "_Plan", size: int):
+def _with_row_statistics(model, enc, samples: Samples, objective, plan: "ChunkPlan", size: int):
     """The objective with its rows' statistics (`PolicyLoss.row_statistic_terms` summed over each row's scored
     positions): a pass without a graph over the plan's chunks, each chunk's rows scored by the model's
     per-token log-probabilities (rows, never the (C, T, V) logits a model's own token_scores avoids)."""
@@ -229,73 +228,6 @@ def shares_prefixes(model) -> bool:
     return getattr(model, "weighted_score_backward", None) is None and getattr(model, "score", None) is None
 
 
-class _Plan:
-    """Where each chunk ends, and each chunk's layout, on the host: the rows' lengths and sources (and, with a
-    tree, their shared prefixes) are read back once for the whole batch, so a chunk needs no size from the
-    device. At most `size` rows a chunk; with a tree, rows sorted by `prefixtree.sort_rows` (so a source's shared
-    prefixes fall in one chunk) and never more than size * T nodes."""
-
-    def __init__(self, model, samples: Samples, tree: bool):
-        # A row scores its `lengths` positions, but never past its first eos_id (a hand-made Samples' lengths may
-        # count more). A row whose lengths stops short of that (one cut without eos_id while pad_id == eos_id,
-        # see `Samples.from_completions`) would read its padding as an eos_id wherever its tokens are scored
-        # alone: a chunk of rows then stops at its longest row, which must be such a row's own length.
-        ends = protocol.target_mask(samples.tokens, model.pad_id, model.eos_id).sum(dim=1)  # (N,)
-        lengths = torch.minimum(samples.lengths.to(ends.device), ends)  # (N,)
-        self.tree, self.n = tree, len(samples)
-        self.samples = Samples(samples.tokens, lengths, samples.owner, samples.scores)
-        self.cut = None  # per row, whether it is cut (rows scored alone only; None: no row is)
-        if tree:
-            self.order = prefixtree.sort_rows(samples.tokens, samples.owner, lengths)  # (N,)
-            self.samples = s = self.samples.select(self.order)
-            common = prefixtree.common_prefix(s.tokens, s.owner, s.lengths)  # (N,)
-            self.lengths, self.common, self.owners = torch.stack(
-                [s.lengths, common, s.owner.to(s.lengths.dtype)]).tolist()
-            self.T = max(self.lengths)
-            self.added = list(itertools.accumulate(n - min(c, n) for n, c in zip(self.lengths, self.common)))
-        else:  # one read for the three
-            self.lengths, ends, self.owners = torch.stack([lengths, ends, samples.owner.to(lengths.dtype)]).tolist()
-            if any(n < e for n, e in zip(self.lengths, ends)):
-                self.cut = [n < e for n, e in zip(self.lengths, ends)]
-        self.positions = sum(self.lengths)
-
-    def chunk(self, start: int, size: int) -> tuple[int, int]:
-        """(end, nodes) of the chunk that starts at row `start`; nodes = the positions it decodes."""
-        if not self.tree:
-            end = min(start + size, self.n)
-            if self.cut is not None:
-                end = self._uncut_end(start, end)
-            return end, sum(self.lengths[start:end])
-        # rows start..b have lengths[start] + added[b] - added[start] nodes; at least row `start` (<= T). At most
-        # `size` rows too: a level of the tree holds up to one node per row, and a level's transients (attention
-        # reads per node, say) must stay a row chunk's, so sharing saves work without raising the peak.
-        limit = size * self.T - self.lengths[start] + self.added[start]
-        end = min(bisect.bisect_right(self.added, limit, lo=start + 1), start + size)
-        return end, self.lengths[start] + self.added[end - 1] - self.added[start]
-
-    def _uncut_end(self, start: int, end: int) -> int:
-        """The first row from `start` on (at most `end`) that would make a chunk longer than one of its cut rows:
-        every cut row of a chunk must be as long as its longest row, which the chunk's width is."""
-        longest, cut_length = self.lengths[start], self.lengths[start] if self.cut[start] else None
-        for r in range(start + 1, end):
-            longest_r = max(longest, self.lengths[r])
-            if (self.cut[r] and self.lengths[r] != longest_r) or cut_length not in (None, longest_r):
-                return r
-            longest, cut_length = longest_r, self.lengths[r] if self.cut[r] else cut_length
-        return end
-
-    def shape(self, rows: slice) -> prefixtree.Shape:
-        """The prefix tree's shape of a chunk's rows."""
-        return prefixtree.shape(self.lengths[rows], self.common[rows], self.owners[rows])
-
-    def longest(self, rows: slice) -> int:
-        return max(self.lengths[rows])
-
-    def groups(self, rows: slice) -> owners.Groups | None:
-        """The layout of a chunk's rows' owners (`twophase.owners`)."""
-        return owners.of_list(self.owners[rows])
-
-
 def _encoder_backward(enc, boundary, sums: dict) -> None:
     """The encoder's graph, once, from the gradients the chunks left at its cut outputs."""
     outputs, grads = [], []
@@ -318,7 +250,7 @@ def _bank_boundary_grads(boundary, sums: dict) -> None:
             leaf.grad = None
 
 
-def _chunk(model, boundary, samples: Samples, coefficients, plan: _Plan, rows: slice, params, collect: bool,
+def _chunk(model, boundary, samples: Samples, coefficients, plan: ChunkPlan, rows: slice, params, collect: bool,
            counts: dict) -> Tensor:
     """Decode rows (as their prefix tree with plan.tree), then add d(sum c_i log p_i)/d(params, boundary) into
     their .grad; returns the sum (0-dim, on the device). With collect, the whole chunk's gradient exists before
