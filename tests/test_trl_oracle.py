@@ -82,10 +82,7 @@ def test_gradient_equals_trls(setup, loss_type, beta, eps_high):
     loss = rescore_backward(wrapper, source, s, obj, chunk_size=5, stats=stats)
     got = take_grads(wrapper)
     assert stats["clip_low"] >= 0.1 * stats["tokens"] and stats["clip_high"] >= 0.1 * stats["tokens"]
-    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
-    scale = max(float(w.abs().max()) for w in want)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+    _assert_equals_trls(loss, got, trl_loss, want)
     metrics = trainer._metrics["eval"]  # TRL's clip ratios are the share of clipped tokens, as ours
     assert metrics["clip_ratio/low_mean"][-1] == pytest.approx(stats["clip_low"] / stats["tokens"])
     assert metrics["clip_ratio/high_mean"][-1] == pytest.approx(stats["clip_high"] / stats["tokens"])
@@ -121,6 +118,7 @@ def _set(trainer, attrs: dict) -> dict:
         saved[key] = getattr(owner, name)
         setattr(owner, name, value)
     return saved
+
 
 def _trls(trainer, wrapper, inputs: dict, attrs: dict):
     """(TRL's loss, its gradient): its own compute_loss on `inputs` under its attributes `attrs` (put back)."""
@@ -168,11 +166,7 @@ def test_other_losses_equal_trls(setup, name, beta, mask_truncated):
     stats = {}
     loss = rescore_backward(wrapper, source, s, obj, chunk_size=5, stats=stats)
     got = take_grads(wrapper)
-    assert loss == pytest.approx(trl_loss.item(), rel=1e-5)
-    scale = max(float(w.abs().max()) for w in want)
-    assert scale > 0
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale)
+    _assert_equals_trls(loss, got, trl_loss, want)
     metrics = trainer._metrics["eval"]
     if ours["loss_type"] == "cispo" and "importance_sampling_level" not in ours:
         assert stats["clip_high"] > 0  # the cap bites
@@ -231,14 +225,7 @@ def test_off_policy_mask_equals_trls(setup, loss_type, level, engine):
                       importance_sampling_ratio=_trl_ratio(s.token_scores, sampling, mask, "token_truncate", None, 3.0))
         attrs.update(use_vllm=True, vllm_importance_sampling_correction=True)
         ours = {"sampling_token_logps": sampling, "correction_mode": "token_truncate"}
-    saved = _set(trainer, attrs)
-    try:
-        wrapper.zero_grad(set_to_none=True)
-        trl_loss = trainer.compute_loss(trainer.model, inputs)
-        trl_loss.backward()
-    finally:
-        _set(trainer, saved)
-    want = take_grads(wrapper)
+    trl_loss, want = _trls(trainer, wrapper, inputs, attrs)
     obj = policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type=loss_type, epsilon=0.2,
                       epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
                       importance_sampling_level=level, off_policy_mask_threshold=0.3,
