@@ -18,3 +18,12 @@ def task_dir(tmp_path_factory, n_train: int, n_valid: int):
     write_task(d / "train.tsv", "reverse", n_train, seed=0)
     write_task(d / "valid.tsv", "reverse", n_valid, seed=1)
     return d
+
+
+def small_task_here(tmp_path, monkeypatch):
+    """train.tsv (60 rows) and valid.tsv (8) of the 'reverse' task in tmp_path, made the working directory (the
+    config files' and Config's relative paths are read from there)."""
+    write_task(tmp_path / "train.tsv", "reverse", 60, seed=0)
+    write_task(tmp_path / "valid.tsv", "reverse", 8, seed=1)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

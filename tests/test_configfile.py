@@ -11,7 +11,7 @@ from twophase import tasks
 from twophase.tasks.base import Task
 from twophase.train import cli, configfile
 
-from tasks import write_task
+from tasks import small_task_here
 
 TINY = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "4", "--mle-batch-size", "8",
         "--beam-size", "3", "--rescore-chunk", "5", "--max-len", "8", "--eval-every", "4", "--no-picture"]
@@ -19,10 +19,7 @@ TINY = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "4", "--mle-b
 
 @pytest.fixture
 def task(tmp_path, monkeypatch):
-    write_task(tmp_path / "train.tsv", "reverse", 60, seed=0)
-    write_task(tmp_path / "valid.tsv", "reverse", 8, seed=1)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+    return small_task_here(tmp_path, monkeypatch)
 
 
 @pytest.fixture

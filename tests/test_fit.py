@@ -11,7 +11,7 @@ from twophase.tasks.text import TSV
 from twophase.train import cli
 from twophase.train.configfile import ConfigFileError
 
-from tasks import write_task
+from tasks import small_task_here
 
 SIZES = dict(hidden_size=16, embed_dim=8, batch_size=4, mle_batch_size=8, beam_size=3, rescore_chunk=5, max_len=8,
              eval_every=4, picture=False, compare_mle=False, mle_steps=4, rl_steps=2)
@@ -39,10 +39,7 @@ def trl_length(prompts, completions, **kwargs):
 
 @pytest.fixture
 def data(tmp_path, monkeypatch):
-    write_task(tmp_path / "train.tsv", "reverse", 60, seed=0)
-    write_task(tmp_path / "valid.tsv", "reverse", 8, seed=1)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+    return small_task_here(tmp_path, monkeypatch)
 
 
 def config(**more):

@@ -149,10 +149,6 @@ def bitwise_equal(a: list, b: list) -> bool:
                for x, y in zip(a, b))
 
 
-def all_finite(model) -> bool:
-    return all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
-
-
 def seed_lstm(sizes: dict, device: torch.device, seed: int = 0):
     """The bench's LSTM (`twophase.bench.cell.build`: additive attention, EOS banned so every candidate runs to T,
     evaluation mode) and its (src (B, S), lengths (B,)) source."""
