@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from twophase import plot
-from twophase.train import cli, tensorboard
+from twophase.train import cli, report
 from twophase.train.config import Config
 from twophase.train.interrupt import Interrupted
 from twophase.train.report import summary_table
@@ -221,7 +221,7 @@ def test_tensorboard_tags_with_a_fake_writer():
             self.flushes += 1
 
     fake = Fake()
-    log = tensorboard.TensorBoardLog(fake, lambda: 100)
+    log = report.TensorBoardLog(fake, lambda: 100)
     log.write({"step": 5, "phase": "mle", "loss": 2.0, "lr": 1e-3, "skipped": 0})
     log.write({"step": 130, "phase": "eval", "after": "mle-continued", "continued": 30, "word_acc": 0.5, "n": 9})
     log.write({"step": 120, "phase": "eval", "after": "rl", "word_acc": 0.6})

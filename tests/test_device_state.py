@@ -6,9 +6,9 @@ stand-in that only `.cpu()` turns into a CPU tensor, and torch.load records wher
 import pytest
 import torch
 
-from twophase.train import checkpoint, cli, decode, runs
+from twophase.train import checkpoint, cli, decode, resume
 from twophase.train.config import Config
-from twophase.train.reference import Reference
+from twophase.train.klreference import Reference
 
 from tasks import task_dir
 
@@ -94,7 +94,7 @@ def loads(monkeypatch):
 def test_checkpoints_are_read_onto_the_cpu(trainer, loads, tmp_path):
     trainer.device = torch.device("meta")  # stands for an accelerator: a load there would be recorded as such
     trainer.cfg.export = "best"
-    runs.export_model(trainer)
+    resume.export_model(trainer)
     assert trainer.load_branch() is not None
     trainer.compared, trainer.test_models = True, None
     assert set(trainer.compared_models()) == {"mle", "mle-continued"}
@@ -129,7 +129,7 @@ def test_export_best_is_a_copy_in_host_memory(trainer, monkeypatch):
     second model on the model's device."""
     monkeypatch.setattr(checkpoint, "HOST", torch.device("meta"))
     trainer.cfg.export = "best"
-    model = runs.export_model(trainer)
+    model = resume.export_model(trainer)
     assert all(p.device.type == "meta" for p in model.parameters())
     assert all(p.device.type == "cpu" for p in trainer.model.parameters())
 

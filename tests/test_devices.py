@@ -4,7 +4,8 @@ run before any tensor is moved."""
 import pytest
 import torch
 
-from twophase.train import cli, devices
+from twophase.system import devices
+from twophase.train import cli
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from twophase.train import cli, distributed
+from twophase.system import distributed
+from twophase.train import cli
 from twophase.train.config import Config
 
 from tasks import write_task

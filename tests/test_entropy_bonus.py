@@ -81,7 +81,7 @@ def test_entropy_bonus_adds_a_block_not_the_logits(monkeypatch):
     """A wide vocabulary: phase two's peak with the bonus stays within a few logit blocks of its peak without,
     far below one chunk's (C, T, V) logits."""
     from twophase.models import fused
-    from twophase.train.memstats import AllocationPeak
+    from twophase.system.memory import AllocationPeak
     monkeypatch.setattr(fused, "BLOCK_BYTES", 2**18)  # blocks of 8 positions: many blocks per chunk
     torch.manual_seed(0)
     V = 4000

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from twophase.train import cli, decode, distributed, fsdp
+from twophase.system import distributed, fsdp
+from twophase.train import cli, decode
 from twophase.train.config import Config
 
 import hf_tiny

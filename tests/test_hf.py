@@ -224,7 +224,7 @@ def test_token_log_probs_by_hand():
 def test_recomputed_source_keeps_no_activations_and_the_same_gradient(kind, one_thread):
     """recompute_source (the default) runs the source's forward again in the backward: encode saves nothing of
     it for backward but its inputs, and phase two's gradient is unchanged."""
-    from twophase.train.memstats import SavedTensorMeter
+    from twophase.system.memory import SavedTensorMeter
     wrapper = _wrapped(kind)
     source = _batch(PROMPTS, wrapper.pad_id, left=kind == "gpt2")
     s = beam_search(wrapper, source, 3, 4)
@@ -272,7 +272,7 @@ def test_phase_two_keeps_no_logits_where_the_head_is_known(kind, one_thread):
     """Each family the tests cover has a known head, and phase two then saves nothing (C, T, V)-sized for
     backward; the full-logits path (head None) saves the chunk's logits. The causal LM's first tokens keep
     their (C, V) logits from the prompts' forward."""
-    from twophase.train.memstats import SavedTensorMeter
+    from twophase.system.memory import SavedTensorMeter
     V = 8000
     wrapper = (HFSeq2Seq(hf_tiny.seq2seq(kind, vocab=V)) if kind in hf_tiny.SEQ2SEQ else
                HFCausalLM(hf_tiny.causal(kind, vocab=V)))

@@ -7,7 +7,7 @@ import torch
 
 from twophase import beam_search, objectives, protocol, rescore_backward
 from twophase.samples import Samples
-from twophase.train.references import with_references
+from twophase.train.evaluation import with_references
 from twophase.vocab import pad_targets
 
 from conftest import tiny_model, toy_batch

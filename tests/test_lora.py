@@ -12,7 +12,7 @@ if importlib.util.find_spec("transformers") is None or importlib.util.find_spec(
 from twophase import rescore_backward, sample  # noqa: E402
 from twophase.models.hf import HFCausalLM, HFSeq2Seq  # noqa: E402
 from twophase.models.hf.lora import attach  # noqa: E402
-from twophase.train.memstats import SavedTensorMeter  # noqa: E402
+from twophase.system.memory import SavedTensorMeter  # noqa: E402
 
 import hf_tiny  # noqa: E402
 from test_hf import PROMPTS, TOLERANCE, EXACT, _assert_close_grads, _batch  # noqa: E402

@@ -160,11 +160,11 @@ def test_the_compare_snapshot_of_a_lora_model_holds_the_adapters_alone(folder):
 
 
 def test_the_fingerprint_samples_within_any_tensor_and_sees_a_changed_value():
-    from twophase.train import basemodel
+    from twophase.train import resume
     model = torch.nn.Linear(1, 2**24 + 3, bias=False, dtype=torch.float16).requires_grad_(False)  # past float32's ints
     torch.nn.init.zeros_(model.weight)
-    first = basemodel.fingerprint(model)["weights"]
+    first = resume.fingerprint(model)["weights"]
     with torch.no_grad():
         model.weight[-1] = 1.0  # the last element is sampled
-    assert basemodel.fingerprint(model)["weights"] != first
-    assert basemodel.fingerprint(torch.nn.Linear(2, 2)) is None  # every parameter trains: nothing to record
+    assert resume.fingerprint(model)["weights"] != first
+    assert resume.fingerprint(torch.nn.Linear(2, 2)) is None  # every parameter trains: nothing to record

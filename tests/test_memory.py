@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from twophase import Samples, Seq2Seq, beam_search
 from twophase.models import fused, outputlayer
-from twophase.train.memstats import AllocationPeak, SavedTensorMeter, graph_bytes
+from twophase.system.memory import AllocationPeak, SavedTensorMeter, graph_bytes
 from twophase.vocab import BOS, EOS, PAD
 
 from conftest import rnn_graph_mode, tiny_model, toy_batch

@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from twophase.train import cli, numerics
+from twophase.system import devices
+from twophase.train import cli
 from twophase.train.config import Config
 
 import test_onephase
@@ -54,7 +55,7 @@ def test_a_nondeterministic_cublas_workspace_is_one_line(task, tmp_path, restore
                      "--save-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "--deterministic: CUBLAS_WORKSPACE_CONFIG=:0:0" in err, err
-    numerics.configure(False, False)  # a plain run leaves the workspace alone
+    devices.configure(False, False)  # a plain run leaves the workspace alone
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":0:0"
 
 

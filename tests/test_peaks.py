@@ -4,8 +4,9 @@ not lower. CUDA's allocator is faked (its peak functions monkeypatched) on the C
 import pytest
 import torch
 
-from twophase.train import peaks, report
-from twophase.train.profiling import StepProfiler
+from twophase.system import memory
+from twophase.system.profiling import StepProfiler
+from twophase.train import report
 
 MB = 2**20
 
@@ -22,7 +23,7 @@ class FakeAllocator:
                          "reset_peak_memory_stats": lambda d=None: self.peak.update(self.now),
                          "synchronize": lambda d=None: None}.items():
             monkeypatch.setattr(torch.cuda, name, fn)
-        monkeypatch.setattr(peaks, "_overall", {})
+        monkeypatch.setattr(memory, "_overall", {})
 
     def use(self, allocated_mb, reserved_mb):
         self.now = {"allocated": allocated_mb * MB, "reserved": reserved_mb * MB}
@@ -39,7 +40,7 @@ def test_profiling_resets_do_not_lower_the_runs_peak(monkeypatch):
         gpu.use(100, 1000)
     assert profiler.rows[0]["peak_allocated_mb"] == 300 and profiler.rows[0]["peak_reserved_mb"] == 1000
     assert report.peak_memory_mb(device) == 900
-    assert peaks.overall_mb(device) == {"peak_allocated_mb": 900, "peak_reserved_mb": 1200}
+    assert memory.overall_mb(device) == {"peak_allocated_mb": 900, "peak_reserved_mb": 1200}
     assert "peak resv MB" in profiler.table()
 
 
@@ -54,10 +55,10 @@ def test_the_closing_table_labels_cudas_allocated_and_reserved_and_the_cpus_rss(
 
 
 def test_the_cpu_peak_is_the_resident_sets_through_resets(monkeypatch):
-    monkeypatch.setattr(peaks, "_overall", {})
+    monkeypatch.setattr(memory, "_overall", {})
     readings = iter([800 * MB, 50 * MB, 60 * MB])
-    monkeypatch.setattr(peaks, "rss_peak_bytes", lambda: next(readings))
-    monkeypatch.setattr(peaks, "reset_rss_peak", lambda: None)
-    peaks.reset(torch.device("cpu"))  # folds 800
-    assert peaks.overall_mb(torch.device("cpu")) == {"peak_rss_mb": 800}  # 50 now, 800 kept
-    assert peaks.overall(torch.device("cpu")) == {"rss": 800 * MB}
+    monkeypatch.setattr(memory, "rss_peak_bytes", lambda: next(readings))
+    monkeypatch.setattr(memory, "reset_rss_peak", lambda: None)
+    memory.reset(torch.device("cpu"))  # folds 800
+    assert memory.overall_mb(torch.device("cpu")) == {"peak_rss_mb": 800}  # 50 now, 800 kept
+    assert memory.overall(torch.device("cpu")) == {"rss": 800 * MB}

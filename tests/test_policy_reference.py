@@ -1,4 +1,4 @@
-"""The frozen reference of --objective policy --kl-beta on a LoRA model (`twophase.train.reference`): adapters
+"""The frozen reference of --objective policy --kl-beta on a LoRA model (`twophase.train.klreference`): adapters
 that add nothing yet make the base the reference (adapters disabled, nothing copied), equal to a separately built
 model without adapters by its own forwards, in float64, however the adapters train after; trained adapters
 (MLE, --init-from) or --ref-checkpoint's are swapped in for the reference's scoring and the model's put back
@@ -16,8 +16,8 @@ if importlib.util.find_spec("transformers") is None or importlib.util.find_spec(
 from twophase import protocol, sample  # noqa: E402
 from twophase.models.hf import HFCausalLM, HFSeq2Seq  # noqa: E402
 from twophase.train import cli  # noqa: E402
-from twophase.train.params import saved_state  # noqa: E402
-from twophase.train.reference import Reference  # noqa: E402
+from twophase.system.fsdp import saved_state  # noqa: E402
+from twophase.train.klreference import Reference  # noqa: E402
 from twophase.train.startup import StartupError  # noqa: E402
 
 import hf_tiny  # noqa: E402

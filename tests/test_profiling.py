@@ -7,8 +7,8 @@ import torch
 
 from twophase import Seq2Seq, beam_search
 from twophase.train.config import parse_chunk, parse_size
-from twophase.train.memstats import graph_bytes
-from twophase.train.profiling import ChunkPlanner, StepProfiler, rss_bytes
+from twophase.system.memory import graph_bytes, rss_bytes
+from twophase.system.profiling import ChunkPlanner, StepProfiler
 from twophase.rescoring import rescore_backward
 
 from conftest import toy_batch

@@ -30,7 +30,7 @@ def test_progress_lines_too():
 
 def test_eval_only_table_prints_compact_numbers_and_unscored_rewards():
     from twophase.tasks.base import Metric
-    from twophase.train.runs import evaluation_table
+    from twophase.train.report import evaluation_table
 
     class Task:
         metrics = [Metric("acc", "accuracy")]

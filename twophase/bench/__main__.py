@@ -18,7 +18,7 @@ rarely emit it anyway, and it is the worst case for memory.
 Every measurement runs in a fresh subprocess (`--worker JSON`), so each peak belongs to one configuration. Peak
 memory is `torch.cuda.max_memory_allocated` above the memory allocated before the first step on a GPU; on CPU
 the peak RSS (getrusage, after resetting the high-water mark) above the RSS before the first step. `graph` is
-the peak of bytes saved for backward (`memstats.SavedTensorMeter`). Two-phase cells also report the decoded
+the peak of bytes saved for backward (`system.memory.SavedTensorMeter`). Two-phase cells also report the decoded
 prefix-tree nodes against the candidates' token positions (nodes/positions: the fraction phase two decodes). A one-phase cell whose estimated memory
 exceeds the cap is measured at fewer rows (smaller batch, then beam) and extrapolated linearly in N = B*K.
 

@@ -9,7 +9,7 @@ causal LM of `twophase.bench.hf`, random weights), REINFORCE coefficients normal
 `rescore_backward` in chunks of C rows, the gradient summed over processes (DDP-style: the whole gradient
 all-reduced in place, in buckets; FSDP: inside `fsdp.gathered`, each process keeping its slice), global-norm clipping, Adam.
 Reported by rank 0 for each process: `state` = bytes of the parameters and Adam's moments it holds between steps,
-`peak` = that plus the peak of bytes held by tensors during a step above it (`memstats.AllocationPeak`, on a step
+`peak` = that plus the peak of bytes held by tensors during a step above it (`memory.AllocationPeak`, on a step
 after the first, whose Adam moments already exist), and the median wall seconds of the timed steps.
 `--reference`: a frozen copy of the model (--objective policy's --kl-beta reference: whole under DDP, sharded
 alike under FSDP, `fsdp.copy_model`) also scores the samples per token in chunks of C rows, no graph, between
@@ -31,9 +31,9 @@ import torch
 
 from ..rescoring import rescore_backward
 from ..search import sample
-from ..train import distributed, fsdp
-from ..train.memstats import AllocationPeak
-from ..train.reference import Reference
+from ..system import distributed, fsdp
+from ..system.memory import AllocationPeak
+from ..train.klreference import Reference
 from .hf import DEFAULTS, build, coefficients
 
 SMALL = dict(DEFAULTS, batch=4, samples=4, prompt=32, completion=16, chunk=4, steps=2, model="causal",
@@ -72,7 +72,7 @@ def step(cell: dict, model, optimizer, source: dict, seed: int, reference=None) 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m twophase.bench.fsdp", description=__doc__.split("\n")[0])
-    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (twophase.train.fsdp)")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (twophase.system.fsdp)")
     p.add_argument("--reference", action="store_true", help="also score with a frozen copy of the model "
                    "(--kl-beta's reference)")
     p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="override a setting of SMALL")

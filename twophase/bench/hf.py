@@ -16,7 +16,7 @@ baseline, the GRPO shape), and the gradient of sum_i c_i log p(y_i | x_i). Metho
                 gradient the REINFORCE coefficients' (ratio 1, beta 0), no bf16 autocast, no gradient
                 checkpointing: TRL's own forward (no position ids: Llama's rotary attention does not mind)
 Every method runs in a fresh subprocess (`--worker JSON`), so each peak belongs to one method. `tensors` is the
-peak of bytes held by tensors during a step (the profiler's allocation record, `memstats.AllocationPeak`), `rss`
+peak of bytes held by tensors during a step (the profiler's allocation record, `memory.AllocationPeak`), `rss`
 the process's peak resident set above its size before the first step. CPU only, float32, one thread by default
 (steady on a shared machine; CPU seconds of the process are reported beside wall seconds).
 
@@ -40,8 +40,7 @@ from .. import objectives
 from ..onephase import one_phase_backward, one_phase_sample
 from ..rescoring import rescore_backward
 from ..search import sample
-from ..train.memstats import AllocationPeak
-from ..train.profiling import reset_rss_peak, rss_bytes
+from ..system.memory import AllocationPeak, reset_rss_peak, rss_bytes
 from .peers import grpo_trainer, grpo_trainer_backward, trl_backward
 
 DEFAULTS = dict(batch=8, samples=16, prompt=128, completion=64, width=256, layers=4, heads=4, vocab=8000,

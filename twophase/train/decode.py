@@ -20,17 +20,17 @@ from pathlib import Path
 
 import torch
 
-from . import basemodel, grammar
+from . import grammar, resume
 from .checkpoint import CheckpointError, load
 from .cli import UsageError, compile_step, pick_device
 from .config import DEFAULT_BEAM, OneLineParser, config_from_dict
 from .. import oom, tasks
 from ..tasks.base import Example
 from ..tasks.data import DataError, read_lines, split_utf8_lines
-from .params import load_saved
 from ..plugins import brief
 from ..protocol import ModelError
 from ..search import beam_search
+from ..system.fsdp import load_saved
 
 
 def build_parser() -> OneLineParser:
@@ -94,7 +94,7 @@ def load_model(path: str, device: torch.device, hf_model: str | None = None):
                               "fold_case": saved.get("lowercase_source", saved.get("train") is None)})
     model = task.build_model().to(device)
     try:  # a --lora-r checkpoint's adapters need the base they were trained on
-        basemodel.check(state.get("base_model"), basemodel.record(model, cfg.hf_model), path, cfg.hf_model)
+        resume.check(state.get("base_model"), resume.record(model, cfg.hf_model), path, cfg.hf_model)
     except ValueError as err:
         raise UsageError(str(err)) from None
     try:

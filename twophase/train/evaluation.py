@@ -1,19 +1,22 @@
 """Validation: decode examples with beam search and score the best hypothesis of each with the task's metrics
-and the reward; and the one way the trainer calls a reward (with the examples' context).
+and the reward; the one way the trainer calls a reward (with the examples' context); and --include-reference's
+ground-truth references joined to the candidates (`with_references`; not the KL reference model, `klreference`).
 
 Several processes each decode a share and reduce the sufficient statistics, so the scores equal one process's.
-Letters: B sources per decoding batch, N rows.
+Letters: B sources per decoding batch, N candidate rows, R reference rows.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+from torch import Tensor
 
-from . import distributed
+from .. import protocol
+from ..system import distributed
 from ..protocol import target_mask
 from ..rewardsum import mean_std, statistics
-from ..samples import best_rows
+from ..samples import Samples, best_rows
 from ..search import beam_search
 from ..tasks.base import Example, Task
 
@@ -93,3 +96,27 @@ def test_scores(model, task: Task, examples: list[Example], reward, beams: list[
         extra = validate(model, task, examples, reward, k, max_len, device)
         out.update({f"{key}@{k}": value for key, value in extra.items() if key != "n"})
     return out
+
+
+# ------------------------------------------------------------------ ground-truth references (--include-reference)
+# --include-reference: each source's references join its candidates before the objective (Bunel et al.'s RL_beam
+# keeps the reference program in the set it renormalises over).
+#
+# Search never scored the references, so they are scored here, teacher-forced and without a graph, by the model
+# in evaluation mode as search ran it (`protocol.score`: the numbers phase two will differentiate). The rows then
+# go through the one phase-two path like any candidate; the objective (`objectives.beam`) treats a reference the
+# beam already found as one candidate with two rows, so it is counted once and its coefficient split between them.
+@torch.no_grad()
+def reference_scores(model, source, refs: Samples) -> Tensor:
+    """(R,) log p(reference | source) of the reference rows, teacher-forced, no graph, dropout off."""
+    with protocol.scoring_mode(model):
+        enc = model.encode(source)
+        return protocol.score(model, enc, refs.tokens, refs.owner)
+
+
+def with_references(model, source, cand: Samples, rewards: Tensor, refs: Samples,
+                    ref_rewards: Tensor) -> tuple[Samples, Tensor]:
+    """(candidates then references as one Samples (N + R rows), their rewards (N + R,)); the references' scores
+    are the model's log-probabilities of them."""
+    scored = Samples(refs.tokens, refs.lengths, refs.owner, reference_scores(model, source, refs).to(cand.scores.dtype))
+    return Samples.cat([cand, scored], model.pad_id), torch.cat([rewards, ref_rewards.to(rewards.dtype)])

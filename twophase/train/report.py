@@ -1,17 +1,23 @@
-"""What a run reports about itself: its scores' names, progress lines, peak memory and the closing table."""
+"""What a run reports about itself: its scores' names, progress lines, peak memory and the closing table;
+--eval-only's table; an RL step's reward figures (`reward_row`, `RewardLog`); and the metrics rows mirrored to
+TensorBoard (`TensorBoardLog`)."""
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
+import sys
 
 import torch
 
-from . import peaks
+from ..rewardsum import mean_std, statistics
+from ..system import distributed, memory
+
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process since it began (--profile-memory's resets kept, `peaks`): CUDA's allocated
+    """Peak memory of this process since it began (--profile-memory's resets kept, `memory`): CUDA's allocated
     bytes where training runs on a GPU, else the peak RSS."""
-    figures = peaks.overall_mb(device)
+    figures = memory.overall_mb(device)
     return figures.get("peak_allocated_mb", figures.get("peak_rss_mb", float("nan")))
 
 
@@ -112,3 +118,118 @@ class Result:
     metrics: object = None  # pathlib.Path of metrics.jsonl (None: no step taken)
     final_model: object = None  # the task's own export (--hf-model: <save-dir>/hf_final), or None
     picture: object = None  # <save-dir>/curves.png, or None
+
+
+def evaluation_table(task, scores: dict) -> str:
+    """--eval-only's table: one row per metric (the task's, then the reward), one column per split."""
+    rows = [(m.key, m.label, m.fmt) for m in task.metrics] + [("reward", "reward", "{:.4f}")]
+    splits = list(scores)
+    lines = [f"{'':28}" + "".join(f"{s:>12}" for s in splits)]
+    for key, label, fmt in rows + [("n", "examples", "{:.0f}")]:
+        if any(key in scores[s] for s in splits):
+            lines.append(f"{label:28}" + "".join(f"{_cell(fmt, scores[s].get(key, '')):>12}" for s in splits))
+    return "\n".join(lines)
+
+
+def _cell(fmt: str, value) -> str:
+    """A score in its format, compact where it would not fit (`compact`); '-' for a reward that scored
+    nothing (None), '' for a split without the key."""
+    if value == "":
+        return ""
+    return "-" if value is None or value != value else compact(fmt, value, width=11)
+
+
+# ------------------------------------------------------------------ an RL step's reward figures
+# For its metrics row, reduced over processes: `reward_mean`, `reward_max` and
+# `candidates`; `unscored` where some candidate got no reward (NaN: every TRL-style reward returned None), left
+# out of the mean and max; and with several rewards (`twophase.rewardsum.WeightedSum`) `reward/<name>/mean` and
+# `reward/<name>/std` of each, over the candidates it scored. A step whose reward scored no candidate at all
+# trains nothing (no candidate has an advantage); `RewardLog` says so on stderr, once a run, rather than let a
+# reward that never applies (a misspelt column) train silently on zero gradients.
+def reward_row(rewards: torch.Tensor, parts: dict | None) -> dict:
+    """rewards (N,) float64 of this process's candidates; `parts`: each reward's values (WeightedSum.last)."""
+    scored = ~torch.isnan(rewards)
+    values = torch.where(scored, rewards, torch.full_like(rewards, -math.inf))  # (N,)
+    count, total, top = torch.stack([scored.to(values.dtype).sum(), torch.where(scored, rewards, 0.0).sum(),
+                                     values.max() if len(values) else values.new_tensor(-math.inf)]).tolist()
+    parts = parts or {}
+    sums = distributed.reduce_sums({"reward": total, "scored": int(count), "candidates": len(rewards),
+                                    **statistics(parts)})
+    top = distributed.reduce_max(top)
+    row = {"reward_mean": sums["reward"] / sums["scored"] if sums["scored"] else None,
+           "reward_max": top if math.isfinite(top) else None, "candidates": int(sums["candidates"])}
+    if sums["scored"] < sums["candidates"]:
+        row["unscored"] = int(sums["candidates"] - sums["scored"])
+    return {**row, **mean_std(sums, list(parts))}
+
+
+class RewardLog:
+    """`reward_row` for a run's RL steps, and its warning, given once, at the first step that scored nothing."""
+
+    def __init__(self, reward):
+        self.name = getattr(reward, "name", None) or getattr(reward, "__name__", "the reward")
+        self.warned = False
+
+    def row(self, rewards: torch.Tensor, parts: dict | None, step: int) -> dict:
+        """`reward_row` of step `step` (1-based); a warning on stderr (main process) the first time none of
+        the step's candidates, over every process, got a reward."""
+        row = reward_row(rewards, parts)
+        if row["reward_mean"] is None and row["candidates"] and not self.warned:
+            self.warned = True
+            if distributed.rank() == 0:
+                print(f"warning: reward '{self.name}' scored none of the {row['candidates']} candidates of RL step "
+                      f"{step} (None for every one): the step trains nothing, and a reward that never scores trains "
+                      "nothing at all; does it read a column the data has (spelt as in the file)? (said once)",
+                      file=sys.stderr, flush=True)
+        return row
+
+
+# ------------------------------------------------------------------ --tensorboard
+# --tensorboard: the metrics.jsonl rows mirrored as TensorBoard scalars under <save-dir>/tensorboard.
+#
+# Tags: train/<phase>/<field> per step; valid/<metric> for MLE and RL validations (one curve across both phases),
+# valid_mle_continued/<metric> for --compare-mle's branch (at the end-of-MLE step plus its own steps, so it sits
+# beside RL); test/<model>/<metric>; schedule/lr for --lr-decay. torch.utils.tensorboard needs the `tensorboard`
+# package (the `tb` extra); `writer_class` says so in one line where it is missing.
+NOT_SCALARS = {"step", "phase", "after", "model", "time", "elapsed_s", "since_branch_s", "train_s", "continued", "n",
+               "action"}  # a row's fields that are no curve
+
+
+def writer_class():
+    """torch's SummaryWriter; ImportError with one line where tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ImportError("--tensorboard needs the tensorboard package (pip install 'twophase[tb]')") from None
+    return SummaryWriter
+
+
+class TensorBoardLog:
+    """Mirrors metrics rows to a SummaryWriter-like `writer` (add_scalar, flush, close); `mle_end` places the
+    continued-MLE branch (a callable, since the MLE phase may end early)."""
+
+    def __init__(self, writer, mle_end):
+        self.writer, self.mle_end = writer, mle_end
+
+    def tags(self, row: dict) -> tuple[str, int]:
+        phase, step = row.get("phase"), int(row.get("step", 0))
+        if phase == "eval" and row.get("after") == "mle-continued":
+            return "valid_mle_continued", self.mle_end() + int(row.get("continued", 0))
+        if phase == "eval":
+            return "valid", step
+        if phase == "test":
+            return f"test/{row.get('model', 'final')}", step
+        if phase == "mle-continued":
+            return "train/mle-continued", self.mle_end() + int(row.get("continued", 0))
+        return f"{'train/' if phase in ('mle', 'rl') else ''}{phase}", step
+
+    def write(self, row: dict) -> None:
+        prefix, step = self.tags(row)
+        for key, value in row.items():
+            if key not in NOT_SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"{prefix}/{key}", value, step, walltime=None)
+        if row.get("phase") in ("eval", "test", "schedule"):
+            self.writer.flush()  # the rare rows worth seeing at once; step rows flush on the writer's timer
+
+    def close(self) -> None:
+        self.writer.close()

@@ -1,9 +1,13 @@
-"""The run directory: one run per `--save-dir`, and the metrics log that run writes there.
+"""The run directory: one run per `--save-dir`, the metrics log that run writes there, its config.json, and the
+later checkpoints a resumed run sets aside.
 
 A directory holding a run's files is refused unless `--resume` continues that run or `--overwrite` replaces it, so
 a second run can neither replace a finished run's checkpoints nor append to its log. On `--resume` the logs are
 cut back to the checkpoint's step: rows of steps taken after it (lost with the process that took them) would
 otherwise appear twice, and one metrics.jsonl only ever tells one consistent run.
+
+Nothing here deletes a checkpoint but --overwrite: a run resumed from an earlier file moves the files of later
+steps into <save-dir>/after_step<N>/ (with a copy of metrics.jsonl), so the branch it abandons stays whole.
 """
 from __future__ import annotations
 
@@ -15,14 +19,17 @@ import re
 import shutil
 import tempfile
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
+
+import torch
 
 from .checkpoint import SaveError
 
 LOGS = ("metrics.jsonl", "memory_profile.jsonl")
 FOLDERS = ("hf_final",)  # a task's own copy of the final model (Task.save_final: --hf-model's save_pretrained)
-RECORD = "config.json"  # every command's resolved flags (runs.write_config)
+RECORD = "config.json"  # every command's resolved flags (write_config)
 PICTURE = "curves.png"  # the end-of-run picture (--picture)
 TENSORBOARD = "tensorboard"  # --tensorboard's folder; only its event files are the run's
 # The temporary file of an atomic write, left behind by a process killed mid-write: mkstemp's
@@ -30,6 +37,9 @@ TENSORBOARD = "tensorboard"  # --tensorboard's folder; only its event files are 
 _RESIDUE = re.compile(r"\.(checkpoint_[^/]*\.pt|config\.json|metrics\.jsonl|memory_profile\.jsonl|hf_final)[^/]*\.tmp")
 _ASIDE = re.compile(r"after_step\d+(\.\d+)?")  # --resume-from's folders of the checkpoints it set aside
 _EVENTS = "events.out.tfevents.*"
+LATER = ("checkpoint_last.pt", "checkpoint_best.pt", "checkpoint_crash.pt", "checkpoint_mle_end.pt",
+         "checkpoint_mle_continued.pt")  # the files set_aside reads the step of
+_STEP = re.compile(r"^checkpoint_step(\d+)\.pt$")
 
 
 def run_files(save_dir) -> list[Path]:
@@ -110,6 +120,63 @@ def remove(files: list[Path]) -> None:
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+
+
+def set_aside(save_dir, step: int) -> Path | None:
+    """Move the checkpoints of steps after `step` (and a copy of metrics.jsonl) into <save-dir>/after_step<N>/;
+    returns that folder, or None where there were none."""
+    folder = Path(save_dir)
+    later = []
+    for p in sorted(folder.iterdir()):
+        m = _STEP.match(p.name)
+        if m:
+            at = int(m.group(1))
+        elif p.name in LATER:
+            try:
+                at = int(torch.load(p, map_location="cpu", weights_only=True, mmap=True).get("step", 0))
+            except Exception:
+                continue  # unreadable: not ours to judge, left where it is
+        else:
+            continue
+        if at > step:
+            later.append(p)
+    if not later:
+        return None
+    if (folder / "hf_final").is_dir():  # a task's export of the final model: the later branch's end
+        later.append(folder / "hf_final")
+    aside = folder / f"after_step{step}"
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = folder / f"after_step{step}.{n}"
+    aside.mkdir()
+    for p in later:
+        os.replace(p, aside / p.name)
+    if (folder / "metrics.jsonl").exists():
+        (aside / "metrics.jsonl").write_bytes((folder / "metrics.jsonl").read_bytes())
+    return aside
+
+
+def write_config(save_dir, cfg, recipe: dict, source=None) -> Path:
+    """<save-dir>/config.json: the resolved flags (the task's recipe and --preset applied), the recipe itself and
+    the checkpoint this command started from; written atomically, rewritten by every command that trains."""
+    path = Path(save_dir) / "config.json"
+    doc = {"config": asdict(cfg), "recipe": recipe, "started_from": str(source) if source else None,
+           "written": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")}
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".config.json", suffix=".tmp")
+    except OSError as err:
+        raise SaveError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a plain record from the group
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise SaveError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
+    return path
 
 
 def _kept(row: dict, step: int, compared: bool = False) -> bool:

@@ -73,7 +73,7 @@ class MemoryWindow:
         self.device = device
 
     def __enter__(self):
-        from ...train.profiling import reset_rss_peak, rss_bytes
+        from ...system.memory import reset_rss_peak, rss_bytes
         if self.device.type == "cuda":
             synchronize(self.device)
             torch.cuda.empty_cache()
@@ -85,7 +85,7 @@ class MemoryWindow:
         return self
 
     def __exit__(self, *exc):
-        from ...train.profiling import rss_peak_bytes
+        from ...system.memory import rss_peak_bytes
         mib = 2 ** 20
         if self.device.type == "cuda":
             synchronize(self.device)

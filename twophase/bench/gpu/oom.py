@@ -1,7 +1,7 @@
 """Section (c): phase two's out-of-memory halving, forced.
 
 `train.py --rescore-chunk auto --memory-budget SIZE` sizes phase two's chunks from a probe of the graph's bytes
-per row-step (`train.profiling.ChunkPlanner`); whatever the size, `rescore_backward` catches CUDA's
+per row-step (`system.profiling.ChunkPlanner`); whatever the size, `rescore_backward` catches CUDA's
 `OutOfMemoryError` inside a chunk, frees it and redoes it at half the rows (down to one), the step's gradient
 staying exact because a chunk's gradient is only added once it is whole (`oom_retry`, on for CUDA).
 
@@ -23,7 +23,7 @@ import torch
 from ...blocks import block_bytes
 from ...rescoring import rescore_backward
 from ...search import beam_search
-from ...train.profiling import ChunkPlanner
+from ...system.profiling import ChunkPlanner
 from .common import cudnn_retry, grads, relative_error, seed_lstm, synchronize
 
 FULL = dict(batch=16, beam=64, src_len=50, max_len=50, hidden=512, embed=256, vocab=10000, src_vocab=1000)

@@ -1,0 +1,211 @@
+"""Where a command starts from and what it exports: the checkpoint of --resume, --resume-from and --init-from
+(and --eval-only's), the model-shape flags it fixes, the frozen base model its parameters need (`record`,
+`check`), and --export's model. The run directory's own files (config.json, the later checkpoints a resumed run
+sets aside) are `rundir`'s.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from . import checkpoint
+from .checkpoint import CheckpointError, load
+from ..system.fsdp import load_saved
+from .resume_rules import same, show
+
+# Flags that give the model its shape and ids: --init-from takes them from the checkpoint and refuses others.
+# LoRA's rank, scale and modules too: a --lora-r checkpoint holds the adapters alone, which only continue on
+# adapters of the same shape over the same base (new adapters start from a merged export: LORA_HINT).
+LORA_SHAPE = ("lora_r", "lora_alpha", "lora_target_modules")
+MODEL_SHAPE = ("task", "hf_model", "embed_dim", "hidden_size", "bidirectional", "char_source", "char_target",
+               "lowercase_source") + LORA_SHAPE
+LORA_HINT = ("; to train new adapters (or every parameter) from it, export the merged model (train.py --save-dir "
+             "RUN --resume --export best --merge-lora) and start from it: --hf-model RUN/hf_final")
+INIT_DATA = ("train", "valid", "test", "train_size", "valid_size", "max_src_len", "too_long")
+
+
+def check_flags(cfg) -> None:
+    """Combinations of the run flags that cannot mean anything; ValueError, one line. (A resumed run's --init-from
+    is its checkpoint's record of where it started: resume_rules keeps it fixed.)"""
+    if cfg.resume and cfg.resume_from:
+        raise ValueError("--resume continues from <save-dir>/checkpoint_last.pt and --resume-from from the file "
+                         "given: give one of them")
+    if cfg.eval_only and not (cfg.resume or cfg.resume_from or cfg.init_from):
+        raise ValueError("--eval-only evaluates a checkpoint: add --resume (the run in --save-dir), "
+                         "--resume-from FILE or --init-from FILE")
+
+
+def resume_path(cfg) -> Path | None:
+    """The file --resume / --resume-from continues from; ValueError saying what to do where there is none."""
+    if cfg.resume_from:
+        return Path(cfg.resume_from)
+    if not cfg.resume:
+        return None
+    folder = Path(cfg.save_dir)
+    path = folder / "checkpoint_last.pt"
+    if path.exists():
+        return path
+    crash = folder / "checkpoint_crash.pt"
+    if crash.exists():
+        raise ValueError(f"--resume: {path}: no such file; the run stopped with {crash} (its parameters from before "
+                         f"the non-finite steps): --resume-from {crash} continues from it")
+    steps = sorted(folder.glob("checkpoint_step*.pt")) if folder.is_dir() else []
+    hint = f"; --resume-from {steps[-1]} continues from its newest step checkpoint" if steps else ""
+    raise ValueError(f"--resume: {path}: no such file{hint}")
+
+
+def load_checkpoint(path, flag: str) -> dict:
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path}: a directory; give a checkpoint file, e.g. "
+                         f"{Path(path) / 'checkpoint_last.pt'}")
+    try:
+        state = load(path)
+    except CheckpointError as err:
+        raise ValueError(f"{flag}: {err}") from None
+    if not isinstance(state.get("config"), dict):
+        raise ValueError(f"{flag}: {path}: not a twophase checkpoint (no 'config' entry)")
+    return state
+
+
+def init_defaults(state: dict, known) -> dict:
+    """--init-from: the checkpoint's model-shape flags (fixed) and data flags (others may be given) as this run's
+    defaults."""
+    return {k: state["config"][k] for k in MODEL_SHAPE + INIT_DATA if k in state["config"] and k in known}
+
+
+def check_init(cfg, state: dict, path, flag: str = "--init-from") -> None:
+    """--init-from (and --eval-only): a model flag other than the checkpoint's would build another model."""
+    saved = state["config"]
+    for name in MODEL_SHAPE:
+        if name in saved and not same(name, saved[name], getattr(cfg, name)):
+            flag = "--" + name.replace("_", "-")
+            hint = LORA_HINT if name in LORA_SHAPE else ""
+            raise ValueError(f"{flag} {path}: its model was built with {flag} {show(saved[name])}, not "
+                             f"{show(getattr(cfg, name))}{hint}")
+
+
+def load_init(model, state: dict, path) -> None:
+    """--init-from: the checkpoint's parameters into the model built for this run (a --lora-r run's checkpoint:
+    its adapters, onto the base the run reads from --hf-model); ValueError, one line, where they do not fit."""
+    try:
+        load_saved(model, state["model"])
+    except RuntimeError as err:
+        raise ValueError(f"--init-from {path}: its parameters do not fit the model this run builds "
+                         f"({str(err).strip().splitlines()[-1].strip()})") from None
+
+
+def export_model(trainer):
+    """--export: the model the task's own export writes: the run's last, or checkpoint_best.pt's parameters
+    (where the run has none, the last, with a note). The best is a copy of the model sharing its frozen
+    parameters (a LoRA base: the checkpoint holds the adapters alone), its trainable ones in host memory with the
+    file's values: no second model on the device."""
+    if trainer.cfg.export != "best":
+        return trainer.model
+    path = trainer.checkpoints.best_path
+    if not path.exists():
+        print(f"note: --export best: no {path} (no validation improved on the start): exporting the last model",
+              file=sys.stderr, flush=True)
+        return trainer.model
+    try:
+        state = load(path, mmap=True)
+    except CheckpointError as err:
+        raise ValueError(f"--export best: {err}") from None
+    memo = {id(p): p if not p.requires_grad else torch.nn.Parameter(p.detach().to(checkpoint.HOST, copy=True))
+            for p in trainer.model.parameters()}
+    model = copy.deepcopy(trainer.model, memo)
+    try:
+        load_saved(model, state["model"])
+    except RuntimeError as err:
+        raise ValueError(f"--export best: {path}: its parameters do not fit this run's model "
+                         f"({str(err).strip().splitlines()[-1].strip()})") from None
+    return model
+
+
+# ------------------------------------------------------------------ the frozen base model
+# What a checkpoint records of the frozen base its parameters need, and the check that a model built now has it.
+#
+# A --lora-r run's checkpoint holds the adapters alone: the base is whatever the --hf-model folder holds when the
+# run is resumed, started from (--init-from) or decoded. So the checkpoint records the base (`record`): the folder
+# it was read from and a fingerprint, a SHA-256 of
+#
+#     the configuration   the folder's config.json as written (its entries that describe the model: not the
+#                         folder's name, the transformers version or the dtype it was saved in; the file, not
+#                         transformers' reading of it, so that another transformers version sees the same)
+#     the frozen weights  every frozen parameter's name, shape and a strided sample of its values (at most
+#                         SAMPLE per tensor, exact values, read from the device in one copy): any retraining or
+#                         merge of adapters changes every element of the matrices it touches
+#
+# which is computed in well under a second for any model size and equals on any device (no reduction). `check`
+# refuses a model whose base differs, in one line naming both folders. A model without frozen parameters records
+# nothing (its checkpoint holds every parameter); a checkpoint written before the record existed is not checked.
+SAMPLE = 64  # values read per frozen tensor
+VOLATILE = ("transformers_version", "torch_dtype", "dtype", "architectures", "name_or_path")
+
+
+def folder_config(folder: str | None) -> dict | None:
+    """The entries of <folder>/config.json (None: no folder, no readable file)."""
+    if not folder:
+        return None
+    try:
+        with open(Path(folder) / "config.json", encoding="utf-8") as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def fingerprint(model: torch.nn.Module, config: dict | None = None) -> dict | None:
+    """{"config": hex, "weights": hex} of the frozen part of `model` (None: every parameter trains); `config`:
+    the folder's configuration (`folder_config`), or None."""
+    frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
+    if not frozen:
+        return None
+    weights = hashlib.sha256()
+    samples = []
+    with torch.no_grad():
+        for name, p in frozen:
+            weights.update(f"{name}:{tuple(p.shape)};".encode())
+            flat = p.detach().reshape(-1)  # (n,)
+            n = flat.numel()
+            k = min(n, SAMPLE)
+            # evenly spaced, in integers (a float32 linspace rounds past the end beyond 2^24 elements)
+            index = torch.arange(k, device=flat.device) * max(n - 1, 0) // max(k - 1, 1)  # (k,)
+            samples.append(flat.index_select(0, index).to(torch.float64))
+        values = torch.cat(samples).cpu()  # one read from the device, at start-up
+    weights.update(values.numpy().tobytes())
+    return {"config": _config_hash(config), "weights": weights.hexdigest()}
+
+
+def _config_hash(config: dict | None) -> str | None:
+    if config is None:
+        return None
+    entries = {k: v for k, v in config.items() if not k.startswith("_") and k not in VOLATILE}
+    return hashlib.sha256(json.dumps(entries, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def record(model: torch.nn.Module, path: str | None) -> dict | None:
+    """What a checkpoint keeps of the base read from the folder `path`: {"path", "config", "weights"}, or None
+    (nothing frozen)."""
+    found = fingerprint(model, folder_config(path))
+    return None if found is None else {"path": path, **found}
+
+
+def check(saved: dict | None, now: dict | None, where: str, path: str | None) -> None:
+    """ValueError (one line) where the checkpoint at `where` recorded a base (`saved`) other than the model's now
+    (`now`, read from `path`)."""
+    if not saved or not now:
+        return
+    differs = [part for part in ("weights", "config") if saved.get(part) and now.get(part) != saved.get(part)]
+    if not differs:
+        return
+    what = " and ".join(differs) + (" differ" if differs != ["config"] else " differs")
+    recorded = "" if path == saved.get("path") else f"; trained on {saved.get('path')}"
+    raise ValueError(f"{where}: its parameters were trained on another base model than --hf-model {path} holds "
+                     f"now (its {what}{recorded}): give the folder they were trained on (a merged export is no "
+                     "base: its weights hold the adapters already)")
+
