@@ -140,9 +140,9 @@ def export_model(trainer):
 #                         SAMPLE per tensor, exact values, read from the device in one copy): any retraining or
 #                         merge of adapters changes every element of the matrices it touches
 #
-# which is computed in well under a second for any model size and equals on any device (no reduction). `check`
-# refuses a model whose base differs, in one line naming both folders. A model without frozen parameters records
-# nothing (its checkpoint holds every parameter); a checkpoint written before the record existed is not checked.
+# which is cheap for any model size and equals on any device (no reduction). `check` refuses a model whose base
+# differs, in one line naming both folders. A model without frozen parameters records nothing (its checkpoint
+# holds every parameter); a checkpoint written before the record existed is not checked.
 SAMPLE = 64  # values read per frozen tensor
 VOLATILE = ("transformers_version", "torch_dtype", "dtype", "architectures", "name_or_path")
 
