@@ -12,7 +12,8 @@ import torch
 if importlib.util.find_spec("transformers") is None:
     pytest.skip("transformers is not installed (pip install twophase[hf])", allow_module_level=True)
 
-from twophase import beam_search, sample, search  # noqa: E402
+from twophase import beam_search, sample  # noqa: E402
+from twophase.phase1 import search  # noqa: E402
 from twophase.models.hf import HFCausalLM, HFSeq2Seq, grouped  # noqa: E402
 from twophase.models.hf.seq2seq import PerSource  # noqa: E402
 
