@@ -196,3 +196,14 @@ def test_old_paths_work_in_a_fresh_interpreter():
             "assert WeightedSum is same\n")
     run = subprocess.run([sys.executable, "-W", "error::ImportWarning", "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_the_layout_page_names_every_core_module_and_every_old_path():
+    page = (ROOT.parent / "docs" / "layout.md").read_text(encoding="utf-8")
+    core = [p for p in ROOT.glob("*.py") if p.name != "__init__.py"]
+    core += [p for d in ("phase1", "phase2", "objectives", "rewards") for p in (ROOT / d).glob("*.py")
+             if p.name != "__init__.py"]
+    for path in core:
+        assert f"| `{path.relative_to(ROOT).as_posix()}` |" in page, path
+    for old, new in MOVED.items():
+        assert f"| `{old}` | `{new}` |" in page, old
