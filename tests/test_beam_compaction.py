@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from twophase import beam_search
-from twophase.phase1 import search
 from twophase.models import fused
+from twophase.phase1 import search
 from twophase.phase1.onephase import one_phase_beam_search
 from twophase.vocab import EOS
 

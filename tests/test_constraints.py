@@ -13,8 +13,8 @@ import foreign_models as fm
 import grammars
 from conftest import take_grads
 from twophase import Samples, beam_search, protocol, rescore_backward, sample
-from twophase.phase1 import search
 from twophase.constraints import Constrained, GrammarError
+from twophase.phase1 import search
 from twophase.phase1.onephase import one_phase_backward, one_phase_beam_search
 from twophase.phase2.rescoring import shares_prefixes
 

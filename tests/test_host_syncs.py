@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from twophase import beam_search, sample
-from twophase.phase1 import search
 from twophase.bench import hostsyncs
+from twophase.phase1 import search
 from twophase.phase1.sbs import stochastic_beam_search
 from twophase.vocab import EOS
 

@@ -116,8 +116,8 @@ def test_planned_tree_shape_and_layouts_are_the_devices():
     """The host's plan of a chunk (prefixtree.shape from the batch's lists) gives the tree the device's own
     reads give, and each depth's declared owner layout is the one fused.groups finds by reading the owners."""
     from twophase import owners
-    from twophase.phase2 import prefixtree
     from twophase.models import fused
+    from twophase.phase2 import prefixtree
 
     tokens = torch.tensor([[5, 6, 3, 0], [5, 6, 7, 3], [5, 6, 3, 0], [8, 3, 0, 0], [5, 6, 3, 0], [5, 3, 0, 0]])
     owner, lengths = torch.tensor([0, 0, 0, 0, 1, 2]), torch.tensor([3, 4, 3, 2, 3, 2])

@@ -46,7 +46,7 @@ def _sources() -> dict[str, tuple[str, bool]]:
 
 
 def _imports(name: str, source: str, is_package: bool, modules: set[str]) -> dict[str, int]:
-    """The twophase modules `name` imports anywhere in it, each with the line of its first import (a name imported
+    """The twophase modules `name` imports anywhere in it, each with a line that imports it (a name imported
     from a package that is a module of its own counts as that module; an old path as the module it moved to)."""
     package = name if is_package else name.rpartition(".")[0]
     found = {}

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from twophase import Seq2Seq, beam_search
+from twophase.phase2.rescoring import rescore_backward
 from twophase.train.config import parse_chunk, parse_size
 from twophase.train.memstats import graph_bytes
 from twophase.train.profiling import ChunkPlanner, StepProfiler, rss_bytes
-from twophase.phase2.rescoring import rescore_backward
 
 from conftest import toy_batch
 

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from . import nested
+from .phase1.search import beam_search
 from .protocol import ModelError, model_name, num_sources, scoring_mode, step_score
 from .samples import Samples
-from .phase1.search import beam_search
 
 STEPS = 3  # decoder steps the rules read: bos, then two tokens of each row's own
 

@@ -11,14 +11,14 @@ import time
 import torch
 
 from .. import objectives
-from ..train.memstats import AllocationPeak, SavedTensorMeter
 from ..models.seq2seq import Seq2Seq
 from ..phase1.onephase import one_phase_backward, one_phase_beam_search
-from .seedstyle import SeedStyleSeq2Seq
-from ..train.profiling import reset_rss_peak, rss_bytes, rss_peak_bytes
-from ..phase2.rescoring import rescore_backward
 from ..phase1.search import beam_search
+from ..phase2.rescoring import rescore_backward
+from ..train.memstats import AllocationPeak, SavedTensorMeter
+from ..train.profiling import reset_rss_peak, rss_bytes, rss_peak_bytes
 from ..vocab import EOS
+from .seedstyle import SeedStyleSeq2Seq
 
 
 def _reset_peak(device: torch.device) -> int:

@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from ..phase2.rescoring import rescore_backward
 from ..phase1.search import sample
+from ..phase2.rescoring import rescore_backward
 from ..train import distributed, fsdp
 from ..train.memstats import AllocationPeak
 from ..train.reference import Reference

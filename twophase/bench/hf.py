@@ -38,8 +38,8 @@ import torch
 
 from .. import objectives
 from ..phase1.onephase import one_phase_backward, one_phase_sample
-from ..phase2.rescoring import rescore_backward
 from ..phase1.search import sample
+from ..phase2.rescoring import rescore_backward
 from ..train.memstats import AllocationPeak
 from ..train.profiling import reset_rss_peak, rss_bytes
 from .peers import grpo_trainer, grpo_trainer_backward, trl_backward

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from . import deferred, fused, outputlayer
 from ..phase2 import tokenweights
 from ..vocab import BOS, EOS, PAD
+from . import deferred, fused, outputlayer
 
 
 def _recording(*tensors: Tensor) -> bool:

@@ -28,8 +28,8 @@ import inspect
 import torch
 from torch import Tensor
 
-from ...phase2 import tokenweights
 from ... import nested
+from ...phase2 import tokenweights
 from ...protocol import scoring_mode, target_mask
 from . import cache, grouped, heads, lora, precision
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
