@@ -4,6 +4,9 @@ Phase one searches (beam or sampling) without a graph; phase two re-decodes the 
 chunks, back-propagating per-sequence coefficients. Any model that follows `SequenceModel` (twophase.protocol)
 can be trained; the built-in LSTM is `twophase.Seq2Seq`. `twophase.fit(twophase.Config(...))` runs what
 `python train.py` runs. See README.md, docs/library.md and docs/python.md.
+
+Laid out by phase (docs/layout.md): `phase1/` the search, `phase2/` the chunked re-decoding and its backward,
+`objectives/` what phase two back-propagates, `rewards/`; the core modules beside them are what both phases share.
 """
 import importlib
 

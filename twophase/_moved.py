@@ -63,7 +63,8 @@ class OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module) -> None:
         # Nothing to run (it ran once, at its new path): its own spec back, so that its relative imports and
         # importlib.reload see the package it lives in.
-        module.__spec__ = module.__spec__.loader_state
+        if module.__spec__.loader is self:
+            module.__spec__ = module.__spec__.loader_state
 
 
 def install() -> None:
