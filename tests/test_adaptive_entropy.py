@@ -10,7 +10,7 @@ import torch
 
 from test_cli import _fails_with_one_line
 from test_policy_training import TINY, data  # noqa: F401  (the module's task files)
-from twophase.entropycontrol import AdaptiveEntropy
+from twophase.objectives.entropycontrol import AdaptiveEntropy
 from twophase.train import cli
 
 ADAPTIVE = ["--objective", "policy", "--sampler", "sample", "--use-adaptive-entropy", "--entropy-coef", "0.05",
@@ -87,7 +87,7 @@ def oracle_setup():
 
 
 def _objective(s, inputs, coef, quantile):
-    from twophase.policy import policy_loss
+    from twophase.objectives.policy import policy_loss
     return policy_loss(inputs["advantages"], s.token_scores, lengths=s.lengths, loss_type="dapo", epsilon=0.2,
                        epsilon_high=0.28, beta=0.04, ref_token_logps=inputs["ref_per_token_logps"],
                        num_items=float(inputs["num_items_in_batch"]), entropy_coef=coef,
@@ -174,7 +174,7 @@ def test_measured_entropy_is_the_full_logits_mean_for_every_chunk(coef, truncate
     from test_entropy_bonus import _entropies
     from test_policy_rescoring import _candidates, _moved
     from twophase import protocol, rescore_backward
-    from twophase.policy import advantages, policy_loss, truncated_rows
+    from twophase.objectives.policy import advantages, policy_loss, truncated_rows
     model, source = tiny_model(), toy_batch()
     s = _candidates(model, source, 3, 6)
     _moved(model, scale=1.0)
@@ -203,7 +203,7 @@ def test_measuring_the_entropy_adds_no_host_sync(one_thread):
     from test_policy_rescoring import _candidates
     from twophase import rescore_backward
     from twophase.bench.hostsyncs import count_host_syncs
-    from twophase.policy import advantages, policy_loss
+    from twophase.objectives.policy import advantages, policy_loss
     model, source = tiny_model(), toy_batch()
     s = _candidates(model, source, 3, 6)
     adv = advantages(torch.rand(len(s), generator=torch.Generator().manual_seed(3), dtype=torch.float64), s.owner, 3)

@@ -226,7 +226,7 @@ def test_sixteen_bit_boundary_gradients_are_summed_in_float32():
     """Each chunk's bf16 share of an encoder-output gradient moves into a float32 sum: 1 + 300 x 2^-9 stays
     1.5859375 there, where bf16 additions would stay at 1 (ulp 2^-7 at 1: every 2^-9 increment rounds away)."""
     from twophase.models.seq2seq import Encoded
-    from twophase.rescoring import _bank_boundary_grads
+    from twophase.phase2.rescoring import _bank_boundary_grads
 
     leaf = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
     boundary = Encoded(memory=leaf, keys=torch.zeros(1), mask=torch.ones(1, dtype=torch.bool), h0=torch.zeros(1),

@@ -3,9 +3,10 @@ one-phase gradients of the full step, also when whole sources finish early and t
 import pytest
 import torch
 
-from twophase import beam_search, search
+from twophase import beam_search
 from twophase.models import fused
-from twophase.onephase import one_phase_beam_search
+from twophase.phase1 import search
+from twophase.phase1.onephase import one_phase_beam_search
 from twophase.vocab import EOS
 
 from conftest import tiny_model, toy_batch

@@ -115,7 +115,7 @@ def test_bare_loop_finds_beam_searchs_candidates():
     """The bare loop is the same arithmetic as beam_search (EOS banned): the same K best rows with the same
     scores, in float64; so --vs-loop compares equal work."""
     from twophase.bench.bareloop import bare_beam_search
-    from twophase.search import beam_search
+    from twophase.phase1.search import beam_search
     c = dict(grid.GRIDS["tiny"][0], batch=3, src_len=6, max_len=5, beam=4, method="two-phase", device="cpu",
              dtype="float64", seed=0)
     model, _, src, lengths = cell.build(c)

@@ -12,10 +12,11 @@ import torch
 import foreign_models as fm
 import grammars
 from conftest import take_grads
-from twophase import Samples, beam_search, protocol, rescore_backward, sample, search
+from twophase import Samples, beam_search, protocol, rescore_backward, sample
 from twophase.constraints import Constrained, GrammarError
-from twophase.onephase import one_phase_backward, one_phase_beam_search
-from twophase.rescoring import shares_prefixes
+from twophase.phase1 import search
+from twophase.phase1.onephase import one_phase_backward, one_phase_beam_search
+from twophase.phase2.rescoring import shares_prefixes
 
 K, MAX_LEN, B = 3, 4, 3
 NAMES = fm.NAMES + ("scored-transformer",)

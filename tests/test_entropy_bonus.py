@@ -10,7 +10,7 @@ from test_policy_losses import MAX_LEN, _trl_loss
 from test_policy_rescoring import _candidates, _moved
 from twophase import Seq2Seq, protocol, rescore_backward, sample
 from twophase.models import outputlayer
-from twophase.policy import advantages, policy_loss, truncated_rows
+from twophase.objectives.policy import advantages, policy_loss, truncated_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 COEF = 0.3

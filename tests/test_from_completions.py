@@ -93,7 +93,7 @@ def test_cut_rows_train_on_their_own_tokens_only(prefix_sharing, one_thread):
 def test_cut_rows_train_a_policy_loss_on_their_own_tokens_only(prefix_sharing, one_thread):
     """DAPO over rows cut without eos: the tokens counted and differentiated are the rows' own."""
     import foreign_models as fm
-    from twophase.policy import policy_loss
+    from twophase.objectives.policy import policy_loss
     model, source = fm.make("end-is-pad").eval(), fm.sources("end-is-pad")
     g = torch.Generator().manual_seed(3)
     old = [[-0.5 - float(torch.rand((), generator=g)) for _ in r] for r in CUT]

@@ -9,7 +9,7 @@ import torch
 from twophase import beam_search, protocol, rescore_backward, sample
 from twophase.constraints import Constrained, teacher_forced_allowed
 from twophase.models.karel import KarelModel
-from twophase.rescoring import shares_prefixes
+from twophase.phase2.rescoring import shares_prefixes
 from twophase.tasks.karel.dsl import VOCAB, try_parse
 from twophase.tasks.karel.grammar import karel_grammar
 from twophase.train import cli, decode

@@ -14,7 +14,7 @@ if importlib.util.find_spec("transformers") is None:  # only a missing extra ski
 
 from twophase import beam_search, rescore_backward, sample  # noqa: E402
 from twophase.models.hf import HFCausalLM, HFSeq2Seq  # noqa: E402
-from twophase.onephase import one_phase_backward, one_phase_beam_search  # noqa: E402
+from twophase.phase1.onephase import one_phase_backward, one_phase_beam_search  # noqa: E402
 
 import hf_tiny  # noqa: E402
 
@@ -196,7 +196,8 @@ def test_tokenizer_and_model_reload_offline(tmp_path, one_thread):
 
 def test_the_core_never_imports_transformers():
     """Nor does the training command, the built-in tasks or twophase.tasks.hf until --hf-model is given."""
-    code = ("import sys, twophase, twophase.search, twophase.rescoring, twophase.onephase, twophase.objectives, "
+    code = ("import sys, twophase, twophase.phase1.search, twophase.phase2.rescoring, twophase.phase1.onephase, "
+            "twophase.objectives, "
             "twophase.train.cli, twophase.train.decode, twophase.tasks.text, twophase.tasks.hf; "
             "sys.exit('transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], env=dict(os.environ)).returncode == 0

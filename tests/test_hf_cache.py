@@ -12,9 +12,10 @@ import torch
 if importlib.util.find_spec("transformers") is None:
     pytest.skip("transformers is not installed (pip install twophase[hf])", allow_module_level=True)
 
-from twophase import beam_search, sample, search  # noqa: E402
+from twophase import beam_search, sample  # noqa: E402
 from twophase.models.hf import HFCausalLM, HFSeq2Seq, grouped  # noqa: E402
 from twophase.models.hf.seq2seq import PerSource  # noqa: E402
+from twophase.phase1 import search  # noqa: E402
 
 import hf_tiny  # noqa: E402
 from test_hf import CASES, IDS, PROMPTS, _batch, _reference, _tolerance, _wrapped  # noqa: E402

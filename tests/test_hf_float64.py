@@ -16,7 +16,7 @@ if importlib.util.find_spec("transformers") is None:
 from twophase import rescore_backward, sample  # noqa: E402
 from twophase.models.hf import HFCausalLM, HFSeq2Seq  # noqa: E402
 from twophase.models.hf.precision import keep_float64_norms  # noqa: E402
-from twophase.policy import advantages, policy_loss  # noqa: E402
+from twophase.objectives.policy import advantages, policy_loss  # noqa: E402
 
 import hf_tiny  # noqa: E402
 

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from twophase import beam_search, sample, search
+from twophase import beam_search, sample
 from twophase.bench import hostsyncs
-from twophase.sbs import stochastic_beam_search
+from twophase.phase1 import search
+from twophase.phase1.sbs import stochastic_beam_search
 from twophase.vocab import EOS
 
 from conftest import tiny_model, toy_batch

@@ -1,5 +1,6 @@
 """Phase two waits for the device at most 8 times per chunk: every chunk's sizes come from a plan read back once
-per batch (`twophase.chunkplan.ChunkPlan`), the tree's per-depth owner layouts are declared on the host (`twophase.owners`),
+per batch (`twophase.phase2.chunkplan.ChunkPlan`), the tree's per-depth owner layouts are declared on the host
+(`twophase.owners`),
 and the chunks' losses are summed on the device. Counted on the CPU by `bench.hostsyncs.count_host_syncs`
 (what a GPU run would wait for), at two chunk sizes, so that the per-batch reads cancel out of the per-chunk
 figure. The counts are printed (pytest -s) and in every assertion's message."""
@@ -114,8 +115,9 @@ def test_hf_phase_two_host_syncs_per_chunk(kind, head):
 def test_planned_tree_shape_and_layouts_are_the_devices():
     """The host's plan of a chunk (prefixtree.shape from the batch's lists) gives the tree the device's own
     reads give, and each depth's declared owner layout is the one fused.groups finds by reading the owners."""
-    from twophase import owners, prefixtree
+    from twophase import owners
     from twophase.models import fused
+    from twophase.phase2 import prefixtree
 
     tokens = torch.tensor([[5, 6, 3, 0], [5, 6, 7, 3], [5, 6, 3, 0], [8, 3, 0, 0], [5, 6, 3, 0], [5, 3, 0, 0]])
     owner, lengths = torch.tensor([0, 0, 0, 0, 1, 2]), torch.tensor([3, 4, 3, 2, 3, 2])

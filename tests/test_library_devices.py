@@ -5,7 +5,7 @@ way a CUDA one does."""
 import torch
 
 from twophase import objectives
-from twophase.sbs import Gumbels
+from twophase.phase1.sbs import Gumbels
 
 META = torch.device("meta")
 
@@ -18,7 +18,7 @@ def test_objectives_move_owners_to_the_scores_device():
 
 
 def test_sbs_and_the_sampler_take_a_generator_on_another_device():
-    from twophase.draw import draw_unchecked
+    from twophase.phase1.truncation import draw_unchecked
     cpu = torch.Generator().manual_seed(0)
     g = Gumbels(2, 3, META, cpu)  # the root's Gumbels drawn on the CPU generator, moved to the search's device
     assert g.perturbed.device == META and g.gumbel((2, 3, 4), META).device == META
@@ -28,7 +28,7 @@ def test_sbs_and_the_sampler_take_a_generator_on_another_device():
 
 def test_a_generator_on_the_same_device_draws_what_it_drew():
     """Drawing on the generator's device and moving is the plain draw where both are the same device."""
-    from twophase.draw import draw_unchecked
+    from twophase.phase1.truncation import draw_unchecked
     probs = torch.rand(4, 50, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     a = draw_unchecked(probs, torch.Generator().manual_seed(1))[0]
     u = torch.rand((4, 1), dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -40,7 +40,8 @@ def test_search_sizes_its_blocks_for_its_device(monkeypatch):
     """The candidate blocks come from `blocks.block_bytes(device, search.BLOCK_BYTES)` (an accelerator's are
     larger), asked with the search's own device and the module's setting, which tests shrink."""
     from conftest import tiny_model, toy_batch
-    from twophase import beam_search, blocks, search
+    from twophase import beam_search, blocks
+    from twophase.phase1 import search
     asked = []
 
     def spy(device, cpu_bytes):

@@ -12,8 +12,8 @@ from conftest import take_grads, tiny_model, toy_batch
 from test_policy_losses import MAX_LEN, _trl_loss
 from test_policy_rescoring import _candidates, _moved
 from twophase import Samples, protocol, rescore_backward
-from twophase.mismatch import MODES, importance_correction, own_token_logps
-from twophase.policy import advantages, policy_loss
+from twophase.objectives.mismatch import MODES, importance_correction, own_token_logps
+from twophase.objectives.policy import advantages, policy_loss
 from twophase.vocab import EOS, PAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")

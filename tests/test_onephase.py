@@ -7,7 +7,7 @@ import torch
 
 from twophase import beam_search, objectives, rescore_backward, sample
 from twophase.bench.seedstyle import SeedStyleSeq2Seq
-from twophase.onephase import one_phase_backward, one_phase_beam_search, one_phase_sample
+from twophase.phase1.onephase import one_phase_backward, one_phase_beam_search, one_phase_sample
 from twophase.vocab import EOS
 
 from conftest import take_grads, tiny_model, toy_batch

@@ -11,7 +11,7 @@ import torch
 from conftest import take_grads, tiny_model, toy_batch
 from test_policy_rescoring import _candidates, _moved
 from twophase import protocol, rescore_backward
-from twophase.policy import advantages, policy_loss, truncated_rows
+from twophase.objectives.policy import advantages, policy_loss, truncated_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAX_LEN = 6

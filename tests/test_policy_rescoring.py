@@ -10,7 +10,7 @@ import torch
 import foreign_models
 from conftest import take_grads, tiny_model, toy_batch
 from twophase import beam_search, protocol, rescore_backward, sample
-from twophase.policy import advantages, policy_loss, zero_std_groups
+from twophase.objectives.policy import advantages, policy_loss, zero_std_groups
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

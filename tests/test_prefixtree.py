@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from twophase import Samples, beam_search, objectives, prefixtree, protocol, rescore_backward, sample
-from twophase.rescoring import shares_prefixes
+from twophase import Samples, beam_search, objectives, protocol, rescore_backward, sample
+from twophase.phase2 import prefixtree
+from twophase.phase2.rescoring import shares_prefixes
 
 from conftest import rnn_graph_mode, tiny_model, toy_batch
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from twophase import Seq2Seq, beam_search
+from twophase.phase2.rescoring import rescore_backward
 from twophase.train.config import parse_chunk, parse_size
 from twophase.system.memory import graph_bytes, rss_bytes
 from twophase.system.profiling import ChunkPlanner, StepProfiler
-from twophase.rescoring import rescore_backward
+from twophase.phase2.rescoring import rescore_backward
 
 from conftest import toy_batch
 
@@ -124,7 +125,7 @@ def test_train_with_profile_and_auto_chunk(tmp_path, capsys):
 def test_budget_includes_the_gradient_copy_of_retried_chunks(monkeypatch):
     """Where phase two retries out-of-memory chunks (CUDA), each chunk's gradient is collected before it is
     added: a copy of the trainable parameters' gradients alive with the chunk's graph, taken off the budget."""
-    from twophase import rescoring
+    from twophase.phase2 import rescoring
 
     model = _model()
     src, lens = toy_batch(lengths=(5, 5, 5))

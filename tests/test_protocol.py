@@ -13,8 +13,9 @@ import torch
 import foreign_models as fm
 from conftest import take_grads
 from foreign_models import NAMES, OBJECTIVES
-from twophase import Samples, beam_search, protocol, rescore_backward, sample, search
-from twophase.onephase import one_phase_backward, one_phase_beam_search, one_phase_sample
+from twophase import Samples, beam_search, protocol, rescore_backward, sample
+from twophase.phase1 import search
+from twophase.phase1.onephase import one_phase_backward, one_phase_beam_search, one_phase_sample
 
 K, MAX_LEN, B = 3, 4, 3
 

@@ -207,8 +207,8 @@ def test_rows_and_coefficients_go_to_the_encoder_outputs_device(monkeypatch):
     """Samples and coefficients made on the CPU (`Samples.from_completions`, rewards computed on the host) for
     a model elsewhere are moved to the device of its encoder output before anything is decoded. The meta device
     stands in for a GPU: the model runs there shape-only, and the plan sees where the rows went."""
-    from twophase import rescoring
     from twophase.models.karel import KarelModel
+    from twophase.phase2 import rescoring
 
     model = KarelModel(12, 4, 4, embed_dim=4, hidden_size=6, channels=(3, 3)).to("meta")
     source = torch.zeros(2, 2, 32, 4, 4, device="meta")

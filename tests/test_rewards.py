@@ -11,7 +11,7 @@ import sacrebleu
 import torch
 
 from twophase import rewards
-from twophase.rewards import RewardError
+from twophase.rewards import RewardError, registry
 
 PAIRS: list[tuple[str, list[str]]] = [
     ("the cat sat on the mat", ["the cat sat on the mat"]),
@@ -268,8 +268,8 @@ def test_every_context_list_has_one_entry_per_hypothesis(context, message) -> No
 
 def test_signature_is_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = rewards.inspect.signature
-    monkeypatch.setattr(rewards.inspect, "signature", lambda fn: calls.append(fn) or real(fn))
+    real = registry.inspect.signature
+    monkeypatch.setattr(registry.inspect, "signature", lambda fn: calls.append(fn) or real(fn))
     reward = rewards.validated(lambda h, r, sources: [0.0] * len(h), "ctx")
     for _ in range(3):
         reward(HYPS, REFS, sources=SOURCES)

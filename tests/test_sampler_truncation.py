@@ -84,7 +84,7 @@ def test_bad_truncation_is_refused():
 def test_truncation_is_generates(top_k, top_p):
     """The tokens `truncate` keeps are those transformers' TopK and TopP warpers keep (a trusted peer)."""
     T = pytest.importorskip("transformers")
-    from twophase.search import truncate
+    from twophase.phase1.search import truncate
     logits = torch.randn(40, 30, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 3
     theirs = logits.clone()
     if top_k is not None:

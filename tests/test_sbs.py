@@ -12,9 +12,11 @@ import torch
 import foreign_models as fm
 from conftest import rnn_graph_mode, take_grads, tiny_model, toy_batch
 from test_protocol import _assert_same, _check_rows, _log_probs, _reference_grads
-from twophase import Samples, estimators, protocol, rescore_backward, sbs, search, stochastic_beam_search
+from twophase import Samples, protocol, rescore_backward, stochastic_beam_search
 from twophase.bench import sbs as bench
-from twophase.onephase import one_phase_backward, one_phase_stochastic_beam_search
+from twophase.objectives import estimators
+from twophase.phase1 import sbs, search
+from twophase.phase1.onephase import one_phase_backward, one_phase_stochastic_beam_search
 from twophase.train import cli
 from twophase.train.config import Config
 from twophase.vocab import EOS, PAD

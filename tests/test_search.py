@@ -6,7 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from twophase import beam_search, sample, search
+from twophase import beam_search, sample
+from twophase.phase1 import search
 from twophase.vocab import EOS, PAD
 
 from conftest import tiny_model, toy_batch

@@ -9,7 +9,7 @@ import torch
 import foreign_models
 from conftest import tiny_model, toy_batch
 from twophase import beam_search, greedy, protocol, sample
-from twophase.onephase import one_phase_beam_search, one_phase_sample
+from twophase.phase1.onephase import one_phase_beam_search, one_phase_sample
 from twophase.samples import Samples
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,7 +37,7 @@ def _searches(model, source):
 
 @pytest.mark.parametrize("compact_at", [2.0, 0.0])
 def test_lstm_search_and_one_phase(compact_at, monkeypatch):
-    from twophase import search
+    from twophase.phase1 import search
     monkeypatch.setattr(search, "COMPACT_AT", compact_at)
     model, source = tiny_model(), toy_batch()
     for s in _searches(model, source):

@@ -20,7 +20,7 @@ from conftest import take_grads  # noqa: E402
 from test_policy_rescoring import _moved  # noqa: E402
 from twophase import protocol, rescore_backward, sample  # noqa: E402
 from twophase.models.hf import HFCausalLM  # noqa: E402
-from twophase.policy import policy_loss  # noqa: E402
+from twophase.objectives.policy import policy_loss  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[5, 6, 7, 8], [10, 11], [4, 8, 11]]
@@ -149,7 +149,7 @@ def test_other_losses_equal_trls(setup, name, beta, mask_truncated):
     """Each of TRL's other loss types and options at a moved policy, with and without the KL term, and with
     TRL's mask_truncated_completions (its zeroed completion mask of rows ending without EOS): TRL's own
     compute_loss gradient and value to 1e-5."""
-    from twophase.policy import truncated_rows
+    from twophase.objectives.policy import truncated_rows
     trainer, wrapper, source, s = setup
     trl_attrs, ours = OPTIONS[name]
     inputs = _inputs(wrapper, source, s, torch.Generator().manual_seed(1))

@@ -1,11 +1,13 @@
-"""Rewards in TRL's signature (`twophase.trlcall`), several rewards with weights (`twophase.rewardsum`), and what
+"""Rewards in TRL's signature (`twophase.rewards.trlstyle`), several rewards with weights
+(`twophase.rewards.weighted`), and what
 the objectives do with a reward's None (NaN): the candidate leaves its source's baseline and set."""
 import math
 
 import pytest
 import torch
 
-from twophase import objectives, rewards, rewardsum
+from twophase import objectives, rewards
+from twophase.rewards import weighted
 from twophase.rewards import RewardError
 
 HYPS = ["a b", "", "c"]
@@ -47,12 +49,12 @@ def test_weighted_sum_is_trls_nansum():
     def two(prompts, completions, **kw):
         return [2.0, 4.0, None]
 
-    total = rewardsum.WeightedSum([rewards.validated(one, "one"), rewards.validated(two, "two")], [1.0, 0.5],
+    total = weighted.WeightedSum([rewards.validated(one, "one"), rewards.validated(two, "two")], [1.0, 0.5],
                                   ["one", "two"])
     out = total(HYPS, REFS, sources=["p"] * 3)
     assert out[:2] == [2.0, 2.0] and math.isnan(out[2])  # a candidate no reward scores: NaN
-    sums = rewardsum.statistics(total.last)
-    got = rewardsum.mean_std(sums, total.names)
+    sums = weighted.statistics(total.last)
+    got = weighted.mean_std(sums, total.names)
     assert got["reward/one/mean"] == 1.0 and got["reward/one/std"] is None  # one value: no std
     assert got["reward/two/mean"] == 3.0 and got["reward/two/std"] == pytest.approx(math.sqrt(2.0))
 
@@ -61,15 +63,15 @@ def test_from_flags(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "mine.py").write_text("def score(prompts, completions, **kw):\n    return [1.0] * len(prompts)\n")
-    assert rewardsum.from_flags("exact", None) is not None and not hasattr(rewardsum.from_flags("exact", None), "last")
-    both = rewardsum.from_flags("exact,mine:score,exact", "1,2,3")
+    assert weighted.from_flags("exact", None) is not None and not hasattr(weighted.from_flags("exact", None), "last")
+    both = weighted.from_flags("exact,mine:score,exact", "1,2,3")
     assert both.names == ["exact", "score", "exact_2"] and both.weights == [1.0, 2.0, 3.0]
     for spec, weights, message in [("exact,", None, "an empty reward name"),
                                    ("exact,edit", "1", "expected 2 finite numbers"),
                                    ("exact,edit", "1,inf", "expected 2 finite numbers"),
                                    ("exact,nope", None, "unknown reward 'nope'")]:
         with pytest.raises(RewardError, match=message):
-            rewardsum.from_flags(spec, weights)
+            weighted.from_flags(spec, weights)
 
 
 OWNER = torch.tensor([0, 0, 0, 1, 1, 2, 2])
@@ -127,7 +129,7 @@ def _trls_advantages(rewards, scale):
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_policy_advantages_treat_none_as_trl(scale):
-    from twophase.policy import advantages
+    from twophase.objectives.policy import advantages
     pytest.importorskip("trl")
     got = advantages(R_GROUPS, OWNER_GROUPS, 4, "mean", scale)
     # TRL's nanstd forms Bessel's correction count / (count - 1) in float32 (an int64 division): 1e-7 relative
@@ -138,7 +140,7 @@ def test_policy_advantages_treat_none_as_trl(scale):
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 @pytest.mark.parametrize("baseline", ["mean", "loo", "none"])
 def test_policy_advantages_of_unscored_rows_are_0_and_the_rest_as_without_them(baseline, scale):
-    from twophase.policy import advantages
+    from twophase.objectives.policy import advantages
     keep = ~torch.isnan(R_GROUPS)
     got = advantages(R_GROUPS, OWNER_GROUPS, 4, baseline, scale)
     want = advantages(R_GROUPS[keep], OWNER_GROUPS[keep], 4, baseline, scale)
@@ -147,7 +149,7 @@ def test_policy_advantages_of_unscored_rows_are_0_and_the_rest_as_without_them(b
 
 
 def test_zero_std_groups_read_the_scored_rewards_only():
-    from twophase.policy import zero_std_groups
+    from twophase.objectives.policy import zero_std_groups
     # one None among different rewards; a single scored one; none scored; all scored, different
     assert zero_std_groups(R_GROUPS, OWNER_GROUPS, 4).tolist() == [False, True, True, False]
     r = torch.tensor([1.0, float("nan"), 1.0, 1.0], dtype=torch.float64)
@@ -155,7 +157,7 @@ def test_zero_std_groups_read_the_scored_rewards_only():
 
 
 def test_sequence_loss_averages_over_the_scored_rows_as_reinforce():
-    from twophase.policy import advantages, policy_loss
+    from twophase.objectives.policy import advantages, policy_loss
     keep = ~torch.isnan(R_GROUPS)
     N = len(R_GROUPS)
     loss = policy_loss(advantages(R_GROUPS, OWNER_GROUPS, 4, "mean", "none"), torch.zeros(N, 3),
@@ -168,7 +170,7 @@ def test_sequence_loss_averages_over_the_scored_rows_as_reinforce():
 
 def test_policy_loss_without_token_scores_says_what_is_missing():
     from twophase import Samples
-    from twophase.policy import policy_loss
+    from twophase.objectives.policy import policy_loss
     s = Samples.from_completions([[4, 5], [6]], [0, 0], pad_id=0, eos_id=1)  # no token_logps
     with pytest.raises(ValueError, match="old_token_logps .*Samples.token_scores.*token_logps"):
         policy_loss(torch.zeros(2, dtype=torch.float64), s.token_scores, lengths=s.lengths)
@@ -183,7 +185,7 @@ SBS_KAPPA = torch.tensor([-1.0, -1.5, float("-inf"), -2.0], dtype=torch.float64)
 def test_sbs_estimators_leave_an_unscored_candidate_out_as_if_removed(objective):
     """A source with a None equals the same source without that candidate; an unscored candidate gets 0; a source
     none of whose candidates is scored gets 0 everywhere (no NaN)."""
-    from twophase import estimators
+    from twophase.objectives import estimators
 
     def coef(r, lp, kappa, owner):
         if objective == "unordered-set":

@@ -4,19 +4,29 @@ Phase one searches (beam or sampling) without a graph; phase two re-decodes the 
 chunks, back-propagating per-sequence coefficients. Any model that follows `SequenceModel` (twophase.protocol)
 can be trained; the built-in LSTM is `twophase.Seq2Seq`. `twophase.fit(twophase.Config(...))` runs what
 `python train.py` runs. See README.md, docs/library.md and docs/python.md.
+
+Laid out by phase (docs/layout.md): `phase1/` the search, `phase2/` the chunked re-decoding and its backward,
+`objectives/` what phase two back-propagates, `rewards/`; the core modules beside them are what both phases share.
 """
-from . import estimators, objectives, policy, rewards, tree, vocab
-from .compiling import Compiled, compiled
-from .modelcheck import check_model
-from .protocol import ModelError, SequenceModel
-from .rescoring import rescore_backward
-from .samples import Samples, best_rows
-from .sbs import stochastic_beam_search
-from .search import beam_search, greedy, sample
+import importlib
+
+from . import _moved
+
+_moved.install()  # first: the old module paths (twophase.search, twophase.rescoring, ...) keep working
+
+from . import nested, objectives, rewards, vocab  # noqa: E402
+from .compiling import Compiled, compiled  # noqa: E402
+from .modelcheck import check_model  # noqa: E402
+from .objectives import estimators, policy  # noqa: E402
+from .phase1.sbs import stochastic_beam_search  # noqa: E402
+from .phase1.search import beam_search, greedy, sample  # noqa: E402
+from .phase2.rescoring import rescore_backward  # noqa: E402
+from .protocol import ModelError, SequenceModel  # noqa: E402
+from .samples import Samples, best_rows  # noqa: E402
 
 __all__ = ["SequenceModel", "ModelError", "check_model", "Seq2Seq", "Samples", "beam_search", "sample", "greedy",
-           "stochastic_beam_search", "rescore_backward", "best_rows", "tree", "vocab", "rewards", "objectives",
-           "estimators", "policy", "compiled", "Compiled", "Config", "fit", "Result"]
+           "stochastic_beam_search", "rescore_backward", "best_rows", "nested", "tree", "vocab", "rewards",
+           "objectives", "estimators", "policy", "compiled", "Compiled", "Config", "fit", "Result"]
 
 
 def __getattr__(name: str):
@@ -34,4 +44,6 @@ def __getattr__(name: str):
     if name == "Result":
         from .train.report import Result
         return Result
+    if f"twophase.{name}" in _moved.MOVED:  # twophase.rescoring without importing it by that name first
+        return importlib.import_module(f"twophase.{name}")
     raise AttributeError(f"module 'twophase' has no attribute {name!r}")

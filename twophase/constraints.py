@@ -6,7 +6,7 @@ Its next-token distribution is the model's renormalised over the tokens the gram
 so search, phase two and validation use it like any model: search never proposes a disallowed token (it has
 probability zero), its scores are p' (the wrapper's own `step`), and phase two differentiates the same p'.
 
-A grammar is three methods on trees of tensors (`twophase.tree`), so search reorders its state as a model's:
+A grammar is three methods on trees of tensors (`twophase.nested`), so search reorders its state as a model's:
     start(owner) -> gstate            the automaton state of N rows (owner (N,): each row's source)
     allowed(gstate) -> (N, V) bool    the tokens that may come next; eos_id where the sequence may end
     advance(gstate, tokens) -> gstate consume tokens (N,)

@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import tree
+from . import nested
+from .phase1.search import beam_search
 from .protocol import ModelError, model_name, num_sources, scoring_mode, step_score
 from .samples import Samples
-from .search import beam_search
 
 STEPS = 3  # decoder steps the rules read: bos, then two tokens of each row's own
 
@@ -69,17 +69,17 @@ def problems(model, source, targets: Samples | None = None) -> list[str]:
 
 def _owner(enc) -> Tensor:
     B = num_sources(enc)
-    return torch.arange(B, device=tree.device_of(enc)).repeat(2)  # (N,) every source twice
+    return torch.arange(B, device=nested.device_of(enc)).repeat(2)  # (N,) every source twice
 
 
 def _rows(value, N: int) -> bool:
     """Every tensor of the state tree leads with its N rows (a state without tensors has nothing to reorder)."""
-    return all(t.dim() > 0 and t.shape[0] == N for t in tree.tensors(value))
+    return all(t.dim() > 0 and t.shape[0] == N for t in nested.tensors(value))
 
 
 def _shapes(model, source) -> list[str]:
     enc = model.encode(source)
-    if not tree.tensors(enc) or tree.tensors(enc)[0].dim() == 0:
+    if not nested.tensors(enc) or nested.tensors(enc)[0].dim() == 0:
         return ["encode returned no tensor with a leading dimension of sources"]
     owner = _owner(enc)
     N = len(owner)
@@ -188,7 +188,7 @@ def _teacher_forced(model, enc, owner: Tensor, prefix: Tensor, rows: Tensor | No
     for t in range(prefix.shape[1]):
         if 0 < t <= len(reorders):
             rows = rows[reorders[t - 1]]
-            state = tree.select_rows(state, reorders[t - 1])
+            state = nested.select_rows(state, reorders[t - 1])
         state, logp = model.step(enc, owner[rows], prefix[rows, t], state)
         out.append(logp)
     return out

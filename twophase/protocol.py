@@ -15,14 +15,14 @@ Three ids and three methods make a model; two optional methods make it faster:
     weighted_score_backward(enc, tokens, owner, coefficients, inputs, collect) -> (loss, grads)
                                                   optional: phase two's chunk done by the model (see below)
     weighted_tree_backward(enc, nodes, inputs, collect) -> (loss, grads)
-                                                  optional: the same over a chunk's prefix tree (`twophase.prefixtree`)
+                                                  optional: the same over a chunk's prefix tree (`phase2.prefixtree`)
 
 `step` (and `advance`) may consume the `state` it is given: the library passes each state to the model once
 and never reads it afterwards, so a model may free its tensors early (the Hugging Face wrappers empty it, so
 that a step holds one copy of a key/value cache rather than the old and the new).
 
 `source` is whatever the task's batches hold: the pair (src, src_lengths) for the built-in `Seq2Seq`, a
-tokenizer's dict, a float tensor of grids. `enc` and `state` are trees (`twophase.tree`): a tensor, tuple, list,
+tokenizer's dict, a float tensor of grids. `enc` and `state` are trees (`twophase.nested`): a tensor, tuple, list,
 dict or dataclass of tensors, of any dtypes and shapes, whose leading dimension is B for `enc` and N for `state`.
 Search reorders `state` by selecting rows; phase two cuts every floating tensor of `enc` out of the graph and
 back-propagates the encoder once per step.
@@ -46,7 +46,7 @@ V-sized logit block once instead of twice): given coefficients c (C,) it returns
 `weighted_tree_backward` does the same for loss = sum_nodes nodes.weights * log p(node's token | its prefix),
 each distinct (source, prefix) of the chunk's rows decoded once; without it, phase two runs `step` depth by
 depth over the tree, unless the model has its own `score` or `weighted_score_backward` (then it scores rows).
-With a token-level objective (`twophase.policy`) the coefficients are a `tokenweights.ChunkLoss` and
+With a token-level objective (`twophase.objectives.policy`) the coefficients are a `tokenweights.ChunkLoss` and
 `nodes.weights` a function of the nodes' log-probabilities: a by-hand path gets each position's weight from
 `tokenweights.weights(c, row, col, dtype)` (a tensor, or a function to call on a block's log-probs, as
 `outputlayer.target_log_probs_and_grads` does) and its loss from `tokenweights.loss` / `weighted_sum`.
@@ -63,7 +63,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from . import tree
+from . import nested
 
 
 class ModelError(ValueError):
@@ -145,7 +145,7 @@ def score(model: SequenceModel, enc: Any, tokens: Tensor, owner: Tensor) -> Tens
 
 
 def num_sources(enc: Any) -> int:
-    return tree.leading_size(enc)
+    return nested.leading_size(enc)
 
 
 @contextlib.contextmanager

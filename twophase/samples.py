@@ -1,8 +1,8 @@
 """`Samples`: candidate rows from phase one (or reference rows for MLE), with their sources and scores.
 
 `token_scores` holds each row's per-token log-probabilities as search computed them (0 past the row's end), so
-that a token-level objective (`twophase.policy`) can take phase one's policy as the old one; `scores` is their
-sum. Hand-made Samples may leave it None.
+that a token-level objective (`twophase.objectives.policy`) can take phase one's policy as the old one; `scores` is
+their sum. Hand-made Samples may leave it None.
 
 Letters: N rows, T longest row.
 """
@@ -28,7 +28,7 @@ class Samples:
     owner: Tensor  # (N,) index of each row's source
     scores: Tensor  # (N,) sum of the tokens' log-probabilities at search time (0 for reference rows)
     token_scores: Tensor | None = None  # (N, T) each position's log-probability at search time, 0 past the end
-    # Stochastic beam search (`twophase.sbs`) only, None otherwise; float64. A part of `cat` without them gets NaN.
+    # Stochastic beam search (`phase1.sbs`) only, None otherwise; float64. A part of `cat` without them gets NaN.
     perturbed: Tensor | None = None  # (N,) each candidate's Gumbel-perturbed score G_y ~ Gumbel(scores)
     threshold: Tensor | None = None  # (N,) kappa of the row's source: the (K+1)-th largest perturbed score of all
     #                                  its sequences (-inf when it has at most K), which all its G_y exceed
@@ -69,7 +69,7 @@ class Samples:
         sampling_token_logps (the same layout, checked as token_logps): the generating engine's own
         log-probabilities where they differ from the trainer's (vLLM, SGLang), kept as `sampling_token_scores`
         for `policy_loss`'s correction of the mismatch (TRL's vllm_importance_sampling_*); token_logps are then
-        the trainer's own (`twophase.mismatch.own_token_logps`).
+        the trainer's own (`twophase.objectives.mismatch.own_token_logps`).
 
         Inconsistent inputs (counts, shapes, ids outside [0, vocab_size), log-probabilities that are positive,
         NaN or missing) raise ValueError in one line naming the argument and the row."""

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..search import beam_search
+from ..phase1.search import beam_search
 from ..vocab import BOS
 
 

@@ -13,11 +13,12 @@ import torch
 from .. import objectives
 from ..system.memory import AllocationPeak, SavedTensorMeter, reset_rss_peak, rss_bytes, rss_peak_bytes
 from ..models.seq2seq import Seq2Seq
-from ..onephase import one_phase_backward, one_phase_beam_search
+from ..phase1.onephase import one_phase_backward, one_phase_beam_search
 from .seedstyle import SeedStyleSeq2Seq
-from ..rescoring import rescore_backward
-from ..search import beam_search
+from ..phase2.rescoring import rescore_backward
+from ..phase1.search import beam_search
 from ..vocab import EOS
+from .seedstyle import SeedStyleSeq2Seq
 
 
 def _reset_peak(device: torch.device) -> int:

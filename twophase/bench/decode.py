@@ -32,7 +32,7 @@ import time
 import torch
 
 from ..compiling import compiled
-from ..search import beam_search, sample
+from ..phase1.search import beam_search, sample
 from . import hf
 
 SHORT = 4  # T0: new tokens of the short run

@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from ..rescoring import rescore_backward
-from ..search import sample
+from ..phase2.rescoring import rescore_backward
+from ..phase1.search import sample
 from ..system import distributed, fsdp
 from ..system.memory import AllocationPeak
 from ..train.klreference import Reference

@@ -37,9 +37,9 @@ import time
 import torch
 
 from .. import objectives
-from ..onephase import one_phase_backward, one_phase_sample
-from ..rescoring import rescore_backward
-from ..search import sample
+from ..phase1.onephase import one_phase_backward, one_phase_sample
+from ..phase2.rescoring import rescore_backward
+from ..phase1.search import sample
 from ..system.memory import AllocationPeak, reset_rss_peak, rss_bytes
 from .peers import grpo_trainer, grpo_trainer_backward, trl_backward
 

@@ -24,12 +24,14 @@ import time
 
 import torch
 
-from .. import estimators, objectives, prefixtree
+from .. import objectives
 from ..models.seq2seq import Seq2Seq
+from ..objectives import estimators
+from ..phase1.sbs import stochastic_beam_search
+from ..phase1.search import beam_search, sample
+from ..phase2 import prefixtree
 from ..protocol import scoring_mode
 from ..samples import Samples
-from ..sbs import stochastic_beam_search
-from ..search import beam_search, sample
 from ..vocab import EOS, PAD
 
 MAX_LEN = 3

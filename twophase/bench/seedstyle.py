@@ -32,7 +32,7 @@ def seed_style_advance(model: Seq2Seq, beam_memory: tuple[Tensor, Tensor], prev:
 
 class SeedStyleSeq2Seq(Seq2Seq):
     """`Seq2Seq`'s parameters with `seed_style_advance` as its state update (`advance`, which `step` and both
-    search loops call), so the loops of `twophase.search` run it unchanged. `init_state` makes the per-beam copy
+    search loops call), so the loops of `twophase.phase1.search` run it unchanged. `init_state` makes the per-beam copy
     of the encoder outputs, once per search, as user code does before its loop; `advance` reuses it while the
     search's owner tensor is the one it was made for."""
 

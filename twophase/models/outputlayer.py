@@ -127,7 +127,7 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
     backward give for an incoming gradient w, without autograd. Phase two knows w (the coefficients) before it
     decodes, so it needs each logit block once, where forward-then-backward computes it twice. Given dw / db,
     the weight and bias gradients are added into them (e.g. the parameters' .grad) instead of fresh tensors.
-    w may also be a function of the log-probabilities (`twophase.tokenweights.PositionWeights`: a token-level
+    w may also be a function of the log-probabilities (`twophase.phase2.tokenweights.PositionWeights`: a token-level
     objective), called once per block with the block's rows and log p; where it has an `entropy(rows)` (an
     entropy bonus's weights), the gradient of those weights times each row's entropy joins in the same block pass
     (one more block-sized tensor), its value handed to `w.add_loss`."""

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from . import deferred, fused, outputlayer
-from .. import tokenweights
+from ..phase2 import tokenweights
 from ..vocab import BOS, EOS, PAD
+from . import deferred, fused, outputlayer
 
 
 def _recording(*tensors: Tensor) -> bool:
@@ -180,7 +180,7 @@ class Seq2Seq(nn.Module):
         return self.score(self.encode((src, src_lengths)), tgt, owner)
 
     def tree_decoder_states(self, enc: Encoded, nodes, weights: deferred.DeferredWeights | None = None) -> Tensor:
-        """Teacher-forced states (M, H), dropout applied, of a `twophase.prefixtree.PrefixTree`'s nodes: depth
+        """Teacher-forced states (M, H), dropout applied, of a `twophase.phase2.prefixtree.PrefixTree`'s nodes: depth
         t's rows are its distinct prefixes, each advanced from its parent's state by the parent's token. With
         `weights`, the LSTM cell's weight gradients are left to it (a few nodes per depth: see `deferred`)."""
         # Every node's input embedding at once: one embedding backward, as in decoder_states.
@@ -220,7 +220,7 @@ class Seq2Seq(nn.Module):
             return tokenweights.loss(c, tok, row), grads
 
     def weighted_tree_backward(self, enc: Encoded, nodes, inputs: list, collect: bool):
-        """`weighted_score_backward` over a prefix tree (`twophase.prefixtree`): every distinct prefix decoded
+        """`weighted_score_backward` over a prefix tree (`twophase.phase2.prefixtree`): every distinct prefix decoded
         once, its log-probability weighted by the summed coefficients of the rows through it. Nodes of weight
         exactly zero (a prefix every candidate of a beam objective shares) skip the output layer."""
         weights = deferred.DeferredWeights()

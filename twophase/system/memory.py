@@ -37,8 +37,8 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from .. import tree
-from ..rescoring import rescore_backward
+from .. import nested
+from ..phase2.rescoring import rescore_backward
 
 MB = 2**20
 _overall: dict[str, dict[str, int]] = {}  # device -> kind -> bytes: the peaks before the last reset
@@ -217,8 +217,8 @@ def graph_bytes(model, source, samples, coefficients: Tensor, chunk_size: int, p
 
     def measured(method):
         def run(enc, *args):
-            inputs = [x for a in args for x in tree.tensors(a if isinstance(a, Tensor) else vars(a))]
-            with SavedTensorMeter(resident + tree.floating(enc) + inputs) as meter:
+            inputs = [x for a in args for x in nested.tensors(a if isinstance(a, Tensor) else vars(a))]
+            with SavedTensorMeter(resident + nested.floating(enc) + inputs) as meter:
                 out = method(enc, *args)
             per_chunk.append(meter.peak_bytes)
             return out

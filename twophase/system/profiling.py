@@ -24,9 +24,10 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
-from .. import rescoring, tree
+from ..phase2 import rescoring
+from .. import nested
 from ..protocol import scoring_mode
-from ..rescoring import chunk_gradients
+from ..phase2.rescoring import chunk_gradients
 from . import memory
 from .memory import MB, SavedTensorMeter, rss_bytes, rss_peak_bytes
 
@@ -122,10 +123,10 @@ class ChunkPlanner:
         rows = samples.select(torch.arange(min(self.probe_rows, len(samples)), device=samples.tokens.device))
         T = int(rows.lengths.max())
         with torch.enable_grad(), scoring_mode(model):
-            boundary = tree.cut_floating(model.encode(source))
+            boundary = nested.cut_floating(model.encode(source))
             params = [p for p in model.parameters() if p.requires_grad]
-            resident = list(model.parameters()) + list(model.buffers()) + tree.floating(boundary)
-            inputs = params + [x for x in tree.floating(boundary) if x.requires_grad]
+            resident = list(model.parameters()) + list(model.buffers()) + nested.floating(boundary)
+            inputs = params + [x for x in nested.floating(boundary) if x.requires_grad]
             ones = torch.ones(len(rows), dtype=torch.float64, device=rows.tokens.device)
             with SavedTensorMeter(resident) as meter:  # phase two's graph, as rescore_backward builds it
                 chunk_gradients(model, boundary, rows.tokens[:, :T], rows.owner, ones, inputs, collect=True)
@@ -134,5 +135,5 @@ class ChunkPlanner:
 
 def _source_size(source) -> float:
     """Elements per source in a batch of sources: what grows when longer sources arrive."""
-    parts = tree.tensors(source)
-    return sum(x.numel() for x in parts) / max(1, tree.leading_size(source)) if parts else 0.0
+    parts = nested.tensors(source)
+    return sum(x.numel() for x in parts) / max(1, nested.leading_size(source)) if parts else 0.0

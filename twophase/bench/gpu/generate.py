@@ -12,7 +12,7 @@ import statistics
 
 import torch
 
-from ...search import sample
+from ...phase1.search import sample
 from .. import hf
 from ..decode import SHORT, generate, twophase
 from ..hostsyncs import count_host_syncs

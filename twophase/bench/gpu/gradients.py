@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from ... import protocol
-from ...rescoring import rescore_backward, shares_prefixes
-from ...search import beam_search
+from ...phase1.search import beam_search
+from ...phase2.rescoring import rescore_backward, shares_prefixes
 from .common import (bitwise_equal, cudnn_retry, deterministic, full_float32, grads, one_line, relative_error,
                      seed_lstm, tiny_hf, tiny_hf_source)
 

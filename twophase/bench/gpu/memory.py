@@ -15,9 +15,9 @@ import statistics
 
 import torch
 
-from ...onephase import one_phase_backward, one_phase_beam_search
-from ...rescoring import rescore_backward
-from ...search import beam_search
+from ...phase1.onephase import one_phase_backward, one_phase_beam_search
+from ...phase1.search import beam_search
+from ...phase2.rescoring import rescore_backward
 from ..__main__ import SEED_CONFIG, SPEED_CONFIG
 from ..cell import _coefficients, train_step
 from ..hostsyncs import count_host_syncs

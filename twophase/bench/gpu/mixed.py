@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ... import protocol
-from ...rescoring import rescore_backward
-from ...search import beam_search
+from ...phase2.rescoring import rescore_backward
+from ...phase1.search import beam_search
 from ...system import precision
 from .common import cudnn_retry, grads, one_line, relative_error, seed_lstm
 

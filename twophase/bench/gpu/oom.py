@@ -21,8 +21,8 @@ import re
 import torch
 
 from ...blocks import block_bytes
-from ...rescoring import rescore_backward
-from ...search import beam_search
+from ...phase2.rescoring import rescore_backward
+from ...phase1.search import beam_search
 from ...system.profiling import ChunkPlanner
 from .common import cudnn_retry, grads, relative_error, seed_lstm, synchronize
 

@@ -1,6 +1,6 @@
 """Hugging Face key/value caches as trees of tensors, and back.
 
-Search reorders a model's state by selecting rows of every tensor in it (`twophase.tree.select_rows`), so the
+Search reorders a model's state by selecting rows of every tensor in it (`twophase.nested.select_rows`), so the
 wrappers keep a decoder's cache as plain tuples, one (keys, values) pair of (N, heads, length, head_dim) tensors
 per layer (cross-attention pairs apart), and rebuild what the model's forward takes around them: a `Cache`
 object (`DynamicCache`, `EncoderDecoderCache`), or the legacy tuples for a 4.x model class that predates them

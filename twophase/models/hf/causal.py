@@ -28,7 +28,8 @@ import inspect
 import torch
 from torch import Tensor
 
-from ... import tokenweights, tree
+from ... import nested
+from ...phase2 import tokenweights
 from ...protocol import scoring_mode, target_mask
 from . import cache, grouped, heads, lora, precision
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
@@ -102,7 +103,7 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         if fed is None:  # prev is bos_id: the prompt's last token was fed by encode
             shared = self._folding is not None
             P = 0 if shared else enc["mask"].shape[1]  # cached positions of a row
-            kv = () if shared else tree.select_rows(enc["kv"], owner)  # (N, heads, P, head_dim) per layer
+            kv = () if shared else nested.select_rows(enc["kv"], owner)  # (N, heads, P, head_dim) per layer
             length = P if self._caches.buffered() else None
             return ({"kv": kv, "length": length, "fed": 0, "shared": shared},
                     log_softmax(enc["last"].index_select(0, owner)))
@@ -179,7 +180,7 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         the rows' copy of the prompts' cache."""
         N, L = inputs.shape
         if kv is None:
-            kv = list(tree.select_rows(enc["kv"], owner))
+            kv = list(nested.select_rows(enc["kv"], owner))
         mask = enc["mask"].index_select(0, owner)  # (N, P)
         mask = torch.cat([mask, mask.new_ones(N, fed + L)], dim=1)  # (N, P + fed + L)
         steps = torch.arange(fed, fed + L, device=inputs.device)
@@ -194,7 +195,7 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         where the rows are K per source in order, else gathered per row."""
         prompt, mask = enc["kv"], enc["mask"]  # (B, heads, P, head_dim) per layer, (B, P)
         if not grouped.blocked(owner, mask.shape[0]):
-            prompt, mask = tree.select_rows(prompt, owner), mask.index_select(0, owner)
+            prompt, mask = nested.select_rows(prompt, owner), mask.index_select(0, owner)
         steps = torch.arange(fed, fed + inputs.shape[1], device=inputs.device)
         positions = enc["next"].index_select(0, owner)[:, None] + steps  # (N, L)
         with self._folding(prefix=prompt, prefix_mask=mask):

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ... import tokenweights
+from ...phase2 import tokenweights
 from .. import outputlayer
 
 # class name -> the name of a (1, V) logit-bias buffer the model adds after lm_head, or None
@@ -154,7 +154,7 @@ def weighted_backward(head: Head, model, hidden: Tensor, tokens: Tensor, mask: T
     """Phase two's chunk (see `twophase.protocol`, `weighted_score_backward`): loss = sum_i c_i log p_i over the
     positions mask (N, T) scores at hidden (N, T, H), plus `extra` (a 0-dim loss term on the same graph: the
     causal LM's first tokens), and its gradients with respect to inputs; without collect they go into .grad.
-    c may be a token-level objective (`twophase.tokenweights.ChunkLoss`): the row's positions are then tokens'
+    c may be a token-level objective (`twophase.phase2.tokenweights.ChunkLoss`): the row's positions are then tokens'
     columns + col_offset (the causal LM's first token is column 0 of its rows)."""
     weight, bias = head.parts(model)
     h, target, valid = _scored_positions(head.hidden(hidden), tokens, mask)

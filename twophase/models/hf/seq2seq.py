@@ -21,7 +21,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from ... import tree
+from ... import nested
 from ...protocol import scoring_mode, target_mask, teacher_forced_inputs
 from . import cache, grouped, heads, lora, precision
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
@@ -72,7 +72,7 @@ class HFSeq2Seq(heads.FastPath, torch.nn.Module):
         length, cross = state.pop("length"), state.pop("cross")
         folded = self._folding is not None and grouped.blocked(owner, enc["hidden"].shape[0]) > 0
         if isinstance(cross, PerSource):  # made per source at the first step: gathered per row where not folded
-            pairs = cross.pairs if folded else tree.select_rows(cross.pairs, owner)
+            pairs = cross.pairs if folded else nested.select_rows(cross.pairs, owner)
         else:  # per row, or nothing yet: a first step that folds makes the cache per source
             pairs, folded = cross, folded and not cross
         past = self._caches.argument(list(state.pop("self")), list(pairs), length)  # state consumed
@@ -146,7 +146,7 @@ class HFSeq2Seq(heads.FastPath, torch.nn.Module):
 
 class PerSource:
     """The cross-attention cache, one (keys, values) pair of (B, heads, S, head_dim) per layer, kept once per
-    source in a search state. Not a tree node (`twophase.tree`), so row selection carries it as it is."""
+    source in a search state. Not a tree node (`twophase.nested`), so row selection carries it as it is."""
 
     def __init__(self, pairs: tuple):
         self.pairs = pairs

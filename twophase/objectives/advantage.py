@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .objectives import group_sum, scored_values
+from .sequence import group_sum, scored_values
 
 
 def advantages(rewards: Tensor, owner: Tensor, num_sources: int, baseline: str = "mean",

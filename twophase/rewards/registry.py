@@ -6,8 +6,9 @@ It may also declare keyword *context*, per-hypothesis lists the caller gives by 
 is the raw source of ``hypotheses[i]``'s example) and whatever extra fields a task's examples carry, e.g.
 ``def reward(hypotheses, references, sources, **fields)``, and ``completion_ids`` where the trainer has them
 (each candidate's ids, up to and including its eos). A function in TRL's signature, ``(prompts, completions,
-...)`` or declaring ``completion_ids``, is called TRL's way instead (``twophase.trlcall``). Each plug-in is passed only the context its signature
-names (all of it with ``**kwargs``), so two-argument rewards keep working whatever the caller knows.
+...)`` or declaring ``completion_ids``, is called TRL's way instead (``twophase.rewards.trlstyle``). Each plug-in is
+passed only the context its signature names (all of it with ``**kwargs``), so two-argument rewards keep working
+whatever the caller knows.
 
 ``get(name)`` resolves a name to a reward, in this order:
 
@@ -32,8 +33,8 @@ from typing import Any, Callable
 
 from rapidfuzz.distance import Levenshtein
 
-from .plugins import PluginError, brief, load_spec
-from .trlcall import Call, is_trl_style
+from ..plugins import PluginError, brief, load_spec
+from .trlstyle import Call, is_trl_style
 
 Reward = Callable[..., list[float]]  # (hypotheses, references, **context) -> one float per hypothesis
 GROUP = "twophase.rewards"
@@ -211,7 +212,7 @@ def _check_inputs(label: str, hypotheses: list[str], references: list[list[str]]
 def validated(fn: Callable[..., Any], label: str) -> Reward:
     """Wrap ``fn`` so that any failure or malformed output becomes a ``RewardError`` naming ``label``; the
     wrapper takes ``(hypotheses, references, **context)`` and passes ``fn`` the context it declares. A function
-    in TRL's signature (``twophase.trlcall``) is called TRL's way, and its None entries become NaN, as those of a
+    in TRL's signature (``trlstyle``) is called TRL's way, and its None entries become NaN, as those of a
     reward that declares ``needs_references`` (for the examples without references)."""
     try:
         params = list(inspect.signature(fn).parameters.values())  # read once, not per call

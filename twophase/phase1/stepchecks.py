@@ -11,8 +11,8 @@ import math
 import torch
 from torch import Tensor
 
-from .draw import NO_MASS
-from .protocol import ModelError, model_name
+from ..protocol import ModelError, model_name
+from .truncation import NO_MASS
 
 
 class Checks:

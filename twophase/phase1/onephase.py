@@ -2,7 +2,7 @@
 
 This is what sequence-level RL costs without twophase, kept for comparison (`--one-phase`, `twophase.bench`):
 `one_phase_beam_search` / `one_phase_sample` / `one_phase_stochastic_beam_search` run the very loops of
-`twophase.search` and `twophase.sbs` (same model functions, same tie-breaking, same generator draws) with gradients
+phase one's `search` and `sbs` (same model functions, same tie-breaking, same generator draws) with gradients
 enabled, so they return the same candidates as phase one
 plus their sequence log-probabilities WITH the graph of the whole search, beam reorders included.
 `one_phase_backward` then back-propagates sum_i c_i log p_i in one go: the same gradient `rescore_backward`
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .protocol import scoring_mode
+from ..protocol import scoring_mode
 from .sbs import _stochastic_beam_search
 from .search import Samples, _beam_search, _finish, _sample
 

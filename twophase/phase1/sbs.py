@@ -12,7 +12,7 @@ phi_i = phi_parent + log p(token i | prefix), Gumbels conditioned on their maxim
 computed in the shifted form the paper's appendix gives, v = T - g_i + log(1 - exp(g_i - Z)),
 G_i = T - max(v, 0) - log(1 + exp(-|v|)). A node's G is then the maximum of the G_y of the sequences below it, so
 keeping the K largest G at each depth (a beam search over G instead of phi) keeps every ancestor of the K largest
-G_y: the result is exactly the Gumbel-top-k of the whole space. The beam machinery is `twophase.search`'s
+G_y: the result is exactly the Gumbel-top-k of the whole space. The beam machinery is `search`'s
 (blocked `advance`/`log_probs`, finished rows, compaction): only the choice of the K extensions differs.
 
 A finished hypothesis has one child, pad_id, at log-probability 0, which the formula hands its own G: it keeps
@@ -23,8 +23,9 @@ prefix's, which is its score, and which phase two's teacher-forced score of the 
 
 The threshold kappa of a source is the (K+1)-th largest G_y of all its sequences: the G_y of the candidates exceed
 it, and q_y = P(G_y > kappa) = 1 - exp(-exp(phi_y - kappa)) is the inclusion probability of priority sampling
-(`twophase.estimators`). A node that is not kept at some depth holds the maximum G of its subtree, so kappa is the
-largest G among all candidate extensions ranked (K+1)-th at some step: the beam of K finds it without an extra row.
+(`twophase.objectives.estimators`). A node that is not kept at some depth holds the maximum G of its subtree, so
+kappa is the largest G among all candidate extensions ranked (K+1)-th at some step: the beam of K finds it without
+an extra row.
 
 Letters: B sources, K candidates per source, N = B*K rows, V vocabulary, n sources of a block.
 """
@@ -33,8 +34,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .protocol import scoring_mode
-from .samples import Samples
+from ..protocol import scoring_mode
+from ..samples import Samples
 from .search import _beam_search, _finish
 
 

@@ -74,7 +74,7 @@ def mean_std(sums: dict[str, float], names: list[str]) -> dict[str, float | None
 def from_flags(spec: str, weights: str | None):
     """The reward `--reward spec [--reward-weights weights]` names: one plug-in, or a WeightedSum of the
     comma-separated plug-ins (weights 1 unless given, one per reward). RewardError (one line) on bad input."""
-    from .rewards import RewardError, get
+    from .registry import RewardError, get
 
     specs = [s.strip() for s in spec.split(",")]
     if not all(specs):

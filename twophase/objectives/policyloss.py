@@ -1,5 +1,5 @@
 """`PolicyLoss`: a token-level objective's loss and d loss / d log p at each position, TRL 1.16's operations
-(`twophase.policy` builds it and writes out the formulas). Per position it reads its row's advantage, old and
+(`twophase.objectives.policy` builds it and writes out the formulas). Per position it reads its row's advantage, old and
 reference log-probabilities and normaliser; at the sequence level, for VESPO, the off-policy and the high-entropy
 masks also its row's sums from phase two's statistics pass (`row_statistic_terms`, `with_row_statistics`).
 
@@ -37,7 +37,7 @@ class PolicyLoss:
     delta: float | None = None  # the clipped types' cap on the unclipped ratio (two-sided clipping)
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
-    correction: Tensor | None = None  # (N, T) the engine-mismatch factor of the policy term (`twophase.mismatch`)
+    correction: Tensor | None = None  # (N, T) the engine-mismatch factor of the policy term (`mismatch`)
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's sequence mask (TRL's name)
     off_policy_base: Tensor | None = None  # (N,) sum_t (sampling - old): the mask's KL is this - sum_t (l - old)
     row_stats: Tensor | None = None  # (N, 5) the statistics pass's sums (sequence level; `row_statistic_terms`)

@@ -1,7 +1,7 @@
 """Phase two's weights d loss / d log p for a token-level objective, read from the log-probabilities it decodes.
 
 With per-sequence coefficients c, every scored position of row i has weight c_i, known before the decode. With
-a token-level objective (`twophase.policy.PolicyLoss`: each position's loss a function of its own current
+a token-level objective (`twophase.objectives.policy.PolicyLoss`: each position's loss a function of its own current
 log-probability), position (r, t) has weight dl_rt/dlogp evaluated at that log-probability, so a by-hand path
 (`outputlayer.target_log_probs_and_grads`) asks for a block's weights once it has the block's log-probs, and
 still computes each logit block once. In a prefix tree a node holds one log-probability that every row through
@@ -22,7 +22,7 @@ from torch import Tensor
 
 class ChunkLoss:
     """A token-level objective over a chunk's rows (`objective` has `terms` and `derivative`, see
-    `twophase.policy.PolicyLoss`)."""
+    `twophase.objectives.policy.PolicyLoss`)."""
 
     def __init__(self, objective):
         self.objective = objective

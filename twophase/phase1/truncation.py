@@ -1,6 +1,6 @@
 """The sampler's law at one step: what ancestral sampling draws from (`truncate`: --min-len, --top-k, --top-p)
 and the draw itself (`draw`: one uniform per row by blocks, in float64). Search's scores stay the model's own
-log-probabilities whatever the truncation (`twophase.search.sample`).
+log-probabilities whatever the truncation (`twophase.phase1.search.sample`).
 
 Letters: N rows, V vocabulary.
 """

@@ -26,7 +26,7 @@ with every normaliser a constant of the whole batch (loss_type):
                                                  u = 1 and beta = 0 today's `objectives.reinforce` coefficients
 
 At the token level dL/dl_rt = scale_r * (d surrogate + beta * d k3) depends on l_rt alone: phase two computes it
-from the log-probabilities it decodes (`twophase.tokenweights`) and back-propagates sum w * l, chunk by chunk,
+from the log-probabilities it decodes (`twophase.phase2.tokenweights`) and back-propagates sum w * l, chunk by chunk,
 exactly. At the sequence level it also depends on the row's sums of l - old and (importance-weighted) k3:
 dL/dl_rt = scale_r * (direct_rt + (d surrogate / d log u * len_r + beta * u * sum_t k3_rt) / len_r). Phase two
 computes those sums first, without a graph, over the same chunks (`row_statistic_terms`), then the exact weights.
@@ -40,7 +40,7 @@ from torch import Tensor
 
 from .advantage import advantages, scored_moments, zero_std_groups  # noqa: F401  (their home before)
 from .mismatch import importance_correction
-from .objectives import group_sum
+from .sequence import group_sum
 from .policyloss import LEVELS, LOG_MIN, LOSS_TYPES, VESPO_DEFAULTS, PolicyLoss  # noqa: F401  (PolicyLoss: its API)
 
 

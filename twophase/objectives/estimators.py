@@ -1,4 +1,4 @@
-"""Unbiased gradient estimators for a sample without replacement (stochastic beam search, `twophase.sbs`), as
+"""Unbiased gradient estimators for a sample without replacement (stochastic beam search, `twophase.phase1.sbs`), as
 per-candidate coefficients: the training loss is L = sum_i c_i log p(y_i | x_owner(i)), as in `objectives`, and
 its gradient estimates -grad E_p[r] / B (the mean over the B sources of the expected reward's gradient).
 
@@ -39,8 +39,8 @@ import math
 import torch
 from torch import Tensor
 
-from .objectives import group_sum, scored_values
-from .sbs import log1mexp
+from ..phase1.sbs import log1mexp
+from .sequence import group_sum, scored_values
 
 STEP, LOW = 0.2, -36.0  # the trapezoid grid in y (see `_grid`)
 BLOCK_ELEMENTS = 2**20  # float64 elements of one of a block's (n, K, M) log-integrands: 8 MiB

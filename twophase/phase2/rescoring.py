@@ -15,7 +15,7 @@ out-of-memory error can be caught and retried (the CPU, whose allocator failures
 each chunk's gradient straight into `.grad` instead, and the output layer's by hand into the same tensors.
 
 Candidates of one source share long prefixes, so by default a chunk is decoded as its rows' prefix tree
-(`twophase.prefixtree`): each distinct (source, prefix) once, weighted by the summed coefficients of the rows
+(`twophase.phase2.prefixtree`): each distinct (source, prefix) once, weighted by the summed coefficients of the rows
 through it; the loss and gradient are the rows' own. Rows are sorted so that those sharing a prefix fall in one
 chunk, and chunks are sized in decoded positions (nodes), so the graph is bounded as before.
 
@@ -24,7 +24,7 @@ A model may do a chunk's forward and backward itself (`weighted_tree_backward` o
 by hand, computing each V-sized logit block once. Otherwise autograd differentiates `step` run depth by depth
 over the tree, or, for a model with its own `score` (perhaps one parallel pass), `score` over the rows.
 
-A token-level objective (`twophase.policy.PolicyLoss`, in place of the coefficients) makes each position's
+A token-level objective (`twophase.objectives.policy.PolicyLoss`, in place of the coefficients) makes each position's
 loss a function of its current log-probability, with every normaliser a constant of the whole batch; the loss
 is still a sum over rows, so the chunks stay exact. Each chunk gets it as a `tokenweights.ChunkLoss`: the by-hand
 paths read each block's weights from the log-probs they have just computed, a tree node's weight summing the
@@ -44,9 +44,10 @@ import contextlib
 import torch
 from torch import Tensor
 
-from . import oom, owners, prefixtree, protocol, tokenweights, tree
+from .. import nested, oom, owners, protocol
+from ..samples import Samples
+from . import prefixtree, tokenweights
 from .chunkplan import ChunkPlan
-from .samples import Samples
 
 
 def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chunk_size: int, profiler=None,
@@ -54,7 +55,7 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
                      stats: dict | None = None) -> float:
     """Accumulate into .grad the gradient of sum_i coefficients[i] * log p(samples.tokens[i] | source[owner[i]]),
     decoding a chunk at a time. Returns the value of that sum. `coefficients` may instead be a token-level
-    objective over the rows (`twophase.policy.policy_loss`): the gradient and value are then its loss's.
+    objective over the rows (`twophase.objectives.policy.policy_loss`): the gradient and value are then its loss's.
 
     With prefix_sharing (where the model decodes through a prefix tree, see `shares_prefixes`), the rows are
     sorted so that each source's rows sharing a prefix are neighbours, and a chunk decodes each distinct
@@ -89,8 +90,8 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
         with section("phase 2: encoder forward"):
             enc = model.encode(source)
         # the rows go where the model computes (samples or coefficients built on the CPU for a model on a GPU)
-        device = tree.device_of(enc)
-        samples, coefficients = tree.map_tensors(lambda x: x.to(device), (samples, coefficients))
+        device = nested.device_of(enc)
+        samples, coefficients = nested.map_tensors(lambda x: x.to(device), (samples, coefficients))
         plan = ChunkPlan(model, samples, prefix_sharing and shares_prefixes(model))
         samples, coefficients = plan.samples, coefficients[plan.order] if plan.tree else coefficients
         if max(plan.owners) >= protocol.num_sources(enc):
@@ -101,7 +102,7 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
         counts = {"rows": len(samples), "chunks": 0, "positions": plan.positions, "nodes": 0}
         if token_level:
             counts.update(tokens=0, clip_low=0, clip_high=0, kl=0.0, entropy=0.0, entropy_tokens=0.0)
-        boundary = tree.cut_floating(enc)
+        boundary = nested.cut_floating(enc)
         if token_level and coefficients.needs_row_statistics():  # the sequence-level ratio's row sums
             with section("phase 2: row statistics"):
                 coefficients = _with_row_statistics(model, boundary, samples, coefficients, plan, chunk_size)
@@ -231,7 +232,7 @@ def shares_prefixes(model) -> bool:
 def _encoder_backward(enc, boundary, sums: dict) -> None:
     """The encoder's graph, once, from the gradients the chunks left at its cut outputs."""
     outputs, grads = [], []
-    for i, (x, leaf) in enumerate(zip(tree.floating(enc), tree.floating(boundary))):
+    for i, (x, leaf) in enumerate(zip(nested.floating(enc), nested.floating(boundary))):
         g = sums[i].to(x.dtype) if i in sums else leaf.grad
         if g is not None and x.requires_grad:
             outputs.append(x)
@@ -243,7 +244,7 @@ def _encoder_backward(enc, boundary, sums: dict) -> None:
 def _bank_boundary_grads(boundary, sums: dict) -> None:
     """Under autocast the encoder outputs, hence their leaves' .grad, are 16-bit: summed over many chunks they
     would round at every addition, so each chunk's share moves into a float32 sum (sums: index -> tensor)."""
-    for i, leaf in enumerate(tree.floating(boundary)):
+    for i, leaf in enumerate(nested.floating(boundary)):
         if leaf.grad is not None and leaf.grad.dtype in (torch.float16, torch.bfloat16):
             g = leaf.grad.float()
             sums[i] = sums[i].add_(g) if i in sums else g
@@ -256,7 +257,7 @@ def _chunk(model, boundary, samples: Samples, coefficients, plan: ChunkPlan, row
     their .grad; returns the sum (0-dim, on the device). With collect, the whole chunk's gradient exists before
     any of it is added (see the module docstring). A token-level objective's statistics go into counts once the
     chunk succeeded. Every size comes from the plan: nothing is read back from the device here."""
-    inputs = params + [x for x in tree.floating(boundary) if x.requires_grad]
+    inputs = params + [x for x in nested.floating(boundary) if x.requires_grad]
     c = coefficients[rows]
     if not isinstance(c, Tensor):
         c = tokenweights.ChunkLoss(c)  # this attempt's loss and statistics (an OOM retry starts afresh)

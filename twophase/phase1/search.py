@@ -2,7 +2,7 @@
 
 Both return `Samples`: candidate rows with their source index (`owner`) and their log-probability under the
 model at search time, which phase two must reproduce exactly (the model's own functions score both, in
-evaluation mode). Any `SequenceModel` works; its `enc` and `state` are trees of tensors (`twophase.tree`).
+evaluation mode). Any `SequenceModel` works; its `enc` and `state` are trees of tensors (`twophase.nested`).
 
 Letters: B sources, K candidates per source, N = B*K rows, T max length, V vocabulary.
 """
@@ -14,12 +14,12 @@ import math
 import torch
 from torch import Tensor
 
-from . import owners, tree
-from .blocks import block_bytes
-from .draw import draw, draw_unchecked, truncate  # noqa: F401  (draw: tests reach it here)
-from .protocol import num_sources, scoring_mode, target_mask
+from .. import nested, owners
+from ..blocks import block_bytes
+from ..protocol import num_sources, scoring_mode, target_mask
+from ..samples import Samples, best_rows  # noqa: F401  (best_rows: re-exported, validation and decode use it)
+from .truncation import draw, draw_unchecked, truncate  # noqa: F401  (draw: tests reach it here)
 from .stepchecks import Checks
-from .samples import Samples, best_rows  # noqa: F401  (best_rows: re-exported, validation and decode use it)
 
 # Beam search runs the decoder on its open hypotheses only once at least this fraction of its B*K rows has
 # finished. Below it, gathering the open rows and their per-row attention reads (the B x K views are lost) cost
@@ -40,7 +40,7 @@ class _Decoder:
     def __init__(self, model, choose=None):
         self.model = model
         # choose(cand (n, K*V), K, sources (n,)) -> ((n, K) scores, (n, K) flat indices): which extensions each
-        # source keeps; beam search keeps the K most probable, stochastic beam search (`twophase.sbs`) others.
+        # source keeps; beam search keeps the K most probable, stochastic beam search (`twophase.phase1.sbs`) others.
         self.choose = choose if choose is not None else _top_k
         self.split = callable(getattr(model, "advance", None)) and callable(getattr(model, "log_probs", None))
         self.last = None
@@ -57,7 +57,7 @@ class _Decoder:
         """(n, V) the model's log-probabilities (not banned) for the rows `rows` of the state `advance` returned
         last, checked (`Checks.finite`)."""
         if self.split:
-            logp = self.model.log_probs(tree.map_tensors(lambda x: x[rows], state))
+            logp = self.model.log_probs(nested.map_tensors(lambda x: x[rows], state))
         else:
             logp = self.last[rows]
         self.checks.finite(self.model, logp)
@@ -126,7 +126,7 @@ def _beam_search(model, source, beam_size: int, max_len: int, choose=None):
     _check_count("beam_size", beam_size)
     _check_count("max_len", max_len, minimum=0)
     enc = model.encode(source)
-    B, K, device = num_sources(enc), beam_size, tree.device_of(enc)
+    B, K, device = num_sources(enc), beam_size, nested.device_of(enc)
     dec = _Decoder(model, None if choose is None else choose(B, K, device))
     owner = owners.repeated(B, K, device)  # (B*K,) K rows per source, in order
     state = model.init_state(enc, owner)
@@ -172,7 +172,7 @@ def _beam_search(model, source, beam_size: int, max_len: int, choose=None):
         token_scores[:, t] = picked.detach().reshape(-1)  # the chosen token's log p (0 extending a finished row)
         done = done[rows] | (prev == model.eos_id)
         at = rows if slot is None else slot[rows]  # (B*K,) each new hypothesis' row of state
-        state = tree.select_rows(state, at)
+        state = nested.select_rows(state, at)
     if scores is None:  # max_len 0
         scores = torch.zeros(B, K, device=device).index_fill_(1, torch.arange(1, K, device=device), float("-inf"))
         token_scores = torch.zeros(B * K, 0, device=device)
@@ -250,7 +250,7 @@ def _compact_step(dec: _Decoder, enc, owner, prev, state, scores: Tensor, done: 
     pos = _positions(open_a, ends[-1])  # (nO,) the open rows' positions among those nA*K
     rows = (act[:, None] * K + torch.arange(K, device=act.device)).reshape(-1)[pos]  # (nO,) their rows in B*K
     owner_o = owners.declare(owner[rows], _runs(open_rows))  # (nO,) its layout, known from the counts
-    state_o = dec.advance(enc, owner_o, prev[rows], tree.select_rows(state, rows))  # nO rows
+    state_o = dec.advance(enc, owner_o, prev[rows], nested.select_rows(state, rows))  # nO rows
     act_scores = scores[act]  # (nA, K)
     top = []
     for j in range(0, len(ends), per_block):  # blocks of sources, as the full step's (rows, V) temporaries
@@ -325,7 +325,7 @@ def _sample(model, source, num_samples: int, max_len: int, temperature: float, g
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     enc = model.encode(source)
-    B, K, device = num_sources(enc), num_samples, tree.device_of(enc)
+    B, K, device = num_sources(enc), num_samples, nested.device_of(enc)
     dec = _Decoder(model)
     owner = owners.repeated(B, K, device)  # (B*K,) K rows per source, in order
     state = model.init_state(enc, owner)

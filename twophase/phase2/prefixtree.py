@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import owners, tree
+from .. import nested, owners
 
 
 @dataclass
@@ -74,7 +74,7 @@ class PrefixTree:
     owner: Tensor  # (M,) long: the node's source
     parent: Tensor  # (M,) long: index of the parent among the previous depth's nodes (0 at depth 0)
     weights: Tensor  # (M,) summed coefficients of the rows through the node, in the coefficients' dtype; for a
-    # token-level objective (`twophase.tokenweights`) the function giving them from the nodes' log-probabilities
+    # token-level objective (`twophase.phase2.tokenweights`) the function giving them from the nodes' log-probabilities
     offsets: list  # T + 1 ints
     positions: int  # token positions the rows score (sum of their lengths): what the rows would decode
     level_owners: list = field(default_factory=list)  # T views of owner, one per depth, layouts declared
@@ -184,7 +184,7 @@ def _nonzero(mask: Tensor, size: int) -> Tensor:
 
 def step_loss(model, enc, nodes: PrefixTree) -> Tensor:
     """sum_nodes weight * log p(node's token | its prefix), with a graph, through the model's `step` only: each
-    depth's states are the previous depth's selected by parent (`tree.select_rows`). Nodes of weight exactly zero
+    depth's states are the previous depth's selected by parent (`nested.select_rows`). Nodes of weight exactly zero
     add nothing (a -inf log-probability there would otherwise make 0 * -inf = nan). With a token-level
     objective's weights, its loss at the nodes' log-probabilities."""
     if callable(nodes.weights):
@@ -194,7 +194,7 @@ def step_loss(model, enc, nodes: PrefixTree) -> Tensor:
     for t in range(nodes.depth):
         here = nodes.level(t)
         owner = nodes.level_owner(t)  # (n_t,)
-        state = model.init_state(enc, owner) if t == 0 else tree.select_rows(state, nodes.parent[here])
+        state = model.init_state(enc, owner) if t == 0 else nested.select_rows(state, nodes.parent[here])
         state, log_probs = model.step(enc, owner, prev[here], state)  # (n_t, V)
         # summed in at least float32: autocast's bf16 log-probabilities would round the weights to 8 bits
         tok = log_probs.gather(1, nodes.tokens[here, None]).squeeze(1)  # (n_t,)
@@ -214,7 +214,7 @@ def step_log_probs(model, enc, nodes: PrefixTree) -> Tensor:
     for t in range(nodes.depth):
         here = nodes.level(t)
         owner = nodes.level_owner(t)  # (n_t,)
-        state = model.init_state(enc, owner) if t == 0 else tree.select_rows(state, nodes.parent[here])
+        state = model.init_state(enc, owner) if t == 0 else nested.select_rows(state, nodes.parent[here])
         state, log_probs = model.step(enc, owner, prev[here], state)  # (n_t, V)
         levels.append(log_probs.gather(1, nodes.tokens[here, None]).squeeze(1))  # (n_t,)
     return torch.cat(levels) if levels else torch.zeros(0, device=nodes.tokens.device)

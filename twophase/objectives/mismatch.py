@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import protocol
+from .. import protocol
 
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 

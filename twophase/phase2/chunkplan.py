@@ -14,8 +14,9 @@ import itertools
 
 import torch
 
-from . import owners, prefixtree, protocol
-from .samples import Samples
+from .. import owners, protocol
+from ..samples import Samples
+from . import prefixtree
 
 
 class ChunkPlan:
