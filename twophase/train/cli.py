@@ -18,7 +18,7 @@ from .start import (batch_warnings, evaluate, init_state, recipe_defaults, refus
 from ..protocol import ModelError
 from .. import plot, rewards, rewardsum
 from ..compiling import compiled
-from .config import PRESETS, Config, OneLineParser, add_config_flags, config_from_args  # noqa: F401 (PRESETS)
+from .config import PRESETS, Config, OneLineParser, _flag, add_config_flags, config_from_args
 from .. import tasks
 from ..tasks.data import DataError
 from .evaluation import score, test_beams
@@ -297,6 +297,10 @@ def resolve(argv: list[str] | None = None, settings: dict | None = None) -> tupl
             refuse(f"--task {named.task}: its flag_defaults name no flag: {', '.join(unknown)}")
     if recipe or layer:
         parser.set_defaults(**{**recipe, **layer})
+    if recipe:  # --help then says whose defaults it shows
+        parser.description += (f" The defaults shown are --task {tasks.default_name(named)}'s own defaults"
+                               + (f" and --preset {named.preset}'s" if named.preset in PRESETS else "")
+                               + f" where they set them ({', '.join(_flag(k) for k in recipe)}).")
     args = parser.parse_args(argv)
     more, start = start_defaults(args)  # --resume: the checkpoint's configuration; --init-from: its model's
     if start is not None and more:  # these become the defaults too, so the file's and the flags given still win

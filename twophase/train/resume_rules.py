@@ -3,36 +3,24 @@
 `--resume` (and `--resume-from FILE`) takes the checkpoint's resolved configuration as its defaults, so a
 forgotten flag is the run's own value. A flag given that would change what the run means (its data, task, model,
 objective, sampler, K, reward, metric, seed, the length of a phase already passed) is refused in one line naming
-the flag and both values; only flags that extend or observe the run may change. A flag not named in `RULES` is
-FIXED: a flag added later is safe by default, and becomes free only by being declared here.
+the flag and both values; only flags that extend or observe the run may change. Each field declares its rule
+(`arg(resume=...)` in `sections`); one that declares none is FIXED: a flag added later is safe by default, and
+becomes free only by being declared so.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import fields
 
-FIXED = "fixed"        # must equal the checkpoint's value
-GROW = "may grow"      # may be raised, never lowered (--rl-steps: a longer RL phase)
-PHASE = "while in it"  # --mle-steps: may change while the MLE phase runs (not below the steps taken); fixed after
-FREE = "free"          # observes or paces the run, or only says where and how fast it computes
+from .config import Config
+from .sections import FIXED, FREE, GROW, PHASE  # noqa: F401 (the rules' names)
 
-RULES = {
-    "mle_steps": PHASE, "rl_steps": GROW,
-    # logging, evaluation and saving cadence
-    "eval_every": FREE, "save_every": FREE, "keep_last": FREE, "log_every": FREE, "tensorboard": FREE, "picture": FREE,
-    "profile_memory": FREE, "compare_mle": FREE, "test": FREE, "export": FREE,
-    "merge_lora": FREE,
-    # resources: the same gradient computed with other memory, speed or precision
-    "threads": FREE, "device": FREE, "rescore_chunk": FREE, "memory_budget": FREE, "no_prefix_sharing": FREE,
-    "one_phase": FREE, "amp": FREE, "max_bad_steps": FREE, "fsdp": FREE, "compile": FREE, "deterministic": FREE,
-    "tf32": FREE,
-    # what this command does with the run
-    "save_dir": FREE, "resume": FREE, "resume_from": FREE, "overwrite": FREE, "eval_only": FREE,
-}
+# Declared on each field (`arg(resume=...)`); a field that declares nothing is FIXED.
+RULES = {f.name: f.metadata["resume"] for f in fields(Config) if f.metadata["resume"] != FIXED}
 # this command's own: where and how this process computes (--compile with --fsdp is refused, so a --compile
 # inherited from an earlier command would refuse every later --resume --fsdp)
-NOT_INHERITED = ("save_dir", "device", "resume", "resume_from", "overwrite", "eval_only", "fsdp", "compile")
-PATHS = ("train", "valid", "test", "hf_model", "init_from")  # compared as files, not strings
+NOT_INHERITED = tuple(f.name for f in fields(Config) if not f.metadata["inherited"])
+PATHS = tuple(f.name for f in fields(Config) if f.metadata["path"])  # compared as files, not strings
 
 
 def rule(name: str) -> str:

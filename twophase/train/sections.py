@@ -1,0 +1,522 @@
+"""The sections of the training configuration: one dataclass per concern, one documented field per flag.
+
+A field (`arg`) carries its flag's help text, default, choices, minimum and parser, and the rule a resumed run
+keeps it by (`resume`: fixed unless declared). A section that does something only under a condition declares it
+once (`only = Only(...)`); so may a single field. `config.Config` joins the sections into one flat record.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, field, fields
+
+FIXED = "fixed"        # must equal the checkpoint's value
+GROW = "may grow"      # may be raised, never lowered (--rl-steps: a longer RL phase)
+PHASE = "while in it"  # --mle-steps: may change while the MLE phase runs (not below the steps taken); fixed after
+FREE = "free"          # observes or paces the run, or only says where and how fast it computes
+
+SET = object()  # Only's value meaning "set": truthy, or for a path, not None
+DEFAULT_BEAM = 5  # validation's and twophase-decode's beam width, one figure so the two agree
+MRT_ALPHA = 0.5  # --mrt-alpha's default; another value with another objective is refused
+
+# --preset NAME: other defaults for a named recipe; flags given on the command line still win.
+PRESETS = {
+    # The long G2P recipe (docs/g2p.md): a bidirectional encoder with dropout, validation-driven MLE (the rate
+    # halving at each validation without a better word accuracy) of at most 16,000 steps, then RL and its
+    # equal-time MLE control.
+    "g2p-long": dict(bidirectional=True, dropout=0.3, mle_steps=16000, lr_decay=0.5, patience=1, min_lr=2.5e-4,
+                     eval_every=500, save_every=500, rl_steps=500, rl_lr=1e-4),
+    # Bunel et al.'s Karel model and schedule, for a GPU (docs/karel.md; GandRL_for_NPS README): IOs2Seq at their
+    # sizes, MLE with Adam at 1e-4 on batches of 128 for 100 epochs of the 10,000 training programs (validated every
+    # 10) at a constant rate, RL from the best validation, then beam-RL with 64 candidates on batches of 16 at 1e-5
+    # for 5 epochs; validation and test beam 64.
+    "karel-paper": dict(karel_model="paper", hidden_size=256, embed_dim=256, karel_channels=64, karel_blocks=2,
+                        karel_pair_dim=512, karel_layers=2, lr=1e-4, mle_batch_size=128, mle_steps=7800,
+                        eval_every=780, save_every=780, rl_lr=1e-5, batch_size=16, beam_size=64, rl_steps=3125,
+                        eval_beam=64, test_beam=0, lr_decay=1.0, rl_from_best=True, save_dir="runs/karel-paper"),
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Only:
+    """Where a section (or a field) does something: while the field `switch` holds `value` (SET: while it is set).
+    A field of it given (differing from its default) where that does not hold is refused with `refusal`, filled
+    with {flag} (the field's), {switch} (the switch's flag), {value} and {actual} (the switch's value)."""
+
+    switch: str
+    value: object = SET
+    refusal: str = "{flag} applies to {switch} {value} only, not {switch} {actual}"
+
+    def holds(self, cfg) -> bool:
+        actual = getattr(cfg, self.switch)
+        if self.value is SET:
+            return bool(actual) if not isinstance(actual, str) else True
+        return actual == self.value
+
+    def message(self, name: str, cfg) -> str:
+        return self.refusal.format(flag=_flag(name), switch=_flag(self.switch), value=self.value,
+                                   actual=getattr(cfg, self.switch))
+
+    def described(self) -> str:
+        if self.value is SET:
+            return f"with {_flag(self.switch)}"
+        if self.value is None:
+            return f"without {_flag(self.switch)}"
+        return f"with {_flag(self.switch)} {self.value}"
+
+
+def arg(default, help: str, choices=None, minimum=None, parse=None, resume=FIXED, only: Only | None = None,
+        inherited=True, path=False, task_reads=True):
+    """A documented field. `parse` converts the flag's text where the annotation's type is not enough; `resume`:
+    its rule on --resume; `only`: where this field alone applies (beyond its section's); `inherited=False`: a
+    resumed run does not take it from its checkpoint (where and how this command computes); `path`: compared as a
+    file on resume; `task_reads=False`: a field of a task-shaping section that no task reads (the trainer's)."""
+    return field(default=default, metadata=dict(help=help, choices=choices, minimum=minimum, parse=parse,
+                                                resume=resume, only=only, inherited=inherited, path=path,
+                                                task_reads=task_reads))
+
+
+def parse_chunk(text: str) -> int | str:
+    """A positive number of rows, or 'auto' (largest chunk within --memory-budget)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of rows or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {text}")
+    return value
+
+
+UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+         "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MB', '1.5g', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in UNITS or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB or 512MB, got {text!r}")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+def check_size(text: str) -> str:
+    parse_size(text)  # refuse now; the config keeps the text the user wrote
+    return text
+
+
+_HF_LSTM = Only("hf_model", None, "--hf-model: {flag} sets the built-in LSTM; a Hugging Face model's size and "
+                                  "dropout are its config's (dropout applies to its MLE steps)")
+_SAPO = Only("loss_type", "sapo", "{flag} applies to {switch} {value} only, not {actual}")
+_ADAPTIVE = Only("use_adaptive_entropy", True, "{flag} applies with {switch} only")
+_HF_SPLIT = Only("hf_model", None, "--hf-model: {flag} splits text for the built-in vocabularies; the model's "
+                                   "tokenizer splits it")
+
+
+@dataclass
+class DataConfig:
+    """The data: which task, its files and how their text is split and limited."""
+
+    task: str | None = arg(None, "what to train on: g2p (CMUdict grapheme-to-phoneme, the default without --train), "
+                                 "tsv (--train/--valid files, the default with --train), an installed "
+                                 "twophase.tasks entry point, or package.module:callable returning a "
+                                 "twophase.tasks.Task", task_reads=False)
+    train: str | None = arg(None, "training TSV (source<TAB>target; repeated sources = several references), or a "
+                                  "prompt table (.jsonl, .json, .csv, .parquet: a prompt column, optional "
+                                  "completion/target references, other columns for the rewards; docs/trl.md); "
+                                  "default: the CMU Pronouncing Dictionary, grapheme-to-phoneme", path=True)
+    valid: str | None = arg(None, "validation TSV, same format; required with --train", path=True)
+    test: str | None = arg(None, "test TSV, same format, evaluated once with the final model at the end of the run "
+                                 "(the built-in data has its own test split)", resume=FREE, path=True)
+    char_source: bool = arg(False, "split TSV sources into characters instead of at spaces", only=_HF_SPLIT)
+    char_target: bool = arg(False, "split TSV targets into characters instead of at spaces", only=_HF_SPLIT)
+    lowercase_source: bool = arg(False, "lower-case sources, in training and decoding (always on for the built-in "
+                                        "data, whose words are lower-case)")
+    max_src_len: int = arg(200, "longest source accepted, in tokens (with --hf-model: the tokenizer's, its special "
+                                "tokens included)", minimum=1)
+    too_long: str = arg("error", "a TSV line longer than --max-src-len, or whose target does not fit in --max-len "
+                                 "with its EOS: 'error' (stop, naming FILE:LINE) or 'skip' (leave out, counted)",
+                        choices=("error", "skip"))
+    valid_size: int = arg(0, "validate on the first N validation sources only (0: all); --task karel generates "
+                             "N validation tasks and a test split of 2N instead (0: 500 and 1,000; docs/karel.md)",
+                          minimum=0, task_reads=False)
+    train_size: int = arg(0, "generated tasks (karel): training programs (0: the task's default)", minimum=0)
+
+
+DataConfig.title, DataConfig.shapes_task = "data", True
+
+
+@dataclass
+class ModelConfig:
+    """The model: the built-in LSTM's sizes, or a Hugging Face model in its place."""
+
+    hf_model: str | None = arg(None, "a local Hugging Face folder (save_pretrained of the model and its tokenizer, "
+                                     "never downloaded) to train instead of the built-in LSTM, on --task tsv's "
+                                     "files: encoder-decoder configs as seq2seq, others as causal LMs (the source "
+                                     "is the prompt); the final model is also saved to <save-dir>/hf_final "
+                                     "(docs/hf.md)", path=True)
+    embed_dim: int = arg(64, "embedding size of source and target tokens", minimum=1, only=_HF_LSTM)
+    hidden_size: int = arg(256, "LSTM hidden size of encoder and decoder", minimum=1, only=_HF_LSTM)
+    bidirectional: bool = arg(False, "bidirectional encoder", only=_HF_LSTM)
+    dropout: float = arg(0.0, "dropout during the MLE warm start (RL always runs without, so both phases score "
+                              "with the same function)", minimum=0.0, only=_HF_LSTM)
+
+
+ModelConfig.title, ModelConfig.shapes_task = "model", True
+
+
+@dataclass
+class KarelConfig:
+    """The Karel task's model and reward (--task karel; docs/karel.md). --hidden-size, --embed-dim and --dropout
+    apply to its model too; the defaults are CPU sizes, --preset karel-paper has the paper's."""
+
+    karel_model: str = arg("pooled", "'pooled' (the pair embeddings max-pooled into one vector before one LSTM "
+                                     "decodes) or 'paper' (Bunel et al.'s IOs2Seq: an LSTM per pair, max-pooled at "
+                                     "every step; sized by the --karel-* flags)", choices=("pooled", "paper"))
+    karel_channels: int = arg(32, "channels of the paper model's residual CNN (even: each world's first "
+                                  "convolution gives half; the paper: 64)", minimum=2)
+    karel_blocks: int = arg(1, "residual blocks of three 3x3 convolutions in the paper model (the paper: 2)",
+                            minimum=0)
+    karel_pair_dim: int = arg(128, "size of each I/O pair's embedding in the paper model (the paper: 512)",
+                              minimum=1)
+    karel_layers: int = arg(2, "LSTM decoder layers of the paper model (the paper: 2)", minimum=1)
+    karel_reward_pairs: str = arg("all", "RL on a training task shown 5 of its 6 pairs: the reward checks all 6 "
+                                         "(Bunel et al.'s released RL command, environment "
+                                         "BlackBoxGeneralization) or the 5 shown (their Consistency environment)",
+                                  choices=("all", "shown"),
+                                  only=Only("task", "karel", "{flag} applies to {switch} {value} only"))
+
+
+KarelConfig.title = "karel"
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on a Hugging Face model (peft; docs/hf.md)."""
+
+    lora_r: int = arg(0, "train LoRA adapters of rank R on the --hf-model instead of every parameter; only they "
+                         "are trained, checkpointed and saved to hf_final (0: no LoRA)", minimum=0,
+                      only=Only("hf_model", SET, "--lora-r adapts a Hugging Face model: it needs --hf-model"))
+    lora_alpha: float = arg(0.0, "LoRA's alpha, the adapters' scale alpha / r (0: 2 r)", minimum=0.0)
+    lora_dropout: float = arg(0.0, "dropout on the adapters' input (MLE steps only: RL scores without dropout)",
+                              minimum=0.0)
+    lora_target_modules: str | None = arg(None, "comma-separated module names to adapt (default: peft's for the "
+                                                "model type, e.g. q,v for T5, c_attn for GPT-2)")
+    merge_lora: bool = arg(False, "hf_final holds the model with the adapters merged into its weights (default: "
+                                  "the adapters alone, for peft's PeftModel.from_pretrained)", resume=FREE)
+
+
+LoraConfig.title, LoraConfig.only = "LoRA", Only("lora_r", SET, "{flag} needs --lora-r")
+LoraConfig.switch = "lora_r"  # the section's own switch: not refused by its condition
+
+
+@dataclass
+class MLEConfig:
+    """The MLE warm start: teacher forcing on the references before RL."""
+
+    mle_steps: int = arg(4000, "teacher-forcing steps on the references before RL (a maximum with --lr-decay; "
+                               "--task g2p: 10,000)", minimum=0, resume=PHASE)
+    mle_batch_size: int = arg(64, "(source, reference) pairs per MLE step", minimum=1)
+    lr: float = arg(2e-3, "Adam learning rate during MLE (its starting value with --lr-decay)", minimum=0.0)
+    lr_decay: float = arg(1.0, "multiply the MLE learning rate by this after --patience validations in a row "
+                               "without a better --best-metric score; a decay below --min-lr ends the MLE phase "
+                               "early (--mle-steps is then a maximum); 1: constant rate, no early stop "
+                               "(--task g2p: 0.5)", minimum=0.0)
+    patience: int = arg(1, "validations without improvement before --lr-decay decays the rate", minimum=1)
+    min_lr: float = arg(2.5e-4, "the MLE phase ends instead of decaying below this rate (--lr-decay)",
+                        minimum=0.0)
+
+
+MLEConfig.title = "MLE warm start"
+
+
+@dataclass
+class SearchConfig:
+    """Phase one: how the candidates are found (beam search, sampling, stochastic beam search), no graph kept."""
+
+    sampler: str = arg("beam", "'beam' search, ancestral 'sample', or 'sbs' (stochastic beam search: K distinct "
+                               "samples without replacement, docs/sbs.md)", choices=("beam", "sample", "sbs"))
+    beam_size: int = arg(8, "candidates per source (beam width or number of samples), K", minimum=1)
+    temperature: float = arg(1.0, "sampling temperature of --sampler sample (scores stay the model's own); "
+                                  "not with --objective reinforce, whose gradient it would bias", minimum=1e-6,
+                             only=Only("sampler", "sample"))
+    max_len: int = arg(32, "longest candidate phase one may produce, EOS included (with --hf-model: in the "
+                           "tokenizer's tokens)", minimum=1)
+    grammar: str = arg("off", "on: every search, score and gradient uses the model renormalised over the tokens the "
+                              "task's grammar allows (no syntax errors; karel: on, its DSL); twophase-decode "
+                              "follows the checkpoint (docs/constraints.md)", choices=("off", "on"))
+    top_k: int = arg(0, "sampling (--sampler sample) draws from the k most probable tokens only (0: all); scores "
+                        "stay the model's own log-probabilities", minimum=0)
+    top_p: float = arg(1.0, "sampling (--sampler sample) draws from the smallest set of tokens whose probability "
+                            "reaches p (nucleus; 1: all); scores stay the model's own", minimum=0.0)
+    min_len: int = arg(0, "sampling (--sampler sample) draws no eos before this many tokens (scores stay the "
+                          "model's own)", minimum=0)
+
+
+SearchConfig.title = "phase one: search"
+
+
+@dataclass
+class RLConfig:
+    """The RL phase: its steps, the sequence-level objective and the reward."""
+
+    rl_steps: int = arg(600, "two-phase RL steps after the warm start", minimum=0, resume=GROW)
+    batch_size: int = arg(32, "sources per RL step", minimum=1)
+    rl_lr: float = arg(2e-4, "Adam learning rate during RL", minimum=0.0)
+    objective: str = arg("beam", "reinforce, beam (expected reward renormalised over the candidates, "
+                                 "Bunel et al. 2018), mrt (minimum risk training, Shen et al. 2016), policy "
+                                 "(token-level clipped ratios and KL, TRL's GRPO losses: docs/policy.md), or with "
+                                 "--sampler sbs: priority (importance weights p/q) or unordered-set (with its "
+                                 "built-in baseline, Kool et al. 2020), both unbiased (docs/sbs.md)",
+                         choices=("reinforce", "beam", "mrt", "policy", "priority", "unordered-set"))
+    baseline: str | None = arg(None, "REINFORCE baseline: none, mean, loo (leave-one-out) or greedy "
+                                     "(self-critical); with --objective reinforce, or policy (none, mean, loo) "
+                                     "(default: mean)", choices=("none", "mean", "loo", "greedy"))
+    mrt_alpha: float = arg(MRT_ALPHA, "MRT sharpness alpha: Q ∝ p^alpha over a source's candidates", minimum=0.0,
+                           only=Only("objective", "mrt"))
+    compare_mle: bool = arg(True, "after RL, continue MLE from the end-of-MLE state at --rl-lr for the RL "
+                                  "phase's training time (CPU time on CPU, wall time on GPU), validate (and test) "
+                                  "it, and report it beside RL: the control RL must beat; adds the RL phase's time "
+                                  "to the run; the final model stays RL's (--no-compare-mle: skip it)", resume=FREE)
+    mle_weight: float = arg(0.0, "lambda of the mixed objective lambda*MLE + (1-lambda)*RL", minimum=0.0)
+    reward: str | None = arg(None, "registered reward plug-in (bleu, chrf, exact, edit, ...) or "
+                                   "package.module:callable (TRL's reward signature works too), or a comma-separated "
+                                   "list of them, summed (--reward-weights); default: the task's (edit for g2p "
+                                   "and tsv)")
+    reward_weights: str | None = arg(None, "the weights of several rewards summed (--reward a,b,c), e.g. "
+                                           "1,0.5,0.5 (default: 1 each); each is logged as reward/<name>/mean, /std")
+    rl_from_best: bool = arg(False, "RL (and --compare-mle's control) start from the parameters and optimizer "
+                                    "state of the best MLE validation (checkpoint_best.pt), not from the last MLE "
+                                    "step (--task karel: on)")
+    include_reference: bool = arg(False, "add each source's references to its candidates (--objective beam), q "
+                                         "renormalised over candidates and references (a reference the beam already "
+                                         "holds counted once), as Bunel et al.'s RL_beam",
+                                  only=Only("objective", "beam"))
+
+
+RLConfig.title = "RL: objective and reward"
+
+
+@dataclass
+class PolicyConfig:
+    """The token-level policy objective: clipped importance ratios, a KL to a frozen reference, entropy terms
+    (TRL's GRPO losses; docs/policy.md)."""
+
+    loss_type: str = arg("dapo", "TRL's loss types (grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo) or "
+                                 "sequence (per-sequence sums, averaged per source)",
+                         choices=("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo", "sequence"))
+    updates_per_generation: int = arg(1, "optimizer steps per phase one (TRL's num_iterations), each a phase two "
+                                         "over the same candidates", minimum=1)
+    clip_epsilon: float = arg(0.2, "the ratio is clipped to [1 - eps, 1 + eps_high]", minimum=0.0)
+    clip_epsilon_high: float | None = arg(None, "the upper clip (DAPO's clip-higher); default: --clip-epsilon",
+                                          minimum=0.0)
+    kl_beta: float = arg(0.0, "weight of the k3 KL to a frozen reference (the end-of-MLE model, or "
+                              "--ref-checkpoint)", minimum=0.0)
+    kl_importance_weighted: bool = arg(True, "the KL term times the importance ratio (TRL's "
+                                             "use_bias_correction_kl)")
+    ref_checkpoint: str | None = arg(None, "the KL reference's parameters (with --kl-beta) from this checkpoint "
+                                           "file instead of the end-of-MLE model")
+    advantage_scale: str = arg("group", "divide advantages by the source's reward std, the batch's, or not "
+                                        "(TRL's scale_rewards)", choices=("group", "batch", "none"))
+    drop_zero_std: bool = arg(False, "sources whose candidates' rewards are all equal leave phase two (DAPO's "
+                                     "dynamic sampling; counted as dropped_groups)")
+    importance_sampling_level: str = arg("token", "the importance ratio per token, or per sequence (GSPO: exp of "
+                                                  "the row's mean log-ratio)", choices=("token", "sequence"))
+    delta: float | None = arg(None, "two-sided clipping, the unclipped ratio capped at delta (clipped loss types; "
+                                    "> 1 + --clip-epsilon-high)", minimum=0.0)
+    sapo_temperature_pos: float = arg(1.0, "the soft gate's temperature of --loss-type sapo where the advantage "
+                                           "is positive", minimum=1e-6, only=_SAPO)
+    sapo_temperature_neg: float = arg(1.05, "the soft gate's temperature of --loss-type sapo elsewhere",
+                                      minimum=1e-6, only=_SAPO)
+    mask_truncated_completions: bool = arg(False, "candidates that end without EOS (cut at --max-len) leave the "
+                                                  "loss and its token count (TRL's flag)")
+    off_policy_mask_threshold: float | None = arg(None, "DeepSeek-V3.2's off-policy sequence mask: a candidate "
+                                                        "with a negative advantage whose mean per-token KL from the "
+                                                        "old policy exceeds this loses its policy term (TRL's "
+                                                        "flag)", minimum=0.0)
+    entropy_coef: float = arg(0.0, "TRL's entropy bonus, the loss minus this times the mean entropy of the scored "
+                                   "positions' next-token distributions (needs the model's by-hand output layer: "
+                                   "the LSTM, the HF wrappers)", minimum=0.0)
+    top_entropy_quantile: float = arg(1.0, "below 1, only the positions whose next-token entropy is in this top "
+                                           "fraction of the batch's keep their policy term (TRL's high-entropy "
+                                           "mask)", minimum=1e-9)
+    use_adaptive_entropy: bool = arg(False, "TRL's adaptive entropy control: --entropy-coef is the initial "
+                                            "coefficient, moved by --entropy-coef-delta after each update (up "
+                                            "where the update's mean entropy is at or below --entropy-target, else "
+                                            "down) and applied only while at or below it")
+    entropy_coef_min: float = arg(0.0, "the adaptive entropy coefficient's lower bound", minimum=0.0,
+                                  only=_ADAPTIVE)
+    entropy_coef_max: float = arg(1.0, "the adaptive entropy coefficient's upper bound", minimum=0.0,
+                                  only=_ADAPTIVE)
+    entropy_coef_delta: float = arg(0.005, "the adaptive entropy coefficient's step per update", minimum=0.0,
+                                    only=_ADAPTIVE)
+    entropy_target: float = arg(0.2, "the adaptive entropy control's target mean entropy in nats per token (over "
+                                     "the loss's tokens, or the high-entropy ones with --top-entropy-quantile)",
+                                minimum=0.0, only=_ADAPTIVE)
+
+
+PolicyConfig.title = "policy objective"
+PolicyConfig.only = Only("objective", "policy")
+
+
+@dataclass
+class PhaseTwoConfig:
+    """Phase two: the candidates re-decoded teacher-forced in chunks over their prefix tree, each chunk's graph
+    back-propagated and freed."""
+
+    rescore_chunk: int | str = arg(128, "phase two re-decodes at most this many candidates at a time; 'auto': "
+                                        "the most whose graph fits in --memory-budget", parse=parse_chunk,
+                                   resume=FREE)
+    memory_budget: str | None = arg(None, "bytes phase two's graph may use with --rescore-chunk auto, e.g. 2GiB",
+                                    parse=check_size, resume=FREE, only=Only("rescore_chunk", "auto"))
+    profile_memory: bool = arg(False, "report time, allocated/peak memory and autograd graph bytes of each part "
+                                      "of a step (encoder, phase one, every phase-two chunk, optimizer step)",
+                               resume=FREE)
+    one_phase: bool = arg(False, "the memory-hungry baseline, for comparison: phase one keeps the graph of every "
+                                 "search step and one backward replaces phase two (same gradient, far more memory)",
+                          resume=FREE)
+    no_prefix_sharing: bool = arg(False, "phase two re-decodes every candidate from its first token instead of "
+                                         "each distinct (source, prefix) once: the same gradient, slower "
+                                         "(for comparison)", resume=FREE)
+
+
+PhaseTwoConfig.title = "phase two: rescoring"
+
+
+@dataclass
+class StepConfig:
+    """Every optimizer step, MLE's and RL's: gradient clipping, accumulation, non-finite steps."""
+
+    clip_norm: float = arg(1.0, "clip the gradient norm to this (0: no clipping)", minimum=0.0)
+    grad_accum: int = arg(1, "batches whose gradients are accumulated before one optimizer step: N batches of B "
+                             "give the gradient of one batch of N*B exactly", minimum=1)
+    max_bad_steps: int = arg(5, "non-finite losses/gradients skipped in a row before the run stops with a "
+                                "crash checkpoint", minimum=0, resume=FREE)
+
+
+StepConfig.title = "steps (both phases)"
+
+
+@dataclass
+class EvaluationConfig:
+    """Validation and test: when, with which beam, and the score that picks the best checkpoint."""
+
+    test_beam: int = arg(0, "also decode the test split with this beam width (its scores as key@K, e.g. "
+                            "generalization@64); 0: --eval-beam only (--task karel: 64, the paper's)", minimum=0)
+    eval_every: int = arg(500, "validate every N steps (and at the end of each phase)", minimum=1, resume=FREE)
+    eval_beam: int = arg(DEFAULT_BEAM, "beam width when decoding for validation and test (1: greedy); "
+                                       "twophase-decode's default is the same", minimum=1)
+    best_metric: str = arg("auto", "validation score that picks checkpoint_best.pt, saved at every validation "
+                                   "that improves it: one of the task's metrics (g2p: word_acc, wer, per; tsv: "
+                                   "word_acc (sequence accuracy), per (token error rate)), or reward; auto: the "
+                                   "task's main metric (word_acc for g2p, reward for tsv)")
+
+
+EvaluationConfig.title = "evaluation"
+
+
+@dataclass
+class RunConfig:
+    """The run: its recipe and seed, its directory, checkpoints and logs, and what this command does with it
+    (continue, start from, evaluate, export; docs/runs.md)."""
+
+    preset: str | None = arg(None, "a named recipe that sets other defaults (the flags given still win): "
+                                   "g2p-long (docs/g2p.md), karel-paper (docs/karel.md)", choices=tuple(PRESETS))
+    tensorboard: bool = arg(False, "also write the metrics as TensorBoard scalars to <save-dir>/tensorboard "
+                                   "(needs the tensorboard package: pip install 'twophase[tb]')", resume=FREE)
+    picture: bool = arg(True, "at the end of the run draw <save-dir>/curves.png: the arms from the branch point "
+                              "on (RL against MLE continued), then the whole run (needs matplotlib: pip install "
+                              "'twophase[plot]'; the environment variable TWOPHASE_PICTURE=off turns it off too)",
+                        resume=FREE)
+    log_every: int = arg(100, "when stdout is not a terminal (no progress bar), print a progress line every N "
+                              "steps (0: never)", minimum=0, resume=FREE)
+    seed: int = arg(1, "seed of every random number generator")
+    save_dir: str | None = arg(None, "where checkpoints and metrics.jsonl are written (default: runs/<task>: "
+                                     "runs/g2p, runs/tsv, runs/karel, or the custom task's name); a directory that "
+                                     "holds another run is refused unless --resume or --overwrite", resume=FREE,
+                               inherited=False)
+    save_every: int = arg(500, "write checkpoint_last.pt (and a step checkpoint) every N steps, and at the end "
+                               "of each phase", minimum=1, resume=FREE)
+    keep_last: int = arg(2, "step checkpoints kept besides checkpoint_last.pt and checkpoint_best.pt", minimum=0,
+                         resume=FREE)
+    resume: bool = arg(False, "continue from <save-dir>/checkpoint_last.pt; its flags are the defaults, and a flag "
+                              "that would change the run (data, model, objective, K, reward, seed, a finished "
+                              "phase) is refused; --rl-steps may grow (docs/runs.md)", resume=FREE, inherited=False)
+    overwrite: bool = arg(False, "start afresh in a --save-dir that holds a run, deleting what that run wrote "
+                                 "(checkpoints, logs, config.json, hf_final, after_step<N>/, tensorboard events), "
+                                 "nothing else", resume=FREE, inherited=False)
+    resume_from: str | None = arg(None, "continue the run from this checkpoint (checkpoint_crash.pt, a step "
+                                        "checkpoint, checkpoint_best.pt) in its own directory; checkpoints of "
+                                        "later steps are moved to <save-dir>/after_step<N>/, never deleted",
+                                  resume=FREE, inherited=False)
+    init_from: str | None = arg(None, "start a new run (step 0, a fresh optimizer) from this checkpoint's model "
+                                      "weights, e.g. RL from an MLE run's checkpoint_best.pt; its model-shape "
+                                      "flags are the defaults, other values are refused", path=True)
+    eval_only: bool = arg(False, "evaluate the checkpoint of --resume, --resume-from or --init-from on the "
+                                 "validation and test data, print the table, write nothing", resume=FREE,
+                          inherited=False)
+    export: str = arg("last", "the model a task's own export holds (--hf-model's <save-dir>/hf_final): the run's "
+                              "last, or its checkpoint_best.pt", choices=("last", "best"), resume=FREE)
+
+
+RunConfig.title = "run: directory, checkpoints, logs"
+
+
+@dataclass
+class SystemConfig:
+    """Where and how the run computes: device, threads, precision, compilation, sharding. The same training
+    whatever they are, up to rounding."""
+
+    device: str = arg("auto", "cpu, cuda, cuda:N, mps, or auto (cuda where available); under torchrun each "
+                      "process takes cuda:LOCAL_RANK", resume=FREE, inherited=False)
+    deterministic: bool = arg(False, "CUDA's deterministic algorithms (torch.use_deterministic_algorithms, "
+                                     "CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN deterministic): repeated GPU runs, "
+                                     "--resume and torchrun give the same bits, at some speed; the CPU is "
+                                     "deterministic without it", resume=FREE)
+    tf32: bool = arg(False, "let CUDA float32 matmuls and convolutions use TF32 tensor cores (Ampere on): faster, "
+                            "~1e-3 relative rounding, so search scores match phase two's log-probabilities only "
+                            "to that; default off: full float32", resume=FREE)
+    threads: int = arg(0, "CPU threads for torch; 0 (auto): 1 below --hidden-size 512 (--hf-model: the model's "
+                          "hidden size), whose small matrices gain little from more and stall when another process "
+                          "is busy on the machine, else torch's default (one per core); OMP_NUM_THREADS, where "
+                          "set, is left to decide", minimum=0, resume=FREE)
+    fsdp: bool = arg(False, "under torchrun: shard parameters, gradients and Adam's moments over the processes "
+                            "(PyTorch FSDP2); a step gathers the parameters once; docs/distributed.md",
+                     resume=FREE, inherited=False)
+    amp: str = arg("off", "automatic mixed precision of both phases and the MLE steps: matmuls in bf16 or fp16 "
+                          "under torch.autocast, parameters, gradients and log-softmax in float32; fp16 (with "
+                          "loss scaling) needs CUDA, bf16 runs on CPU and CUDA", choices=("off", "bf16", "fp16"),
+                   resume=FREE)
+    compile: str = arg("off", "phase one's decode step (search, validation) through torch.compile: on (inductor), "
+                              "or aot_eager / eager (dynamo's tracing without code generation, to check that a "
+                              "model traces); phase two stays eager; where compiling fails the run goes on "
+                              "eagerly after one warning line (docs/compile.md)",
+                       choices=("off", "on", "aot_eager", "eager"), resume=FREE, inherited=False)
+
+
+SystemConfig.title = "system"
+
+
+# The sections, in the order --help prints them: {view name: section class}.
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "karel": KarelConfig, "lora": LoraConfig, "mle": MLEConfig,
+            "search": SearchConfig, "rl": RLConfig, "policy": PolicyConfig, "phase_two": PhaseTwoConfig,
+            "steps": StepConfig, "evaluation": EvaluationConfig, "run": RunConfig, "system": SystemConfig}
+
+SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}  # field -> its section's name
+FIELDS = {f.name: f for cls in SECTIONS.values() for f in fields(cls)}
+assert len(FIELDS) == sum(len(fields(cls)) for cls in SECTIONS.values()), "a field in two sections"
+
+
+def only_conditions(name: str) -> tuple[Only, Only | None]:
+    """The condition of a field's section (None: it always applies) and its own (`arg(only=...)`, or None)."""
+    return getattr(SECTIONS[SECTION_OF[name]], "only", None), FIELDS[name].metadata.get("only")
+
+
+def section_fields(name: str) -> tuple[str, ...]:
+    """The field names of section `name`, in the section's order."""
+    return tuple(f.name for f in fields(SECTIONS[name]))
