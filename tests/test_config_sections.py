@@ -127,3 +127,30 @@ def test_the_resume_rules_are_the_fields_declarations():
     assert set(resume_rules.NOT_INHERITED) == {"save_dir", "device", "resume", "resume_from", "overwrite",
                                                "eval_only", "fsdp", "compile"}
     assert config_rules.section_fields("lora")[0] == "lora_r"
+
+
+def test_a_task_receives_its_own_settings_only(monkeypatch):
+    from twophase import tasks
+    seen = []
+
+    class Probe(tasks.Task):
+        def __init__(self, settings):
+            super().__init__()
+            seen.append(settings)
+
+    monkeypatch.setattr(tasks, "get", lambda name: Probe)
+    tasks.build(Config(hidden_size=12, beam_size=3, max_len=9, lora_r=2), "probe")
+    [settings] = seen
+    assert isinstance(settings, config.TaskConfig)
+    assert (settings.hidden_size, settings.max_len, settings.lora_r, settings.train) == (12, 9, 2, None)
+    with pytest.raises(AttributeError, match="beam_size .*the search section's"):
+        settings.beam_size  # the trainer's, not the task's
+    names = set(settings.__dataclass_fields__)
+    assert names == {n for s in ("data", "model", "karel", "lora") for n in config.section_fields(s)} | {"max_len"}
+
+
+def test_the_shaping_flags_are_the_data_and_model_sections():
+    # today's hand list, frozen: the fields of the data and model sections but --task and --valid-size
+    assert config.SHAPING_FLAGS == {"train", "valid", "test", "char_source", "char_target", "lowercase_source",
+                                    "max_src_len", "too_long", "train_size", "hf_model", "embed_dim", "hidden_size",
+                                    "bidirectional", "dropout"}

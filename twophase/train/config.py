@@ -18,7 +18,8 @@ from . import config_rules
 from .sections import (DataConfig, EvaluationConfig, KarelConfig, LoraConfig, MLEConfig, ModelConfig,  # noqa: F401
                        PhaseTwoConfig, PolicyConfig, RLConfig, RunConfig, SearchConfig, StepConfig, SystemConfig,
                        DEFAULT_BEAM, FIXED, FREE, GROW, MRT_ALPHA, PHASE, PRESETS, SECTION_OF, SECTIONS, SET,
-                       UNITS, FIELDS, Only, arg, check_size, only_conditions, parse_chunk, parse_size)
+                       SHAPING_FLAGS, TASK_EXTRA, TASK_SECTIONS, UNITS, FIELDS, Only, arg, check_size,
+                       only_conditions, parse_chunk, parse_size, section_fields)
 
 
 # Config's fields in their stored order: the keys of asdict(cfg), of every checkpoint's "config" and of
@@ -50,6 +51,10 @@ class _Views:
         cls = SECTIONS[name]
         return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 
+    def for_task(self):
+        """What a task reads (`TaskConfig`): the data, model, karel and lora sections and --max-len."""
+        return TaskConfig(**{name: getattr(self, name) for name in TASK_FIELDS})
+
     @property
     def reinforce_baseline(self) -> str:
         """The baseline REINFORCE uses: --baseline, or mean where it was not given (None)."""
@@ -79,6 +84,29 @@ def _make_config():
 
 
 Config = _make_config()
+
+TASK_FIELDS = tuple(n for n in ORDER if SECTION_OF[n] in TASK_SECTIONS or n in TASK_EXTRA)
+
+
+class _TaskViews:
+    def __getattr__(self, name: str):  # only for names that are not fields
+        if name in FIELDS:
+            raise AttributeError(f"TaskConfig has no {name} (--{name.replace('_', '-')}, the {SECTION_OF[name]} "
+                                 f"section's): a task reads the {', '.join(TASK_SECTIONS)} sections and "
+                                 f"{', '.join(TASK_EXTRA)}")
+        raise AttributeError(f"TaskConfig has no attribute {name!r}")
+
+
+def _make_task_config():
+    specs = [(n, FIELDS[n].type, field(default=FIELDS[n].default, metadata=FIELDS[n].metadata)) for n in TASK_FIELDS]
+    cls = make_dataclass("TaskConfig", specs, bases=(_TaskViews,), frozen=True)
+    cls.__module__ = __name__
+    cls.__doc__ = ("The settings a task reads, as `Config` names them: the fields of TASK_SECTIONS and TASK_EXTRA "
+                   "(`Config.for_task()`).")
+    return cls
+
+
+TaskConfig = _make_task_config()
 
 
 def _typed(f, kind):

@@ -520,3 +520,14 @@ def only_conditions(name: str) -> tuple[Only, Only | None]:
 def section_fields(name: str) -> tuple[str, ...]:
     """The field names of section `name`, in the section's order."""
     return tuple(f.name for f in fields(SECTIONS[name]))
+
+
+# What a task reads (`Task.__init__(settings)`): these sections and the longest candidate its targets must fit in.
+TASK_SECTIONS = ("data", "model", "karel", "lora")
+TASK_EXTRA = ("max_len",)
+# The flags that shape a task's data or its model: the fields of the sections that declare `shapes_task` (data,
+# model), less those no task reads (the trainer's). Each task declares in `Task.flags` those it reads; the others,
+# given, are refused naming the flag and the task (a flag that does nothing is worse than an error). Every other
+# flag is the trainer's and never refused there, so a new trainer flag needs no task's consent.
+SHAPING_FLAGS = frozenset(f.name for cls in SECTIONS.values() if getattr(cls, "shapes_task", False)
+                          for f in fields(cls) if f.metadata["task_reads"])

@@ -11,12 +11,11 @@ from dataclasses import fields
 import torch
 
 from . import distributed
-from .config import Config
+from .config import SHAPING_FLAGS, Config
 from .config_rules import _flag
 from ..modelcheck import check_model
 from ..rewards import needs_references
 from ..samples import Samples
-from ..tasks.base import SHAPING_FLAGS
 from ..vocab import pad_targets
 
 
