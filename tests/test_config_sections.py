@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from twophase.train import cli, config, config_rules, resume_rules
+from twophase.train import cli, config, configrules, resume_rules
 from twophase.train.config import SECTIONS, Config
 
 # asdict(Config()) as train.py wrote it into every checkpoint before the config had sections: frozen here, so a
@@ -78,7 +78,7 @@ def test_help_prints_the_sections_as_groups_with_the_tasks_defaults(capsys):
     assert grouped == set(FROZEN_KEYS)
 
 
-# (the Config, the one line today's checks raised), each from config_rules before its checks were declared
+# (the Config, the one line today's checks raised), each from the checks before its checks were declared
 REFUSALS = [
     (dict(task="tsv", train="t", valid="v", karel_reward_pairs="shown"),
      "--karel-reward-pairs applies to --task karel only"),
@@ -126,7 +126,7 @@ def test_the_resume_rules_are_the_fields_declarations():
         resume_rules.PHASE
     assert set(resume_rules.NOT_INHERITED) == {"save_dir", "device", "resume", "resume_from", "overwrite",
                                                "eval_only", "fsdp", "compile"}
-    assert config_rules.section_fields("lora")[0] == "lora_r"
+    assert configrules.section_fields("lora")[0] == "lora_r"
 
 
 def test_a_task_receives_its_own_settings_only(monkeypatch):

@@ -14,7 +14,7 @@ import math
 import sys
 from dataclasses import MISSING, field, fields, make_dataclass
 
-from . import config_rules
+from . import configrules
 from .sections import (DataConfig, EvaluationConfig, KarelConfig, LoraConfig, MLEConfig, ModelConfig,  # noqa: F401
                        PhaseTwoConfig, PolicyConfig, RLConfig, RunConfig, SearchConfig, StepConfig, SystemConfig,
                        DEFAULT_BEAM, FIXED, FREE, GROW, MRT_ALPHA, PHASE, PRESETS, SECTION_OF, SECTIONS, SET,
@@ -62,11 +62,11 @@ class _Views:
 
     def validate(self) -> None:
         """Cross-field checks the parser cannot express (`configrules.validate`); ValueError naming the flag."""
-        config_rules.validate(self)
+        configrules.validate(self)
 
     def warnings(self) -> list[str]:
         """Configurations that train, but not what the user probably means (`configrules.warnings`)."""
-        return config_rules.warnings(self)
+        return configrules.warnings(self)
 
 
 def _view(name: str) -> property:
