@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from twophase.train import cli, config, configrules, resume_rules
+from twophase.train import cli, config, resume_rules
+from twophase.train.config import rules as configrules
 from twophase.train.config import SECTIONS, Config
 
 # asdict(Config()) as train.py wrote it into every checkpoint before the config had sections: frozen here, so a

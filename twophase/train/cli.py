@@ -13,7 +13,8 @@ from dataclasses import fields
 
 import torch
 
-from . import configfile, distributed, fsdp, rundir, runs
+from . import distributed, fsdp, rundir, runs
+from .config import file as configfile
 from .build import (PROG, UsageError, build, compile_step, cpu_threads, pick_device,  # noqa: F401 (cli's names
                     resolve_best_metric)                                         # for decode and tests)
 from .start import StartupError, evaluate, flags_given, recipe_defaults, start_defaults

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 
-from . import cli, configfile, distributed
+from . import cli, distributed
+from .config import file as configfile
 from .build import reward_specs, spec_of
 from .config import Config
 from .report import Result

@@ -1,3 +1,3 @@
-"""Moved: `twophase.train.configrules` (the resume rules, declared on the configuration's fields)."""
-from .configrules import (FIXED, FREE, GROW, NOT_INHERITED, PATHS, PHASE, RULES, check, inherited,  # noqa: F401
+"""Moved: `twophase.train.config.rules` (the resume rules, declared on the configuration's fields)."""
+from .config.rules import (FIXED, FREE, GROW, NOT_INHERITED, PATHS, PHASE, RULES, check, inherited,  # noqa: F401
                           rule, same, show)

@@ -14,10 +14,11 @@ from dataclasses import fields
 
 import torch
 
-from . import configrules, distributed, rundir, runs
+from . import distributed, rundir, runs
 from .. import tasks
 from .config import PRESETS, SHAPING_FLAGS, Config
-from .configrules import _flag
+from .config import rules as configrules
+from .config.rules import _flag
 from .evaluation import validate
 from ..modelcheck import check_model
 from ..rewards import needs_references

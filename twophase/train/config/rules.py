@@ -17,8 +17,8 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
-from .sections import (FIELDS, FIXED, FREE, GROW, MRT_ALPHA, PHASE, SECTIONS, _flag,  # noqa: F401 (names used
-                       only_conditions, section_fields)                                # by importers of these)
+from .documented import FIXED, FREE, GROW, MRT_ALPHA, PHASE, _flag  # noqa: F401 (the rules' names, for importers)
+from .sections import FIELDS, SECTIONS, only_conditions, section_fields  # noqa: F401 (SECTIONS: for importers)
 
 WITHOUT_REPLACEMENT = ("priority", "unordered-set")  # the objectives that need --sampler sbs
 

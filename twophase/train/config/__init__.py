@@ -1,5 +1,9 @@
 """Training configuration: sections of documented fields, and the flat `Config` built from them.
 
+The package: `documented` (what a documented field and a condition are), `sections` and `runsections` (the sections),
+this module (`Config`, its views and its flags), `rules` (the checks across fields and the resume rules), `file`
+(`--config FILE` and `--print-config`).
+
 Each section is a dataclass whose fields carry their flag's help text, type, default, valid range and resume rule
 (`arg`); a section that only applies under a condition declares it once (`Only`), and `configrules` refuses a field
 of it given where the condition does not hold. The flat `Config` holds every section's fields under their own names
@@ -14,12 +18,13 @@ import math
 import sys
 from dataclasses import MISSING, field, fields, make_dataclass
 
-from . import configrules
-from .sections import (DataConfig, EvaluationConfig, KarelConfig, LoraConfig, MLEConfig, ModelConfig,  # noqa: F401
-                       PhaseTwoConfig, PolicyConfig, RLConfig, RunConfig, SearchConfig, StepConfig, SystemConfig,
-                       DEFAULT_BEAM, FIXED, FREE, GROW, MRT_ALPHA, PHASE, PRESETS, SECTION_OF, SECTIONS, SET,
-                       SHAPING_FLAGS, TASK_EXTRA, TASK_SECTIONS, UNITS, FIELDS, Only, arg, check_size,
-                       only_conditions, parse_chunk, parse_size, section_fields)
+from . import rules as configrules
+from .documented import (DEFAULT_BEAM, FIXED, FREE, GROW, MRT_ALPHA, PHASE, PRESETS, SET, UNITS, Only,  # noqa: F401
+                     arg, check_size, parse_chunk, parse_size)
+from .runsections import EvaluationConfig, PhaseTwoConfig, RunConfig, StepConfig, SystemConfig  # noqa: F401
+from .sections import (FIELDS, SECTION_OF, SECTIONS, SHAPING_FLAGS, TASK_EXTRA, TASK_SECTIONS,  # noqa: F401
+                       DataConfig, KarelConfig, LoraConfig, MLEConfig, ModelConfig, PolicyConfig, RLConfig,
+                       SearchConfig, only_conditions, section_fields)
 
 
 # Config's fields in their stored order: the keys of asdict(cfg), of every checkpoint's "config" and of
