@@ -33,10 +33,12 @@ from .trainer import Trainer
 def build_parser() -> OneLineParser:
     parser = OneLineParser(prog=PROG, description="MLE warm start, then two-phase sequence-level RL.")
     add_config_flags(parser)
-    parser.add_argument("--config", metavar="FILE", help="a .yaml or .json file of these flags' values (their "
+    files = parser.add_argument_group("configuration file", "Defaults from a file, and the resolved configuration "
+                                      "shown (docs/python.md).")
+    files.add_argument("--config", metavar="FILE", help="a .yaml or .json file of these flags' values (their "
                         "names, e.g. rescore_chunk: 128), the defaults of this command: the flags given still win; "
                         "a run's own <save-dir>/config.json reproduces that run (docs/python.md)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML "
+    files.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML "
                         "that --config reads, and exit without training or writing anything")
     return parser
 

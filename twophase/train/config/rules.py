@@ -26,20 +26,17 @@ WITHOUT_REPLACEMENT = ("priority", "unordered-set")  # the objectives that need 
 def refuse_inert(cfg, names, own: bool = True) -> None:
     """The one rule behind every "applies to X only": a field of `names` given (differing from its default) where
     its condition does not hold would do nothing, so it is refused with the condition's one line. `own`: the
-    fields' own conditions (`arg(only=...)`); False: their section's (`Section.only`, the section's switch
-    exempt). Called where today's order of checks puts each, so the first refusal stays the same."""
+    fields' own conditions (`arg(only=...)`); False: their section's (`Section.only`; the switch itself, a field
+    of its section such as --lora-r, is exempt). Called where today's order of checks puts each, so the first
+    refusal stays the same."""
     defaults = {f.name: f.default for f in fields(cfg)}
     for name in names:
         section, field_only = only_conditions(name)
         only = field_only if own else section
-        if only is None or (not own and name == getattr(_section_of(name), "switch", None)):
+        if only is None or name == only.switch:
             continue
         if getattr(cfg, name) != defaults[name] and not only.holds(cfg):
             raise ValueError(only.message(name, cfg))
-
-
-def _section_of(name: str):
-    return next(cls for cls in SECTIONS.values() if name in cls.__dataclass_fields__)
 
 
 def validate(cfg) -> None:

@@ -115,7 +115,6 @@ class LoraConfig:
 
 
 LoraConfig.title, LoraConfig.only = "LoRA", Only("lora_r", SET, "{flag} needs --lora-r")
-LoraConfig.switch = "lora_r"  # the section's own switch: not refused by its condition
 
 
 @dataclass
