@@ -84,7 +84,8 @@ def resolve_best_metric(cfg: Config, task) -> str:
 def cpu_threads(cfg: Config, width: int | None = None) -> int | None:
     """--threads, or for 0 (auto) the count to set (None: leave torch's default). A small model's matmuls are
     too small to share out, and torch's threads wait for one another at every op, which stalls them all while
-    another process is busy on the machine. `width`: the model's hidden size where the task's model is not the LSTM of --hidden-size (--hf-model)."""
+    another process is busy on the machine. `width`: the model's hidden size where the task's model is not the
+    LSTM of --hidden-size (--hf-model)."""
     if cfg.threads:
         return cfg.threads
     if "OMP_NUM_THREADS" in os.environ or (width or cfg.hidden_size) >= 512:
