@@ -9,7 +9,8 @@ import torch
 
 from twophase import tasks
 from twophase.tasks.base import Task
-from twophase.train import cli, configfile
+from twophase.train import cli
+from twophase.train.config import file as configfile
 
 from tasks import small_task_here
 

@@ -1,8 +1,9 @@
 """Tasks: data, how a batch becomes a model's source, the model, the default reward and the metrics.
 
 `get(name)` resolves `--task NAME` like rewards: `package.module:callable` (the working directory is searched
-too), then the entry-point group `twophase.tasks`, then the built-ins. The callable takes the training `Config`
-and returns a `Task` (see `twophase.tasks.base`); adding a task changes nothing in the trainer.
+too), then the entry-point group `twophase.tasks`, then the built-ins. The callable takes the task's settings (the
+training Config's data, model, karel and lora sections and max_len: `twophase.train.config.TaskConfig`) and
+returns a `Task` (see `twophase.tasks.base`); adding a task changes nothing in the trainer.
 """
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ def build(cfg, name: str | None = None) -> Task:
             factory = HFTSV
     if not callable(factory):
         raise TaskError(f"task '{name}': {type(factory).__name__} object is not callable")
-    try:
-        task = factory(cfg)
+    try:  # a task reads its own settings (the training Config's data and model sections: `Config.for_task`)
+        task = factory(cfg.for_task() if callable(getattr(cfg, "for_task", None)) else cfg)
     except TaskError:
         raise
     except Exception as exc:

@@ -7,8 +7,10 @@ Its `state_dict` (vocabularies, say) goes into every checkpoint, so decoding and
 ids without the data.
 
 A task is found by `--task NAME` (see twophase.tasks.get): `package.module:callable`, an entry point of the
-group `twophase.tasks`, or a built-in (`g2p`, `tsv`, `karel`). The callable takes the training `Config` and
-returns a `Task`; it should be cheap: data is read by `load_data`, which runs after `load_state_dict` on --resume.
+group `twophase.tasks`, or a built-in (`g2p`, `tsv`, `karel`). The callable takes the task's settings (the
+training Config's data, model, karel and lora sections and max_len, by their Config names: `cfg.hidden_size`,
+`cfg.train`; `twophase.train.config.TaskConfig`) and returns a `Task`; it should be cheap: data is read by
+`load_data`, which runs after `load_state_dict` on --resume.
 """
 from __future__ import annotations
 
@@ -43,21 +45,12 @@ class Metric:
     higher_is_better: bool = True
 
 
-# train.py flags (Config field names) that shape a task's data or its model. Each task declares in `Task.flags`
-# those it reads; the others, given on the command line, are refused naming the flag and the task (a flag that
-# does nothing is worse than an error). Every other flag is the trainer's (steps, objective, search, logging, and
-# any flag added later, a policy-gradient variant's, say) and is never refused here: only flags named in this set
-# are task-declared, so a new trainer flag needs no task's consent.
-SHAPING_FLAGS = frozenset({"train", "valid", "test", "char_source", "char_target", "lowercase_source", "max_src_len",
-                           "too_long", "train_size", "hf_model", "embed_dim", "hidden_size", "bidirectional",
-                           "dropout"})
-
-
 class Task:
     """The base of every task; subclasses fill in the data and the methods below.
 
-    `flags`: the train.py flags of SHAPING_FLAGS this task reads (a model's size, its data files); those it sets
-    in `flag_defaults` count as read too. Given but not read, a shaping flag is refused in one line."""
+    `flags`: the data and model flags (the fields of the configuration's data and model sections) this task reads
+    (a model's size, its data files); those it sets in `flag_defaults` count as read too. Given but not read, such
+    a flag is refused in one line; every other flag is the trainer's."""
 
     name = "task"
     default_reward = "edit"  # --reward when not given
@@ -66,7 +59,7 @@ class Task:
     # The task's recipe: train.py flags (Config field names) whose defaults differ for this task, e.g.
     # {"hidden_size": 128}. Flags given on the command line still win; --preset overrides these.
     flag_defaults: dict = {}
-    flags: frozenset = frozenset()  # of SHAPING_FLAGS: those this task reads (see the class docstring)
+    flags: frozenset = frozenset()  # the data and model flags this task reads (see the class docstring)
 
     def __init__(self):
         self.train: list[Example] = []

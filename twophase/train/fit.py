@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 
-from . import cli, configfile, distributed, userparts
+from . import cli, distributed
+from .config import file as configfile
+from .build import reward_specs, spec_of
 from .config import Config
 from .report import Result
 
@@ -55,12 +57,12 @@ def fit(config: Config | str | os.PathLike | None = None, *, model=None, task=No
         raise TypeError(f"fit(config): expected a twophase.Config or the path of a .yaml/.json file, got "
                         f"{type(config).__name__}")
     if reward is not None:
-        spec = ",".join(userparts.reward_specs(reward))
+        spec = ",".join(reward_specs(reward))
         if named.get("reward") not in (None, spec):
             raise cli.UsageError(f"reward={spec} and Config.reward {named['reward']} name two rewards: give one")
         settings["reward"] = spec
     if task is not None:
-        settings["task"] = named.get("task") or userparts.spec_of(task)
+        settings["task"] = named.get("task") or spec_of(task)
         recipe = dict(getattr(task, "flag_defaults", None) or {})  # its recipe, whether tasks.get finds it or not
         unknown = sorted(set(recipe) - set(configfile.FIELDS))
         if unknown:

@@ -1,18 +1,42 @@
-"""What a `Config` may not hold: the cross-field checks the parser cannot express (`validate`, a ValueError
-naming the flag) and the configurations that train but are probably not meant (`warnings`). Flags that would do
-nothing are refused too: a run that ignores what it was told is worse than one that does not start."""
+"""What a `Config` may not hold, and what a resumed run may change.
+
+`validate`: the cross-field checks the parser cannot express (a ValueError naming the flag); flags that would do
+nothing are refused too (a run that ignores what it was told is worse than one that does not start), by one rule
+over the conditions the sections declare (`refuse_inert`). `warnings`: configurations that train but are probably
+not meant. `check`: the resume rules each field declares (`arg(resume=...)`): on `--resume` (and `--resume-from`)
+the checkpoint's resolved configuration is the default, so a forgotten flag is the run's own value; a flag given
+that would change what the run means (its data, task, model, objective, sampler, K, reward, metric, seed, the
+length of a phase already passed) is refused in one line naming the flag and both values, and only flags that
+extend or observe the run may change. A field that declares no rule is FIXED: a flag added later is safe by
+default, and becomes free only by being declared so.
+"""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import fields
 from pathlib import Path
 
+from .documented import FIXED, FREE, GROW, MRT_ALPHA, PHASE, _flag  # noqa: F401 (the rules' names, for importers)
+from .sections import FIELDS, SECTIONS, only_conditions, section_fields  # noqa: F401 (SECTIONS: for importers)
+
 WITHOUT_REPLACEMENT = ("priority", "unordered-set")  # the objectives that need --sampler sbs
-MRT_ALPHA = 0.5  # --mrt-alpha's default; another value with another objective is refused
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def refuse_inert(cfg, names, own: bool = True) -> None:
+    """The one rule behind every "applies to X only": a field of `names` given (differing from its default) where
+    its condition does not hold would do nothing, so it is refused with the condition's one line. `own`: the
+    fields' own conditions (`arg(only=...)`); False: their section's (`Section.only`; the switch itself, a field
+    of its section such as --lora-r, is exempt). Called where today's order of checks puts each, so the first
+    refusal stays the same."""
+    defaults = {f.name: f.default for f in fields(cfg)}
+    for name in names:
+        section, field_only = only_conditions(name)
+        only = field_only if own else section
+        if only is None or name == only.switch:
+            continue
+        if getattr(cfg, name) != defaults[name] and not only.holds(cfg):
+            raise ValueError(only.message(name, cfg))
 
 
 def validate(cfg) -> None:
@@ -28,17 +52,14 @@ def validate(cfg) -> None:
         raise ValueError("--preset karel-paper is a recipe for --task karel")
     if cfg.task in (None, "tsv") and (cfg.train is None) != (cfg.valid is None):
         raise ValueError("--train and --valid go together")
-    if cfg.karel_reward_pairs != "all" and cfg.task != "karel":
-        raise ValueError("--karel-reward-pairs applies to --task karel only")
+    refuse_inert(cfg, ["karel_reward_pairs"])
     if not 0 < cfg.lr_decay <= 1:
         raise ValueError(f"--lr-decay must be in (0, 1], got {cfg.lr_decay}")
     if cfg.mle_weight > 1:
         raise ValueError(f"--mle-weight must be in [0, 1], got {cfg.mle_weight}")
     if cfg.rescore_chunk == "auto" and cfg.memory_budget is None:
         raise ValueError("--rescore-chunk auto needs --memory-budget (e.g. 2GiB)")
-    if cfg.memory_budget is not None and cfg.rescore_chunk != "auto":
-        raise ValueError(f"--memory-budget applies to --rescore-chunk auto only, not --rescore-chunk "
-                         f"{cfg.rescore_chunk}")
+    refuse_inert(cfg, ["memory_budget"])
     if cfg.compile != "off" and cfg.fsdp:
         raise ValueError(f"--compile {cfg.compile} does not combine with --fsdp (the compiled step would trace "
                          "FSDP2's parameter gathering); use one or the other")
@@ -68,14 +89,8 @@ def _trl(cfg) -> None:
         raise ValueError("--top-k, --top-p and --min-len are two-phase sampling's; --one-phase samples without them")
     if cfg.min_len >= cfg.max_len:
         raise ValueError(f"--min-len {cfg.min_len} leaves no room for eos within --max-len {cfg.max_len}")
-    defaults = {f.name: f.default for f in fields(cfg)}
-    lora = ("lora_alpha", "lora_dropout", "lora_target_modules", "merge_lora")
-    if not cfg.lora_r:
-        given = [n for n in lora if getattr(cfg, n) != defaults[n]]
-        if given:
-            raise ValueError(f"{_flag(given[0])} needs --lora-r")
-    elif cfg.hf_model is None:
-        raise ValueError("--lora-r adapts a Hugging Face model: it needs --hf-model")
+    refuse_inert(cfg, section_fields("lora"), own=False)  # a LoRA flag without --lora-r
+    refuse_inert(cfg, ["lora_r"])  # --lora-r without --hf-model
     if cfg.lora_dropout >= 1:
         raise ValueError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout:g}")
     if cfg.lora_target_modules is not None and not all(m.strip() for m in cfg.lora_target_modules.split(",")):
@@ -88,31 +103,16 @@ def _hf(cfg) -> None:
     if cfg.train is None:
         raise ValueError("--hf-model needs --train and --valid files (--task tsv); the built-in G2P data has "
                          "no Hugging Face tokenizer")
-    defaults = {f.name: f.default for f in fields(cfg)}
-    for name in ("embed_dim", "hidden_size", "bidirectional", "dropout"):
-        if getattr(cfg, name) != defaults[name]:
-            raise ValueError(f"--hf-model: {_flag(name)} sets the built-in LSTM; a Hugging Face model's size and "
-                             "dropout are its config's (dropout applies to its MLE steps)")
-    for name in ("char_source", "char_target"):
-        if getattr(cfg, name):
-            raise ValueError(f"--hf-model: {_flag(name)} splits text for the built-in vocabularies; the "
-                             "model's tokenizer splits it")
+    refuse_inert(cfg, ("embed_dim", "hidden_size", "bidirectional", "dropout"))  # the built-in LSTM's
+    refuse_inert(cfg, ("char_source", "char_target"))  # the built-in vocabularies'
 
 
 def _policy(cfg) -> None:
     """--objective policy's flags: refused with another objective (they would do nothing), and the
     combinations it does not support."""
     defaults = {f.name: f.default for f in fields(cfg)}
-    names = ("loss_type", "updates_per_generation", "clip_epsilon", "clip_epsilon_high", "kl_beta",
-             "kl_importance_weighted", "ref_checkpoint", "advantage_scale", "drop_zero_std",
-             "importance_sampling_level", "delta", "sapo_temperature_pos", "sapo_temperature_neg",
-             "mask_truncated_completions", "off_policy_mask_threshold", "entropy_coef", "top_entropy_quantile",
-             "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
     if cfg.objective != "policy":
-        for name in names:
-            if getattr(cfg, name) != defaults[name]:
-                raise ValueError(f"{_flag(name)} applies to --objective policy only, not --objective "
-                                 f"{cfg.objective}")
+        refuse_inert(cfg, section_fields("policy"), own=False)
         return
     for name, why in (("one_phase", "phase one keeps no graph for several updates"),
                       ("mle_weight", "the MLE rows have no old policy")):
@@ -125,16 +125,13 @@ def _policy(cfg) -> None:
     if cfg.sampler == "sbs":
         raise ValueError("--objective policy takes --sampler sample or beam, not sbs (its candidates are not "
                          "independent draws)")
-    if cfg.loss_type != "sapo":
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            if getattr(cfg, name) != defaults[name]:
-                raise ValueError(f"{_flag(name)} applies to --loss-type sapo only, not {cfg.loss_type}")
+    refuse_inert(cfg, ("sapo_temperature_pos", "sapo_temperature_neg"))
     if cfg.top_entropy_quantile > 1:
         raise ValueError(f"--top-entropy-quantile is a fraction in (0, 1], got {cfg.top_entropy_quantile}")
     if cfg.top_entropy_quantile < 1 and cfg.grad_accum > 1:
         raise ValueError("--top-entropy-quantile takes its threshold over one batch's positions; it does not "
                          "take --grad-accum > 1")
-    _adaptive_entropy(cfg, defaults)
+    _adaptive_entropy(cfg)
     if cfg.delta is not None and cfg.loss_type in ("cispo", "sapo", "vespo"):
         raise ValueError(f"--delta caps the clipped loss types' ratio (grpo, dr_grpo, dapo, bnpo, luspo, "
                          f"sequence), not --loss-type {cfg.loss_type}'s")
@@ -146,10 +143,7 @@ def _policy(cfg) -> None:
 
 def _rl(cfg) -> None:
     _policy(cfg)
-    if cfg.include_reference and cfg.objective != "beam":
-        raise ValueError(f"--include-reference applies to --objective beam only, not --objective {cfg.objective}")
-    if cfg.temperature != 1 and cfg.sampler != "sample":
-        raise ValueError(f"--temperature applies to --sampler sample only, not --sampler {cfg.sampler}")
+    refuse_inert(cfg, ("include_reference", "temperature"))
     if cfg.objective == "policy":
         if cfg.temperature != 1:
             raise ValueError(f"--objective policy with --temperature {cfg.temperature:g}: phase two's ratios and "
@@ -160,8 +154,7 @@ def _rl(cfg) -> None:
             raise ValueError("--objective policy with --beam-size 1 has no group to compare a candidate with; "
                              "use --beam-size >= 2, or --baseline none")
         return
-    if cfg.mrt_alpha != MRT_ALPHA and cfg.objective != "mrt":
-        raise ValueError(f"--mrt-alpha applies to --objective mrt only, not --objective {cfg.objective}")
+    refuse_inert(cfg, ["mrt_alpha"])
     if cfg.objective in WITHOUT_REPLACEMENT and cfg.sampler != "sbs":
         raise ValueError(f"--objective {cfg.objective} needs --sampler sbs (it weights a sample without "
                          f"replacement), not --sampler {cfg.sampler}")
@@ -202,12 +195,10 @@ def warnings(cfg) -> list[str]:
     return []
 
 
-def _adaptive_entropy(cfg, defaults: dict) -> None:
+def _adaptive_entropy(cfg) -> None:
     """--use-adaptive-entropy and its bounds, step and target."""
     if not cfg.use_adaptive_entropy:
-        for name in ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"):
-            if getattr(cfg, name) != defaults[name]:
-                raise ValueError(f"{_flag(name)} applies with --use-adaptive-entropy only")
+        refuse_inert(cfg, ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"))
         return
     if cfg.entropy_coef_min > cfg.entropy_coef_max:
         raise ValueError(f"--entropy-coef-min ({cfg.entropy_coef_min}) is above --entropy-coef-max "
@@ -215,3 +206,63 @@ def _adaptive_entropy(cfg, defaults: dict) -> None:
     if not cfg.entropy_coef_min <= cfg.entropy_coef <= cfg.entropy_coef_max:
         raise ValueError(f"--entropy-coef ({cfg.entropy_coef}), the initial coefficient, is outside "
                          f"[--entropy-coef-min, --entropy-coef-max] = [{cfg.entropy_coef_min}, {cfg.entropy_coef_max}]")
+
+
+# ---- the resume rules
+# Declared on each field (`arg(resume=...)`); a field that declares nothing is FIXED.
+RULES = {name: f.metadata["resume"] for name, f in FIELDS.items() if f.metadata["resume"] != FIXED}
+# this command's own: where and how this process computes (--compile with --fsdp is refused, so a --compile
+# inherited from an earlier command would refuse every later --resume --fsdp)
+NOT_INHERITED = tuple(name for name, f in FIELDS.items() if not f.metadata["inherited"])
+PATHS = tuple(name for name, f in FIELDS.items() if f.metadata["path"])  # compared as files, not strings
+
+
+def rule(name: str) -> str:
+    return RULES.get(name, FIXED)
+
+
+def inherited(saved: dict, known) -> dict:
+    """The defaults a resumed run takes from its checkpoint's configuration (fields this version knows)."""
+    return {k: v for k, v in saved.items() if k in known and k not in NOT_INHERITED}
+
+
+def same(name: str, a, b) -> bool:
+    if name in PATHS and isinstance(a, str) and isinstance(b, str):
+        return a == b or os.path.abspath(a) == os.path.abspath(b)
+    return a == b
+
+
+def show(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "(not set)"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def check(cfg, saved: dict, state: dict, path) -> None:
+    """Raise ValueError (one line) for the first field of `cfg` that its rule forbids to differ from `saved`.
+    `state`: the checkpoint (its step, the end of its MLE phase and whether the schedule ended it)."""
+    step, mle_end = int(state.get("step", 0)), int(state.get("mle_end", saved.get("mle_steps", 0)))
+    mle_stopped = bool(state.get("schedule", {}).get("stopped", False))
+    for f in fields(cfg):
+        name = f.name
+        if name not in saved:  # a flag newer than the checkpoint: its default, nothing to compare
+            continue
+        old, new = saved[name], getattr(cfg, name)
+        kind = rule(name)
+        if kind == FREE or same(name, old, new):
+            continue
+        flag = "--" + name.replace("_", "-")
+        why = None
+        if kind == FIXED:
+            why = "it would change what the run means; start a new run (another --save-dir, or --init-from)"
+        elif kind == GROW and new < old:
+            why = f"{flag} may only grow on resume"
+        elif kind == PHASE and (step > mle_end or mle_stopped):
+            why = (f"the MLE phase ended at step {mle_end}" + (" (--lr-decay's schedule ended it)" if mle_stopped
+                   else "") + "; a run never returns to a finished phase")
+        elif kind == PHASE and new < step:
+            why = f"the checkpoint has taken {step} MLE steps already"
+        if why is not None:
+            raise ValueError(f"{path} was trained with {flag} {show(old)}, not {show(new)}: {why}")

@@ -27,7 +27,7 @@ import re
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from .config import Config
+from . import Config
 
 COMMAND_ONLY = ("resume", "resume_from", "overwrite", "eval_only")  # a file may not set these
 RECORD_ONLY = ("save_dir",) + COMMAND_ONLY  # a run's config.json: taken as it is, less these
