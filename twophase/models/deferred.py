@@ -2,9 +2,8 @@
 
 Autograd differentiates `x_t W^T` at every decoding step t into a weight-sized gradient of its own and adds
 them up: per step, a product with a few rows of inner dimension and two weight-sized passes over memory. Phase
-two's prefix tree decodes few nodes per depth (at B2 K32 T30 H512, ~5), so those passes dominated its backward:
-the LSTM cell's two weights took 0.38 s of the tree's 0.55 s decoder forward and backward, 0.19 s deferred
-(one CPU thread, torch 2.13). `DeferredWeights.linear` computes only the input's gradient in backward and keeps
+two's prefix tree decodes few nodes per depth, so those passes dominate its backward (measured: docs/results/).
+`DeferredWeights.linear` computes only the input's gradient in backward and keeps
 (g_t, x_t); `gradients()` then gives each weight's sum_t g_t^T x_t as one product over every step's rows.
 Autograd itself never computes those weights' gradients, so a hook registered on them sees none.
 

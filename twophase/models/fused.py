@@ -22,8 +22,7 @@ from .. import blocks, owners
 
 # Logit (and attention tanh) blocks on the CPU up to this size (on an accelerator `blocks.block_bytes` makes them
 # larger): big enough to keep the matmuls efficient, small enough to
-# be transient. At the speed configuration 8 MB took the same time as 32 MB (1.21 / 0.99 s vs 1.21 / 1.19 s a step)
-# and lowered the seed configuration's tensor peak from 243 to 187 MB (chunk 64, torch 2.13, 2 CPU threads).
+# be transient: 8 MB blocks cost no time against larger ones and lower the tensor peak (docs/results/).
 BLOCK_BYTES = 8 * 2**20
 
 
@@ -59,9 +58,8 @@ def groups(owner: Tensor) -> Groups | None:
 
 def sum_by_owner(x: Tensor, owner: Tensor, B: int) -> Tensor:
     """(B, ...) sums of the rows x (N, ...) of each source: the gradient of a read through owner."""
-    # index_add_, not index_put_(accumulate=True) (autograd's choice for x[owner]): on CPU, (64, 50, 512) rows
-    # into 2 sources took 0.45 vs 1.7 ms on 1 thread and 0.4 vs 13 ms on 2 (0.4 vs 25 ms with the other core
-    # busy), torch 2.13.
+    # index_add_, not index_put_(accumulate=True) (autograd's choice for x[owner]): several times faster on the
+    # CPU, and more so with more threads (docs/results/).
     return x.new_zeros((B,) + x.shape[1:]).index_add_(0, owner, x)
 
 

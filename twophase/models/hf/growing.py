@@ -2,12 +2,11 @@
 
 `DynamicLayer.update` concatenates each new token's keys and values onto the cache: every step copies the
 whole cache into a fresh allocation (on CPU, fresh pages, hence page faults too). That copy was the largest
-single cost of a causal decode step, `generate`'s as well as ours (43% of twophase's step, B*K = 32 rows, P = 96,
-four layers of width 256). `BufferedLayer` keeps the cache in buffers with room for more tokens: a step writes its
-token in place and hands attention a view of the filled part, [:, :, :length]. When the room runs out the
-buffers are copied into larger ones, with room for half as many completion tokens again as are cached (at
-least ROOM): a search of T tokens copies its cache O(log T) times, not T times, and holds at most half the
-completion's length of unused room.
+single cost of a causal decode step, `generate`'s as well as ours (docs/results/). `BufferedLayer` keeps the
+cache in buffers with room for more tokens: a step writes its token in place and hands attention a view of the
+filled part, [:, :, :length]. When the room runs out the buffers are copied into larger ones, with room for half
+as many completion tokens again as are cached (at least ROOM): a search of T tokens copies its cache O(log T)
+times, not T times, and holds at most half the completion's length of unused room.
 
 The search state keeps the buffers and the filled length (`Caches.argument`, `Caches.buffered`); beam search's
 row selection copies the buffers whole, room included. In-place writes into tensors autograd may have saved are

@@ -15,14 +15,8 @@ Program Synthesis"): the DSL, worlds, an interpreter and a seeded task generator
   and `outcome`; `task`: `--task karel` (`Karel`; `architecture`: the model `--karel-model` builds,
   `twophase.models.karel.KarelModel` or `twophase.models.karel_paper.KarelPaperModel`); see docs/karel.md.
 
-Speed, measured on the development machine (2 cores shared with other jobs, Python 3.11; default
-parameters: 8x8 worlds, max depth 3, max 30 tokens, 200 ticks):
-- `run` of a parsed program: ~250,000 executions/s on generated tasks' input worlds (7.6 ticks on
-  average), ~7,000,000 ticks/s in long loops;
-- `execute` of new programs, each on 5 worlds (parse + compile + 5 runs): ~140,000 executions/s
-  (7 us each), down to ~35,000/s when Python's full garbage collections hit; memoised: ~1,500,000/s;
-- generator: ~300-350 tasks/s (program + 6 checked I/O pairs): 1,000 training tasks in ~3 s;
-  loading a cached dataset: ~4,000-7,000 tasks/s.
+The interpreter compiles a parsed program once and memoises executions, because the reward executes every
+candidate on every specification pair at every RL step (its speed: docs/results/).
 """
 from .dataset import default_cache_dir, generate_dataset, load_dataset, save_dataset
 from .dsl import ACTIONS, CONDITIONS, VOCAB, KarelSyntaxError, Program, parse, try_parse

@@ -207,7 +207,8 @@ def sample_example(rng: random.Random, p: GeneratorParams, taken: set, patience:
         if text in taken or len(program.tokens()) > p.max_tokens or not is_canonical(program):
             continue
         taken.add(text)  # also when rejected below: its worlds were random, but retrying costs more than it finds
-        # Worlds come from numpy (vectorised, ~5x faster), seeded from `rng` so that one seed fixes all.
+        # Worlds come from numpy (vectorised, much faster than Python's random), seeded from `rng` so that one seed
+        # fixes all.
         pairs = find_pairs(program, np.random.default_rng(rng.getrandbits(64)), p)
         if pairs is not None:
             return Example(text, pairs)

@@ -2,8 +2,8 @@
 
 Letters: P pairs, R x C the grid, 32 the channels of a pair (the input world's 16, then the output's).
 
-Building the arrays from `World`s costs ~14 ms of CPU per batch of 128 tasks (5 pairs each), every time a task
-is drawn (2.7 ms with the cache, docs/karel.md); a `PairSet` is a tuple of pairs (what rewards and metrics read,
+Building the arrays from `World`s every time a task is drawn would cost several times a batch's own unpacking
+(docs/results/); a `PairSet` is a tuple of pairs (what rewards and metrics read,
 unchanged) that also keeps its arrays, built the first time they are asked for and shared by every subset taken of
 it. Every channel is 0 or 1, so they are kept bit-packed, (P, 4, R, C) uint8: 1.5 KB per 6-pair task on 8x8
 worlds (15 MB for 10,000 tasks; unpacked, 12 KB), and a batch unpacks in one call.

@@ -70,9 +70,9 @@ class Karel(Task):
     # The recipe `train.py --task karel` runs (docs/karel.md): MLE with the rate halving after 2 validations
     # without a better generalization, until it would fall below 2.5e-4 (at most 10,000 steps), RL from the best
     # MLE validation's parameters, the equal-time MLE control, and the test split at beams 5 and 64 (the paper's).
-    # Hidden 128, not 256: an MLE step at 256 cost 3.5x more. The beam objective with K = 16, as Bunel et al.'s
-    # RL_beam. The DSL's grammar constrains every search and score, as the paper's syntax checker (--grammar
-    # off: without).
+    # Hidden 128, not 256: an MLE step at 256 costs several times more, which a CPU run cannot afford. The beam
+    # objective with K = 16, as Bunel et al.'s RL_beam. The DSL's grammar constrains every search and score, as
+    # the paper's syntax checker (--grammar off: without).
     flag_defaults = dict(hidden_size=128, embed_dim=64, max_len=31, mle_steps=10000, lr_decay=0.5, patience=2,
                          min_lr=2.5e-4, rl_from_best=True, objective="beam", beam_size=16, rl_steps=2000,
                          rl_lr=5e-4, eval_every=500, test_beam=64, save_dir="runs/karel", grammar="on")
