@@ -153,9 +153,9 @@ def test_the_compare_snapshot_of_a_lora_model_holds_the_adapters_alone(folder):
     state), in host memory; the frozen base does not change, so it is not copied."""
     cfg, start = cli.parse(["--save-dir", str(folder / "run"), "--resume"])
     tr = cli.build(cfg, start)
-    snap = tr.snapshot()
+    snap = tr.trainer.snapshot()
     assert snap["model"] and all("lora_" in k for k in snap["model"])
-    tr.restore(snap)
+    tr.trainer.restore(snap)
     assert _close({k: v for k, v in tr.model.state_dict().items() if "lora_" in k}, snap["model"], 0)
 
 

@@ -25,7 +25,7 @@ from .evaluation import score, test_beams
 from .checkpoint import SaveError
 from .report import Result, summary_table, with_beams
 from .interrupt import Interrupted
-from .trainer import Trainer
+from .run import Run
 from . import tensorboard
 
 
@@ -108,7 +108,7 @@ def cpu_threads(cfg: Config, width: int | None = None) -> int | None:
 
 
 def build(cfg: Config, start: dict | None = None, given: frozenset | None = None, *, model=None, task=None,
-          reward=None) -> Trainer:
+          reward=None) -> Run:
     """The trainer of this command; `start`: the checkpoint main() read already (--resume, --init-from);
     `given`: the flags set on the command line (default: those differing from Config's). `model`, `task`,
     `reward`: a user's own, given to `twophase.fit` (userparts), in place of the task's model, the task
@@ -192,7 +192,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
     if distributed.rank() == 0:
         rundir.remove(stale)  # --overwrite's old run; the residue of writes a killed process left
-    trainer = Trainer(cfg, task, model, reward, device)
+    trainer = Run.assemble(cfg, task, model, reward, device)
     trainer.base_model = base  # recorded in every checkpoint (resumable)
     if state is not None:
         trainer.load_state(state)
@@ -230,7 +230,7 @@ def default_save_dir(task) -> str:
     return f"runs/{name.lower()}"
 
 
-def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
+def open_tensorboard(trainer: Run, resumed: bool) -> None:
     """--tensorboard: <save-dir>/tensorboard, its steps after the checkpoint purged on --resume (as in
     metrics.jsonl); a new run starts without the event files of the run it replaces."""
     folder = trainer.save_dir / "tensorboard"
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         distributed.finish()
 
 
-def build_from_flags(argv: list[str]) -> Trainer:
+def build_from_flags(argv: list[str]) -> Run:
     """The trainer train.py would build from these flags (the recipe's defaults, --init-from's model flags under
     them), not run: for benchmarks. A bad flag combination is a UsageError, as train.py's one line."""
     try:
@@ -391,7 +391,7 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     return result
 
 
-def closing_paths(trainer: Trainer, exported) -> str:
+def closing_paths(trainer: Run, exported) -> str:
     """The last line: the files the run wrote (a run of no steps writes no checkpoint and no log)."""
     metrics, last = trainer.save_dir / "metrics.jsonl", trainer.checkpoints.last_path
     written = ([f"metrics: {metrics}"] if metrics.exists() else []) + \
@@ -410,7 +410,7 @@ def trainable(model) -> str:
     return "" if n == sum(p.numel() for p in model.parameters()) else f" ({n:,} trainable)"
 
 
-def save_final(trainer: Trainer):
+def save_final(trainer: Run):
     """The task's own export of the final model (--hf-model: save_pretrained into <save-dir>/hf_final), once,
     by the main process; None where the task has none."""
     plain = fsdp.plain_copy(trainer.model, trainer.task.build_model) if fsdp.is_sharded(trainer.model) else None
@@ -425,7 +425,7 @@ def save_final(trainer: Trainer):
                          f"({trainer.checkpoints.last_path} holds it)") from None
 
 
-def draw_picture(trainer: Trainer):
+def draw_picture(trainer: Run):
     """--picture: <save-dir>/curves.png from the run's metrics.jsonl (twophase.plot), or None: turned off, no
     matplotlib, or nothing to draw. A picture that cannot be drawn costs the run nothing but a warning line."""
     if not trainer.cfg.picture or os.environ.get("TWOPHASE_PICTURE", "on").lower() in ("off", "0", "no"):
