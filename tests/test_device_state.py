@@ -6,7 +6,7 @@ stand-in that only `.cpu()` turns into a CPU tensor, and torch.load records wher
 import pytest
 import torch
 
-from twophase.train import checkpoint, cli, decode, mlephase, runs
+from twophase.train import checkpoint, cli, decode, mlephase, runs, runstate
 from twophase.train.config import Config
 from twophase.train.reference import Reference
 
@@ -68,13 +68,16 @@ def _cpu_bytes_only(monkeypatch):
 @pytest.mark.parametrize("how", ["resume", "compare"])
 def test_rng_states_are_set_from_the_cpu(trainer, monkeypatch, how):
     _cpu_bytes_only(monkeypatch)
-    state = trainer.state_dict() if how == "resume" else trainer.trainer.snapshot()
+    state = trainer.state_dict() if how == "resume" else runstate.snapshot(trainer.trainer)
     sampling = state["sampling_rng"].clone()
     state["sampling_rng"] = OnDevice(state["sampling_rng"])
     state["rng"]["torch"] = OnDevice(state["rng"]["torch"])
     trainer.trainer.device = torch.device("cuda")  # what the trainer believes: a GPU run (nothing here touches it)
     trainer.trainer.sampling = Generator()
-    (trainer.load_state if how == "resume" else trainer.trainer.restore)(state)
+    if how == "resume":
+        trainer.load_state(state)
+    else:
+        runstate.restore(trainer.trainer, state)
     assert torch.equal(trainer.trainer.sampling.got, sampling)
 
 
@@ -118,7 +121,7 @@ def test_the_compare_snapshot_is_held_in_host_memory(trainer, monkeypatch):
     """The snapshot goes to host memory, not to the model's device: with host memory standing on another
     device (meta) than the model's (cpu), every tensor of the snapshot is there."""
     monkeypatch.setattr(checkpoint, "HOST", torch.device("meta"))
-    snap = trainer.trainer.snapshot()
+    snap = runstate.snapshot(trainer.trainer)
     tensors = [t for part in ("model", "optimizer") for t in _tensors(snap[part])]
     assert tensors and all(t.device.type == "meta" for t in tensors)
     assert next(trainer.model.parameters()).device.type == "cpu"

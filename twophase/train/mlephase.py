@@ -21,6 +21,7 @@ from . import distributed, fsdp
 from .checkpoint import CheckpointError, host_copy, load
 from .evaluation import test_beams, test_scores
 from .params import saved_state
+from .runstate import load_weights, restore, snapshot
 from .report import fmt_scores
 
 CONTINUED = "mle-continued"
@@ -87,7 +88,7 @@ def start_from_best(run, scores: dict, bar) -> dict:
     state = run.state
     if state.best_step is None or state.best_step >= state.step:
         return scores
-    run.trainer.load_weights(load(run.checkpoints.best_path))  # on the CPU; loading copies it onto the device
+    load_weights(run.trainer, load(run.checkpoints.best_path))  # on the CPU; loading copies it onto the device
     run.log({"step": state.step, "phase": "schedule", "action": "restore_best", "from_step": state.best_step})
     if run.is_main:
         bar.write(f"step {state.step} [mle] RL starts from the best MLE validation (step {state.best_step}, "
@@ -115,7 +116,7 @@ class MleContinued:
 
     def save_branch(self) -> None:
         """At the end of the MLE phase: keep the branch point in memory and in checkpoint_mle_end.pt."""
-        self.branch = self.run.trainer.snapshot()
+        self.branch = snapshot(self.run.trainer)
         self.run.save(path=self.branch_path)
 
     def load_branch(self) -> dict | None:
@@ -140,8 +141,8 @@ class MleContinued:
             return None
         clock = run.budget_clock()
         budget = distributed.reduce_max(state.stats["rl"].get(clock, 0.0))  # the slowest process's RL time
-        self.final = trainer.snapshot()
-        trainer.restore(branch)
+        self.final = snapshot(trainer)
+        restore(trainer, branch)
         state.stats[CONTINUED] = {"steps": 0, "seconds": 0.0, "cpu_seconds": 0.0, "skipped": 0, "out_of_memory": 0,
                                   "reward_sum": 0.0, "reward_steps": 0}
         if run.is_main:
@@ -157,7 +158,7 @@ class MleContinued:
                                     "cpu_seconds": st["cpu_seconds"]}
         self.test_models = {"mle": branch["model"], CONTINUED: host_copy(saved_state(trainer.model))}
         run.save(path=self.continued_path, phase=CONTINUED)
-        trainer.restore(self.final)
+        restore(trainer, self.final)
         self.final, state.compared = None, True
         state.log_step = state.step + st["steps"]
         run.save()  # checkpoint_last.pt: the RL model again, the comparison done
@@ -220,5 +221,5 @@ class MleContinued:
     def restore_final(self) -> None:
         """Before saving after a failure mid-comparison: the RL model goes back in place first."""
         if self.final is not None:
-            self.run.trainer.restore(self.final)
+            restore(self.run.trainer, self.final)
             self.final = None

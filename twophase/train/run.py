@@ -4,8 +4,7 @@ progress lines when each is due, the test split at the end, and a clean stop on 
 `Run` owns the `Trainer` (the steps, model, optimizer and data streams), one `RunState` (what the run has done)
 and the parts it holds: the checkpoints, the metrics log, the MLE plateau schedule, --rl-from-best and the
 --compare-mle control (`mlephase`). A checkpoint is the model, the optimizer and the trainer's streams, plus
-that state; only plain data and tensors, so it loads with `torch.load(weights_only=True)`, and `--resume`
-continues bit-identically.
+that state (`runstate`).
 """
 from __future__ import annotations
 

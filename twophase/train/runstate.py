@@ -17,7 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from . import distributed, fsdp
-from .checkpoint import python_rng_state, rng_state, save_atomic
+from .checkpoint import (host_copy, python_rng_state, rng_state, save_atomic, set_generator_state,
+                         set_python_rng_state, set_rng_state)
 from .params import saved_state
 
 PHASES = ("mle", "rl", "mle-continued")  # the last: --compare-mle's control
@@ -123,7 +124,55 @@ def load_state(run, saved: dict) -> None:
     s.log_step = int(saved.get("log_step", s.step))
     if s.step < run.total:  # more steps asked for: a comparison after the shorter run no longer applies
         s.compared, s.log_step = False, s.step
-    run.trainer.load_state(saved)
+    load_trainer_state(run.trainer, saved)
+
+
+# ---------------------------------------------------------------------- the trainer's part
+def load_weights(trainer, state: dict) -> None:
+    """Parameters (LoRA: the adapters alone; --fsdp: into each process's shards), optimizer and fp16's scale."""
+    fsdp.load_model(trainer.model, state["model"])
+    fsdp.load_optimizer(trainer.model, trainer.optimizer, state["optimizer"])
+    if trainer.scaler is not None and "scaler" in state:  # a run saved without --amp fp16 starts a fresh scale
+        trainer.scaler.load_state_dict(state["scaler"])
+
+
+def load_trainer_state(trainer, state: dict) -> None:
+    """A checkpoint's parameters, optimizer, data order, --objective policy's generation and every random
+    stream (rank r's where the checkpoint has as many processes' as run now)."""
+    load_weights(trainer, state)
+    if trainer.mle_batches is not None and state["mle_batches"] is not None:
+        trainer.mle_batches.load_state_dict(state["mle_batches"])
+    trainer.rl_batches.load_state_dict(state["rl_batches"])
+    if trainer.policy is not None and "policy" in state:  # mid-generation: its candidates
+        trainer.policy.load_state_dict(state["policy"])
+    if "presenting" in state:  # the same on every process (Task.present's stream)
+        set_python_rng_state(state["presenting"], trainer.presenting)
+    saved = state.get("rank_rngs") or [{"rng": state["rng"], "sampling_rng": state["sampling_rng"]}]
+    if len(saved) != distributed.world() and distributed.rank() > 0:
+        return  # resumed on another number of processes: continues, though not bit-identically
+    mine = saved[distributed.rank()] if len(saved) == distributed.world() else saved[0]
+    set_rng_state(mine["rng"])
+    set_generator_state(trainer.sampling, mine["sampling_rng"])
+
+
+def snapshot(trainer) -> dict:
+    """What the trainer's next step depends on, copied into CPU memory (this process's random streams only):
+    held for a whole phase (--compare-mle's branch point), a copy on the device would cost it a second model
+    and optimizer. Of the model, what a checkpoint holds (with LoRA the adapters alone: the base does not change)."""
+    state = {"model": saved_state(trainer.model), "optimizer": trainer.optimizer.state_dict(),
+             "mle_batches": trainer.mle_batches.state_dict(), "rl_batches": trainer.rl_batches.state_dict(),
+             "rng": rng_state(), "sampling_rng": trainer.sampling.get_state(),
+             **({"scaler": trainer.scaler.state_dict()} if trainer.scaler is not None else {})}
+    return host_copy(state)
+
+
+def restore(trainer, snap: dict) -> None:
+    """Back to a snapshot (or a checkpoint's fields of the same names, this process's streams)."""
+    load_weights(trainer, snap)
+    trainer.mle_batches.load_state_dict(snap["mle_batches"])
+    trainer.rl_batches.load_state_dict(snap["rl_batches"])
+    set_rng_state(snap["rng"])
+    set_generator_state(trainer.sampling, snap["sampling_rng"])
 
 
 class GracefulStop:
@@ -174,3 +223,6 @@ class Interrupted(Exception):
     def __init__(self, code: int, message: str):
         super().__init__(message)
         self.code = code
+
+
+

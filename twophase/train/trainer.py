@@ -23,12 +23,10 @@ import torch
 
 from . import amp, distributed, fsdp
 from .. import estimators, objectives
-from .checkpoint import host_copy, rng_state, set_generator_state, set_python_rng_state, set_rng_state
 from .config import Config, parse_size
 from ..tasks.base import Example, Task
 from ..tasks.data import BatchSampler
 from .evaluation import completion_ids, score, validate
-from .params import saved_state
 from .rewardlog import RewardLog
 from .policy_step import PolicyStep
 from .profiling import ChunkPlanner
@@ -284,50 +282,6 @@ class Trainer:
         with fsdp.gathered(self.model):
             return validate(self.model, self.task, self.valid, self.reward, cfg.eval_beam, cfg.max_len, self.device,
                             limit=cfg.valid_size)
-
-    # ------------------------------------------------------------------ what the next step depends on
-    def load_weights(self, state: dict) -> None:
-        """Parameters (LoRA: the adapters alone; --fsdp: into each process's shards), optimizer and fp16's scale."""
-        fsdp.load_model(self.model, state["model"])
-        fsdp.load_optimizer(self.model, self.optimizer, state["optimizer"])
-        if self.scaler is not None and "scaler" in state:  # a run saved without --amp fp16 starts a fresh scale
-            self.scaler.load_state_dict(state["scaler"])
-
-    def snapshot(self) -> dict:
-        """What the next training step depends on, copied into CPU memory (this process's random streams only):
-        held for a whole phase, a copy on the device would cost it a second model and optimizer. Of the
-        model, what a checkpoint holds (with LoRA the adapters alone: the frozen base does not change)."""
-        state = {"model": saved_state(self.model), "optimizer": self.optimizer.state_dict(),
-                 "mle_batches": self.mle_batches.state_dict(), "rl_batches": self.rl_batches.state_dict(),
-                 "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
-                 **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}
-        return host_copy(state)
-
-    def restore(self, snap: dict) -> None:
-        """Back to a snapshot (or a checkpoint's fields of the same names, this process's streams)."""
-        self.load_weights(snap)
-        self.mle_batches.load_state_dict(snap["mle_batches"])
-        self.rl_batches.load_state_dict(snap["rl_batches"])
-        set_rng_state(snap["rng"])
-        set_generator_state(self.sampling, snap["sampling_rng"])
-
-    def load_state(self, state: dict) -> None:
-        """A checkpoint's parameters, optimizer, data order, --objective policy's generation and every random
-        stream (rank r's where the checkpoint has as many processes' as run now)."""
-        self.load_weights(state)
-        if self.mle_batches is not None and state["mle_batches"] is not None:
-            self.mle_batches.load_state_dict(state["mle_batches"])
-        self.rl_batches.load_state_dict(state["rl_batches"])
-        if self.policy is not None and "policy" in state:  # mid-generation: its candidates
-            self.policy.load_state_dict(state["policy"])
-        if "presenting" in state:  # the same on every process (Task.present's stream)
-            set_python_rng_state(state["presenting"], self.presenting)
-        saved = state.get("rank_rngs") or [{"rng": state["rng"], "sampling_rng": state["sampling_rng"]}]
-        if len(saved) != distributed.world() and distributed.rank() > 0:
-            return  # resumed on another number of processes: continues, though not bit-identically
-        mine = saved[distributed.rank()] if len(saved) == distributed.world() else saved[0]
-        set_rng_state(mine["rng"])
-        set_generator_state(self.sampling, mine["sampling_rng"])
 
 
 @contextlib.contextmanager
