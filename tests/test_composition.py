@@ -47,3 +47,26 @@ def test_no_class_in_train_derives_from_two_project_classes():
     mixed = {f"{path.relative_to(ROOT.parent)}:{name}": bases for path in files
              for name, bases in project_bases(path).items() if len(bases) >= 2}
     assert not mixed, mixed
+
+
+def test_the_trainer_has_no_one_phase_branch():
+    """--one-phase is a measurement baseline: the trainer's step reads no flag of it and imports nothing of it;
+    the run gives the trainer its gradient part (onephase.OnePhase) where it is assembled."""
+    tree = ast.parse((ROOT / "train" / "trainer.py").read_text(encoding="utf-8"))
+    reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "one_phase"]
+    imports = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and "onephase" in (n.module or "")]
+    assert not reads and not imports, (reads, imports)
+
+
+def test_the_run_gives_the_trainer_its_gradient(tmp_path):
+    from twophase.onephase import OnePhase
+    from twophase.train import cli
+    from twophase.train.config import Config
+    from twophase.train.trainer import PhaseTwo
+    from tasks import write_task
+    write_task(tmp_path / "train.tsv", "reverse", 8, seed=0)
+    for flag, part in ((False, PhaseTwo), (True, OnePhase)):
+        run = cli.build(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
+                               embed_dim=4, batch_size=2, mle_batch_size=2, one_phase=flag,
+                               save_dir=str(tmp_path / str(flag))))
+        assert type(run.trainer.gradient) is part

@@ -193,7 +193,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if distributed.rank() == 0:
         rundir.remove(stale)  # --overwrite's old run; the residue of writes a killed process left
     trainer = Run.assemble(cfg, task, model, reward, device)
-    trainer.base_model = base  # recorded in every checkpoint (resumable)
+    trainer.base_model = base  # recorded in every checkpoint (runstate)
     if state is not None:
         trainer.load_state(state)
     if trainer.is_main and not cfg.eval_only:

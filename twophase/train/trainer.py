@@ -51,9 +51,12 @@ class PhaseTwo:
 
 
 class Trainer:
+    """The steps for one model, task and reward: it holds the model, optimizer, fp16's scaler, both phases' batch
+    samplers and the sampling generator; `gradient`: steps 1 and 4 of the RL step (default `PhaseTwo`)."""
+
     def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device, gradient=None):
         self.cfg, self.task, self.model, self.device, self.reward = cfg, task, model, device, reward
-        self.gradient = gradient or PhaseTwo()  # steps 1 and 4 of the RL step (see the module docstring)
+        self.gradient = gradient or PhaseTwo()
         self.train, self.valid, self.test = task.train, task.valid, task.test or None
         self.ref_ids = [task.target_ids(ex) for ex in self.train]  # (source, reference) -> target ids, no EOS
         self.pairs = [(i, j) for i, refs in enumerate(self.ref_ids) for j in range(len(refs))]
