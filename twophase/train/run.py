@@ -33,6 +33,8 @@ from .trainer import PhaseTwo, Trainer
 
 
 class Run:
+    """A run of `trainer`'s steps (see the module docstring); `Run.assemble` builds one from a configuration."""
+
     def __init__(self, trainer: Trainer):
         cfg = trainer.cfg
         self.trainer = trainer
@@ -55,7 +57,7 @@ class Run:
         """The run of this configuration; its RL step's gradient is phase two's, or --one-phase's baseline."""
         return cls(Trainer(cfg, task, model, reward, device, OnePhase() if cfg.one_phase else PhaseTwo()))
 
-    # what callers read of the trainer and the state
+    # what callers read of the trainer and the state (read-only: a caller changes the state through `state`)
     cfg = property(lambda self: self.trainer.cfg)
     model = property(lambda self: self.trainer.model)
     task = property(lambda self: self.trainer.task)
@@ -91,8 +93,8 @@ class Run:
 
     def budget_clock(self) -> str:
         """The stats field --compare-mle's budget is counted in: on CPU this process's CPU time (a shared
-        machine's other processes slowed RL's steps and the continuation's unequally by up to 2x in wall time),
-        else wall time (a GPU's work is not the process's CPU time)."""
+        machine's other processes slow RL's steps and the continuation's unequally in wall time), else wall time
+        (a GPU's work is not the process's CPU time)."""
         return "cpu_seconds" if self.device.type == "cpu" else "seconds"
 
     # ------------------------------------------------------------------ one step
