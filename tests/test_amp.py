@@ -183,11 +183,11 @@ def test_loss_scaling_in_the_trainer(task, tmp_path, monkeypatch, one_thread):
     loss and clipped norm as unscaled, an overflow skips the step and halves the scale without counting as a
     bad step, good steps grow it, and the scale survives a weights-only checkpoint."""
     plain, scaled = _trainer(task, tmp_path / "a"), _trainer(task, tmp_path / "b")
-    scaled.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    scaled.trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
     rows = [t.train_step("mle") for t in (plain, scaled)]
     assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-6)
     assert rows[1]["grad_norm"] == pytest.approx(rows[0]["grad_norm"], rel=1e-5)
-    assert scaled.scaler.get_scale() == 2.0**11  # a good step with growth_interval 1
+    assert scaled.trainer.scaler.get_scale() == 2.0**11  # a good step with growth_interval 1
     before = {k: v.clone() for k, v in scaled.model.state_dict().items()}
     real = trainer_module.rescore_backward
 
@@ -198,13 +198,13 @@ def test_loss_scaling_in_the_trainer(task, tmp_path, monkeypatch, one_thread):
 
     monkeypatch.setattr(trainer_module, "rescore_backward", overflowing)
     assert scaled.train_step("mle")["skipped"] == 1
-    assert scaled.scaler.get_scale() == 2.0**10 and scaled.bad_in_a_row == 0
+    assert scaled.trainer.scaler.get_scale() == 2.0**10 and scaled.state.bad_in_a_row == 0
     assert all(torch.equal(v, before[k]) for k, v in scaled.model.state_dict().items())
-    save_atomic(scaled.state(), tmp_path / "ck.pt")
+    save_atomic(scaled.state_dict(), tmp_path / "ck.pt")
     resumed = _trainer(task, tmp_path / "c")
-    resumed.scaler = torch.amp.GradScaler("cpu")
+    resumed.trainer.scaler = torch.amp.GradScaler("cpu")
     resumed.load_state(load(tmp_path / "ck.pt"))  # weights_only=True
-    assert resumed.scaler.get_scale() == 2.0**10
+    assert resumed.trainer.scaler.get_scale() == 2.0**10
 
 
 def test_train_with_amp_bf16_finishes_with_finite_losses(task, tmp_path, one_thread):

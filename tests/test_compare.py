@@ -13,9 +13,9 @@ import torch
 from twophase import plot
 from twophase.train import cli, report
 from twophase.train.config import Config
-from twophase.train.interrupt import Interrupted
+from twophase.train.runstate import Interrupted
 from twophase.train.report import summary_table
-from twophase.train.schedule import Plateau
+from twophase.train.mlephase import Plateau
 
 from tasks import task_dir
 
@@ -39,14 +39,14 @@ def _rows(save):
 def _slow_rl(tr, seconds):
     """RL steps that take at least `seconds` of CPU time (inside the step's measured time), so the comparison has
     a budget."""
-    real = tr.rl_step
+    real = tr.trainer.rl_step
 
     def rl_step():
         end = time.process_time() + seconds
         while time.process_time() < end:
             pass
         return real()
-    tr.rl_step = rl_step
+    tr.trainer.rl_step = rl_step
 
 
 def _close(a: dict, b: dict) -> bool:
@@ -61,11 +61,11 @@ def test_continued_mle_starts_from_the_end_of_mle_for_the_rl_time(task, tmp_path
     def step(phase):
         if phase == "mle-continued" and "start" not in seen:
             seen["start"] = copy.deepcopy(tr.model.state_dict())
-            seen["rl_end"] = copy.deepcopy(tr.final["model"])
-        before = tr.stats[phase].get("cpu_seconds", 0.0)
+            seen["rl_end"] = copy.deepcopy(tr.comparison.final["model"])
+        before = tr.state.stats[phase].get("cpu_seconds", 0.0)
         row = real_step(phase)
         # the step's CPU time as the budget counts it (wall time differs on a loaded machine)
-        seen.setdefault(phase, []).append(tr.stats[phase]["cpu_seconds"] - before)
+        seen.setdefault(phase, []).append(tr.state.stats[phase]["cpu_seconds"] - before)
         return row
 
     tr.train_step = step
@@ -80,7 +80,7 @@ def test_continued_mle_starts_from_the_end_of_mle_for_the_rl_time(task, tmp_path
     continued = torch.load(tmp_path / "checkpoint_mle_continued.pt", weights_only=True)
     assert continued["phase"] == "mle-continued" and not _close(continued["model"], branch["model"])
     assert tr.budget_clock() == "cpu_seconds"  # on CPU: the process's CPU time, whatever else the machine runs
-    budget, spent = tr.stats["rl"]["cpu_seconds"], tr.stats["mle-continued"]["cpu_seconds"]
+    budget, spent = tr.state.stats["rl"]["cpu_seconds"], tr.state.stats["mle-continued"]["cpu_seconds"]
     assert spent >= budget > spent - max(seen["mle-continued"])  # stops at the first step past RL's time
     rows = _rows(tmp_path)
     steps = [r for r in rows if r["phase"] == "mle-continued"]

@@ -6,7 +6,7 @@ stand-in that only `.cpu()` turns into a CPU tensor, and torch.load records wher
 import pytest
 import torch
 
-from twophase.train import checkpoint, cli, decode, resume
+from twophase.train import checkpoint, cli, decode, mlephase, resume, runstate
 from twophase.train.config import Config
 from twophase.train.klreference import Reference
 
@@ -29,8 +29,8 @@ def trainer(task, tmp_path):
                  mle_steps=2, rl_steps=0, eval_every=1, log_every=0, compare_mle=False)
     tr = cli.build(cfg)
     tr.run()
-    tr.save(path=tr.branch_path)
-    tr.save(path=tr.continued_path)
+    tr.save(path=tr.comparison.branch_path)
+    tr.save(path=tr.comparison.continued_path)
     return tr
 
 
@@ -68,14 +68,17 @@ def _cpu_bytes_only(monkeypatch):
 @pytest.mark.parametrize("how", ["resume", "compare"])
 def test_rng_states_are_set_from_the_cpu(trainer, monkeypatch, how):
     _cpu_bytes_only(monkeypatch)
-    state = trainer.state() if how == "resume" else trainer.snapshot()
+    state = trainer.state_dict() if how == "resume" else runstate.snapshot(trainer.trainer)
     sampling = state["sampling_rng"].clone()
     state["sampling_rng"] = OnDevice(state["sampling_rng"])
     state["rng"]["torch"] = OnDevice(state["rng"]["torch"])
-    trainer.device = torch.device("cuda")  # what the trainer believes: a GPU run (nothing here touches it)
-    trainer.sampling = Generator()
-    (trainer.load_state if how == "resume" else trainer.restore)(state)
-    assert torch.equal(trainer.sampling.got, sampling)
+    trainer.trainer.device = torch.device("cuda")  # what the trainer believes: a GPU run (nothing here touches it)
+    trainer.trainer.sampling = Generator()
+    if how == "resume":
+        trainer.load_state(state)
+    else:
+        runstate.restore(trainer.trainer, state)
+    assert torch.equal(trainer.trainer.sampling.got, sampling)
 
 
 @pytest.fixture
@@ -92,12 +95,12 @@ def loads(monkeypatch):
 
 
 def test_checkpoints_are_read_onto_the_cpu(trainer, loads, tmp_path):
-    trainer.device = torch.device("meta")  # stands for an accelerator: a load there would be recorded as such
+    trainer.trainer.device = torch.device("meta")  # stands for an accelerator: a load there would be recorded as such
     trainer.cfg.export = "best"
     resume.export_model(trainer)
-    assert trainer.load_branch() is not None
-    trainer.compared, trainer.test_models = True, None
-    assert set(trainer.compared_models()) == {"mle", "mle-continued"}
+    assert trainer.comparison.load_branch() is not None
+    trainer.state.compared, trainer.comparison.test_models = True, None
+    assert set(trainer.comparison.compared_models()) == {"mle", "mle-continued"}
     Reference.of(trainer.model, str(trainer.checkpoints.best_path), trainer.device)
     model, _, _ = decode.load_model(str(trainer.checkpoints.last_path), torch.device("meta"))
     assert next(model.parameters()).device.type == "meta"
@@ -108,9 +111,9 @@ def test_rl_from_best_reads_the_best_checkpoint_onto_the_cpu(trainer, loads):
     class Bar:
         def write(self, line):
             pass
-    trainer.device = torch.device("meta")
-    trainer.best_step, trainer.step = 1, 2
-    trainer.restore_best_mle({}, Bar())
+    trainer.trainer.device = torch.device("meta")
+    trainer.state.best_step, trainer.state.step = 1, 2
+    mlephase.start_from_best(trainer, {}, Bar())
     assert loads == ["cpu"]
 
 
@@ -118,7 +121,7 @@ def test_the_compare_snapshot_is_held_in_host_memory(trainer, monkeypatch):
     """The snapshot goes to host memory, not to the model's device: with host memory standing on another
     device (meta) than the model's (cpu), every tensor of the snapshot is there."""
     monkeypatch.setattr(checkpoint, "HOST", torch.device("meta"))
-    snap = trainer.snapshot()
+    snap = runstate.snapshot(trainer.trainer)
     tensors = [t for part in ("model", "optimizer") for t in _tensors(snap[part])]
     assert tensors and all(t.device.type == "meta" for t in tensors)
     assert next(trainer.model.parameters()).device.type == "cpu"

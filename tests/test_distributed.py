@@ -165,13 +165,13 @@ def test_each_rank_resumes_its_own_random_streams(tmp_path, monkeypatch):
     cfg = Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
                  embed_dim=4, batch_size=4, mle_batch_size=4, save_dir=str(tmp_path / "run"))
     trainer = cli.build(cfg)
-    state = trainer.state()
+    state = trainer.state_dict()
     streams = [torch.Generator().manual_seed(seed).get_state() for seed in (5, 6)]
     state["rank_rngs"] = [{"rng": state["rng"], "sampling_rng": s} for s in streams]
     monkeypatch.setattr(distributed, "world", lambda: 2)
     monkeypatch.setattr(distributed, "rank", lambda: 1)
     trainer.load_state(state)
-    assert torch.equal(trainer.sampling.get_state(), streams[1])
+    assert torch.equal(trainer.trainer.sampling.get_state(), streams[1])
     del state["rank_rngs"]  # a single-process checkpoint resumed on 2 processes: rank 1 keeps its own stream
     trainer.load_state(state)
-    assert torch.equal(trainer.sampling.get_state(), streams[1])
+    assert torch.equal(trainer.trainer.sampling.get_state(), streams[1])

@@ -12,7 +12,7 @@ import torch
 if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("peft") is None:
     pytest.skip("transformers and peft are not installed (pip install twophase[hf])", allow_module_level=True)
 
-from twophase.train import cli, decode  # noqa: E402
+from twophase.train import cli, decode, runstate  # noqa: E402
 from twophase.train.checkpoint import load, save_atomic  # noqa: E402
 
 import hf_tiny  # noqa: E402
@@ -153,9 +153,9 @@ def test_the_compare_snapshot_of_a_lora_model_holds_the_adapters_alone(folder):
     state), in host memory; the frozen base does not change, so it is not copied."""
     cfg, start = cli.parse(["--save-dir", str(folder / "run"), "--resume"])
     tr = cli.build(cfg, start)
-    snap = tr.snapshot()
+    snap = runstate.snapshot(tr.trainer)
     assert snap["model"] and all("lora_" in k for k in snap["model"])
-    tr.restore(snap)
+    runstate.restore(tr.trainer, snap)
     assert _close({k: v for k, v in tr.model.state_dict().items() if "lora_" in k}, snap["model"], 0)
 
 

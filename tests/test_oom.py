@@ -8,9 +8,8 @@ import weakref
 import pytest
 import torch
 
-from twophase import Compiled, beam_search, objectives, oom, rescore_backward
-from twophase.phase2 import rescoring
-from twophase.train import loop
+from twophase import Compiled, beam_search, objectives, oom, rescore_backward, rescoring
+from twophase.train import run as run_module, trainer as trainer_module
 
 from conftest import take_grads, tiny_model, toy_batch
 
@@ -85,27 +84,28 @@ def test_phase_two_raises_other_errors_and_oom_without_retry(monkeypatch, one_th
 
 
 def test_the_trainer_skips_a_batch_after_releasing_it(monkeypatch):
-    """RunLoop.train_step on a cuBLAS allocation failure: the batch is skipped (counted), the cache emptied only
+    """Run.train_step on a cuBLAS allocation failure: the batch is skipped (counted), the cache emptied only
     once the failed step's tensors are gone."""
     watch = _Watch(monkeypatch)
 
-    class Step(loop.RunLoop):
+    class Steps:  # what Run.train_step reads of its trainer, the step itself failing
+        cfg = type("Cfg", (), {"profile_memory": False, "rescore_chunk": 8, "rl_lr": 0.1})()
+        start_step, step_figures = trainer_module.Trainer.start_step, trainer_module.Trainer.step_figures
+
         def __init__(self):
-            self.cfg = type("Cfg", (), {"profile_memory": False, "rescore_chunk": 8, "rl_lr": 0.1})()
             self.optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-            self.device, self.step, self.profiler = torch.device("cuda"), 0, None
-            self.stats = {"rl": {"steps": 0, "seconds": 0.0, "skipped": 0, "out_of_memory": 0, "reward_sum": 0.0,
-                                 "reward_steps": 0}}
+            self.device, self.profiler, self.last_chunk = torch.device("cuda"), None, 8
 
         def rl_step(self):
             held = torch.ones(1000)
             watch.hold(held)
             raise RuntimeError(CUBLAS)
 
+    trainer = run_module.Run.__new__(run_module.Run)  # a run of these steps, none of its files
+    trainer.trainer, trainer.state, trainer.is_main = Steps(), run_module.RunState(mle_end=0), True
     monkeypatch.setattr(torch.cuda, "memory_summary", lambda *a, **k: "summary")
-    trainer = Step()
     row = trainer.train_step("rl")
-    assert row["out_of_memory"] == 1 and trainer.stats["rl"]["out_of_memory"] == 1
+    assert row["out_of_memory"] == 1 and trainer.state.stats["rl"]["out_of_memory"] == 1
     assert watch.dead_at_release == [True]
 
 

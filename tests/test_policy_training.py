@@ -121,9 +121,9 @@ def test_grad_accum_equals_one_big_batch_over_several_updates(data, tmp_path, on
                      rescore_chunk=4, save_dir=str(tmp_path / str(accum)), objective="policy", sampler="beam",
                      updates_per_generation=2, kl_beta=0.3, loss_type=loss_type, grad_accum=accum,
                      batch_size=6 // accum, compare_mle=False, lr=0.05, clip_epsilon=0.01, **flags)
-        tr = cli.build(cfg)
+        tr = cli.build(cfg).trainer  # its steps, taken directly
         tr.model.double()
-        tr.step_counts = {}  # set by train_step, which this test goes around
+        tr.step_counts = {}  # set by start_step, which this test goes around
         tr.cfg.grad_accum = 1  # a few MLE steps, the same in both runs: some reward for the candidates
         tr.mle_batches = iter([list(range(k, len(tr.pairs), 2)) for k in range(2)])
         for _ in range(2):

@@ -11,7 +11,7 @@ import torch
 
 from twophase.train import cli, trainer as trainer_module
 from twophase.train.config import Config
-from twophase.train.interrupt import Interrupted
+from twophase.train.runstate import Interrupted
 
 from tasks import task_dir
 
@@ -110,12 +110,12 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(task, tmp_path, monkeypa
 
     monkeypatch.setattr(trainer_module, "rescore_backward", rescore)
     tr.train_step("mle")
-    tr.step += 1
+    tr.state.step += 1
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
     poisoned["on"] = True
     for _ in range(2):
         row = tr.train_step("mle")
-        tr.step += 1
+        tr.state.step += 1
         assert row["skipped"] == 1
     _assert_identical(tr.model.state_dict(), before)  # skipped steps leave the parameters alone
     with pytest.raises(Interrupted) as stop:
@@ -184,7 +184,7 @@ def test_resume_without_checkpoint_or_with_other_model_is_refused(task, tmp_path
 
 def test_out_of_memory_outside_phase_two_skips_the_batch(task, tmp_path, monkeypatch, capsys):
     tr = _tiny_trainer(task, tmp_path, mle_steps=2, rl_steps=3)
-    real = tr.rl_step
+    real = tr.trainer.rl_step
     calls = {"n": 0}
 
     def rl_step():
@@ -193,7 +193,7 @@ def test_out_of_memory_outside_phase_two_skips_the_batch(task, tmp_path, monkeyp
             raise torch.cuda.OutOfMemoryError("injected")
         return real()
 
-    monkeypatch.setattr(tr, "rl_step", rl_step)
+    monkeypatch.setattr(tr.trainer, "rl_step", rl_step)
     summary = tr.run()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["phase"] == "rl"]
@@ -204,7 +204,7 @@ def test_out_of_memory_outside_phase_two_skips_the_batch(task, tmp_path, monkeyp
 
 
 def test_second_signal_exits_at_once():
-    code = ("import os, signal, time\nfrom twophase.train.interrupt import GracefulStop\nwith GracefulStop():\n"
+    code = ("import os, signal, time\nfrom twophase.train.runstate import GracefulStop\nwith GracefulStop():\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(0.2)\n    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(30)\nprint('not reached')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, cwd=ROOT)

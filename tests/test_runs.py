@@ -265,11 +265,11 @@ def test_grad_accum_equals_one_big_batch(task, tmp_path, phase, objective):
     cfg = Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=8, embed_dim=4,
                  beam_size=3, max_len=7, rescore_chunk=4, save_dir=str(tmp_path), objective=objective,
                  mle_weight=0.3, compare_mle=False)
-    tr = cli.build(cfg)
+    tr = cli.build(cfg).trainer  # its steps, taken directly
     tr.model.double()
-    tr.step_counts = {}  # set by train_step, which this test goes around
+    tr.step_counts = {}  # set by start_step, which this test goes around
     grads = []
-    tr._update = lambda loss: grads.append([p.grad.clone() for p in tr.model.parameters()]) or \
+    tr.update = lambda loss: grads.append([p.grad.clone() for p in tr.model.parameters()]) or \
         {"grad_norm": 0.0, "skipped": 0}
     first, second = [0, 5, 7], [2, 9, 11]  # pair indices (MLE) or source indices (RL)
     batches = "mle_batches" if phase == "mle" else "rl_batches"

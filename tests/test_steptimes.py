@@ -1,8 +1,10 @@
-"""Trainer.part_times: the CPU seconds of an RL step's parts (phase one, rewards, phase two, update)."""
+"""bench.steptimes: the CPU seconds of an RL step's parts (phase one, rewards, phase two, update), through the
+trainer's timer hook; and tools/beforeafter.py, tools/stepworker.py, which time them from outside."""
 import time
 
 import pytest
 
+from twophase.bench.steptimes import PartTimes
 from twophase.train import cli, trainer as trainer_module
 from twophase.train.config import Config
 from tests.tasks import task_dir
@@ -13,7 +15,7 @@ def task(tmp_path_factory):
     return task_dir(tmp_path_factory, 40, 4)
 
 
-def _trainer(task, save):
+def _run(task, save):
     return cli.build(Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=16,
                             embed_dim=8, batch_size=4, mle_batch_size=8, beam_size=3, rescore_chunk=5, max_len=8,
                             save_dir=str(save)))
@@ -22,7 +24,8 @@ def _trainer(task, save):
 def test_each_part_gets_its_own_seconds(task, tmp_path, monkeypatch, one_thread):
     """A fake process clock that only the patched parts advance, each by its own power of ten: every part's
     total is exactly its own advance, so none is attributed to another, missed, or counted twice."""
-    tr = _trainer(task, tmp_path / "run")
+    run = _run(task, tmp_path / "run")
+    tr = run.trainer
     clock = [0.0]
     monkeypatch.setattr(time, "process_time", lambda: clock[0])
 
@@ -37,34 +40,35 @@ def test_each_part_gets_its_own_seconds(task, tmp_path, monkeypatch, one_thread)
     monkeypatch.setattr(tr, "rewards_of", advancing(tr.rewards_of, 10.0))
     monkeypatch.setattr(trainer_module, "rescore_backward", advancing(trainer_module.rescore_backward, 100.0))
     monkeypatch.setattr(tr.optimizer, "step", advancing(tr.optimizer.step, 1000.0))
-    tr.train_step("rl")  # not asked: nothing recorded
-    assert tr.part_times is None
-    tr.part_times = {}
-    tr.train_step("rl")
-    assert tr.part_times == {"phase one": 1.0, "rewards": 10.0, "phase two": 100.0, "update": 1000.0}
+    run.train_step("rl")  # not asked: nothing recorded
+    assert tr.timer is None
+    times = PartTimes().attach(tr)
+    run.train_step("rl")
+    assert times == {"phase one": 1.0, "rewards": 10.0, "phase two": 100.0, "update": 1000.0}
 
 
 def test_parts_lie_within_the_step(task, tmp_path, one_thread):
     """With the real clock: every part is measured, none negative, and together they are no more than the step."""
-    tr = _trainer(task, tmp_path / "run")
-    tr.part_times = {}
+    run = _run(task, tmp_path / "run")
+    times = PartTimes().attach(run.trainer)
     start = time.process_time()
-    tr.train_step("rl")
+    run.train_step("rl")
     total = time.process_time() - start
-    assert set(tr.part_times) == {"phase one", "rewards", "phase two", "update"}
-    assert all(v >= 0 for v in tr.part_times.values()) and sum(tr.part_times.values()) <= total + 1e-9
+    assert set(times) == {"phase one", "rewards", "phase two", "update"}
+    assert all(v >= 0 for v in times.values()) and sum(times.values()) <= total + 1e-9
 
 
 def test_karel_bench_splits_the_step(task, tmp_path, one_thread):
     """bench.karel's step split (on a tiny TSV trainer: the same Trainer path): every part and the rest, which
     add up to the step; its untied rewards differ from the true ones by less than 1e-3 and never tie."""
     from twophase.bench import karel as bench_karel
-    tr = _trainer(task, tmp_path / "run")
+    run = _run(task, tmp_path / "run")
+    tr = run.trainer
     true_rewards = tr.rewards_of
     tr.rewards_of = bench_karel.untied(true_rewards)
-    row = bench_karel._step_seconds(tr, "rl", 2)
+    row = bench_karel._step_seconds(run, "rl", 2)
     assert set(row) == {"cpu_s", "phase_one_s", "rewards_s", "phase_two_s", "update_s", "other_s"}
-    assert tr.part_times is None and row["phase_two_s"] > 0 and row["phase_one_s"] > 0
+    assert tr.timer is None and row["phase_two_s"] > 0 and row["phase_one_s"] > 0
     cand = tr.search(tr._sources([0, 1]))
     examples = [tr.train[0], tr.train[1]]
     exact = true_rewards(cand.tokens, cand.owner.tolist(), examples)
@@ -98,9 +102,9 @@ def _tiny_rl_job(task):
 
 
 def test_stepworker_times_a_trainers_parts_from_outside(task, one_thread):
-    """The before/after worker's RL job: the same four parts as Trainer.part_times, taken from the trainer's
+    """The before/after worker's RL job: the same four parts as bench.steptimes', taken from the trainer's
     sections and phase_two, within the step; a flag the command does not know is left out."""
-    from twophase.bench import stepworker
+    from tools import stepworker
     parts = {}
     step, model = stepworker.rl_job(_tiny_rl_job(task), parts)
     start = time.process_time()
@@ -114,7 +118,7 @@ def test_worker_answers_each_step_in_its_own_process(task):
     """The worker run as the driver runs it (its source through -c, this checkout on the path): built, then one
     JSON answer per step with the four parts; what the command prints on the way is passed through."""
     from pathlib import Path
-    from twophase.bench import beforeafter
+    from tools import beforeafter
     worker = beforeafter.Worker("after", Path(__file__).resolve().parent.parent, _tiny_rl_job(task))
     try:
         assert worker.answer("ready")["parameters"] > 0
@@ -128,7 +132,7 @@ def test_worker_answers_each_step_in_its_own_process(task):
 
 def test_before_after_alternates_the_sides(monkeypatch):
     """Steps asked in turns (before, after; after, before; ...), warm-up steps dropped; medians and the table."""
-    from twophase.bench import beforeafter
+    from tools import beforeafter
     asked = []
 
     class Fake:
@@ -159,7 +163,7 @@ def test_before_after_alternates_the_sides(monkeypatch):
 
 def test_before_after_refuses_bad_input(tmp_path, capsys):
     from pathlib import Path
-    from twophase.bench import beforeafter
+    from tools import beforeafter
     here = str(Path(__file__).resolve().parent.parent)
     for argv, message in [(["--before", str(tmp_path), "--after", here], "not a checkout of twophase"),
                           (["--before", here, "--after", here, "--jobs", "karel,nope"], "--jobs"),

@@ -44,7 +44,7 @@ def measure(train_flags: list[str], rounds: int, cold: int, eos_bias: float | No
         argv = [*train_flags, "--save-dir", folder, "--overwrite"]
         if "--compile" not in argv:
             argv += ["--compile", "on"]
-        trainer = cli.build_from_flags(argv)
+        trainer = cli.build_from_flags(argv).trainer  # its steps: search, batches
         cfg = trainer.cfg
         torch.set_num_threads(1)
         fast = _compiled_part(trainer.model)

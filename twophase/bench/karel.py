@@ -9,7 +9,7 @@ output bias at -30 so that every candidate runs to --max-len (31): the worst cas
 and validation (whose candidates stop at ~15 tokens), the same for every model compared. Each measurement is
 process CPU time (immune to other jobs on the machine, but not to their contention for caches and memory
 bandwidth), after one untimed warm-up step, median over --steps; printed as one JSON line per measurement.
-An MLE or RL row also has its step's parts (the trainer's own sections, `twophase.train.steptimes`), each the
+An MLE or RL row also has its step's parts (the trainer's own sections, `twophase.bench.steptimes`), each the
 median over the steps: `phase_one_s` (the search), `rewards_s` (executing every candidate on the task's
 grids), `phase_two_s` (rescore_backward), `update_s` (clipping and the optimizer step) and `other_s` (the rest:
 batching, the objective). Random weights give every candidate of a source the same reward (most often none
@@ -37,6 +37,7 @@ from ..tasks.data import DataError
 from ..train import cli
 from ..train.config import OneLineParser
 from ..train.evaluation import validate
+from .steptimes import PartTimes
 
 
 PARTS = ("phase one", "rewards", "phase two", "update")
@@ -52,18 +53,18 @@ def _cpu_seconds(fn, steps: int) -> float:
     return statistics.median(times)
 
 
-def _step_seconds(trainer, phase: str, steps: int) -> dict:
+def _step_seconds(run, phase: str, steps: int) -> dict:
     """Median CPU seconds of a training step and of each of its parts (and of the rest), after a warm-up."""
-    trainer.train_step(phase)  # warm-up: allocator, first-call costs
+    run.train_step(phase)  # warm-up: allocator, first-call costs
     rows = []
     for _ in range(steps):
-        trainer.part_times = {}
+        times = PartTimes().attach(run.trainer)
         start = time.process_time()
-        trainer.train_step(phase)
+        run.train_step(phase)
         total = time.process_time() - start
-        parts = {f"{name.replace(' ', '_')}_s": trainer.part_times.get(name, 0.0) for name in PARTS}
+        parts = {f"{name.replace(' ', '_')}_s": times.get(name, 0.0) for name in PARTS}
         rows.append({"cpu_s": total, **parts, "other_s": total - sum(parts.values())})
-    trainer.part_times = None
+    PartTimes.detach(run.trainer)
     return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
 
 
@@ -92,24 +93,24 @@ def measure(train_flags: list[str], steps: int, rl_beams: list[int], eval_tasks:
 def _measure_one(train_flags: list[str], steps: int, rl_beams: list[int], eval_tasks: int,
                  untie: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
-        trainer = cli.build_from_flags(["--task", "karel", *train_flags, "--save-dir", folder, "--overwrite"])
-        cfg = trainer.cfg
+        training = cli.build_from_flags(["--task", "karel", *train_flags, "--save-dir", folder, "--overwrite"])
+        cfg = training.cfg
         with torch.no_grad():  # no candidate stops early (see the module docstring)
-            inner = trainer.model.model if isinstance(trainer.model, Constrained) else trainer.model  # --grammar on
+            inner = training.model.model if isinstance(training.model, Constrained) else training.model  # grammar on
             inner.out.bias[inner.eos_id] = -30.0
         if untie:
-            trainer.rewards_of = untied(trainer.rewards_of)
-        params = sum(p.numel() for p in trainer.model.parameters())
+            training.trainer.rewards_of = untied(training.trainer.rewards_of)
+        params = sum(p.numel() for p in training.model.parameters())
         head = {"model": cfg.karel_model, "grammar": cfg.grammar, "ties": "broken" if untie else "kept",
                 "parameters": params, "threads": torch.get_num_threads()}
-        rows = [{**head, "kind": "mle", "batch": cfg.mle_batch_size, **_step_seconds(trainer, "mle", steps)}]
+        rows = [{**head, "kind": "mle", "batch": cfg.mle_batch_size, **_step_seconds(training, "mle", steps)}]
         for k in rl_beams:
-            trainer.cfg.beam_size = k
+            training.cfg.beam_size = k
             rows.append({**head, "kind": "rl", "batch": cfg.batch_size, "beam": k,
-                         **_step_seconds(trainer, "rl", steps)})
+                         **_step_seconds(training, "rl", steps)})
         if eval_tasks:
-            run = lambda: validate(trainer.model, trainer.task, trainer.valid, trainer.reward, cfg.eval_beam,  # noqa
-                                   cfg.max_len, trainer.device, limit=eval_tasks)
+            run = lambda: validate(training.model, training.task, training.valid, training.reward, cfg.eval_beam,  # noqa
+                                   cfg.max_len, training.device, limit=eval_tasks)
             rows.append({**head, "kind": "eval", "tasks": eval_tasks, "beam": cfg.eval_beam,
                          "cpu_s": _cpu_seconds(run, 1)})
         return rows

@@ -23,7 +23,7 @@ from ..constraints import Constrained, GrammarError, teacher_forced_allowed
 from ..vocab import pad_targets
 from .config import Config
 from .evaluation import score
-from .trainer import Trainer
+from .run import Run
 
 
 PROG = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(("train.py", "twophase-train")) \
@@ -94,7 +94,7 @@ def cpu_threads(cfg: Config, width: int | None = None) -> int | None:
 
 
 def build(cfg: Config, start: dict | None = None, given: frozenset | None = None, *, model=None, task=None,
-          reward=None) -> Trainer:
+          reward=None) -> Run:
     """The trainer of this command; `start`: the checkpoint main() read already (--resume, --init-from);
     `given`: the flags set on the command line (default: those differing from Config's). `model`, `task`,
     `reward`: a user's own, given to `twophase.fit` (adopt_task, reward_of), in place of the task's model, the task
@@ -178,8 +178,8 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
     if distributed.rank() == 0:
         rundir.remove(stale)  # --overwrite's old run; the residue of writes a killed process left
-    trainer = Trainer(cfg, task, model, reward, device)
-    trainer.base_model = base  # recorded in every checkpoint (resumable)
+    trainer = Run.assemble(cfg, task, model, reward, device)
+    trainer.base_model = base  # recorded in every checkpoint (runstate)
     if state is not None:
         trainer.load_state(state)
     if trainer.is_main and not cfg.eval_only:
@@ -216,7 +216,7 @@ def default_save_dir(task) -> str:
     return f"runs/{name.lower()}"
 
 
-def open_tensorboard(trainer: Trainer, resumed: bool) -> None:
+def open_tensorboard(trainer: Run, resumed: bool) -> None:
     """--tensorboard: <save-dir>/tensorboard, its steps after the checkpoint purged on --resume (as in
     metrics.jsonl); a new run starts without the event files of the run it replaces."""
     folder = trainer.save_dir / "tensorboard"

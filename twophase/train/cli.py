@@ -27,7 +27,7 @@ from .evaluation import test_beams
 from .checkpoint import SaveError
 from .report import Result, summary_table, with_beams
 from .interrupt import Interrupted
-from .trainer import Trainer
+from .run import Run
 
 
 def build_parser() -> OneLineParser:
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         distributed.finish()
 
 
-def build_from_flags(argv: list[str]) -> Trainer:
+def build_from_flags(argv: list[str]) -> Run:
     """The trainer train.py would build from these flags (the recipe's defaults, --init-from's model flags under
     them), not run: for benchmarks. A bad flag combination is a UsageError, as train.py's one line."""
     try:
@@ -197,7 +197,7 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     return result
 
 
-def closing_paths(trainer: Trainer, exported) -> str:
+def closing_paths(trainer: Run, exported) -> str:
     """The last line: the files the run wrote (a run of no steps writes no checkpoint and no log)."""
     metrics, last = trainer.save_dir / "metrics.jsonl", trainer.checkpoints.last_path
     written = ([f"metrics: {metrics}"] if metrics.exists() else []) + \
@@ -216,7 +216,7 @@ def trainable(model) -> str:
     return "" if n == sum(p.numel() for p in model.parameters()) else f" ({n:,} trainable)"
 
 
-def save_final(trainer: Trainer):
+def save_final(trainer: Run):
     """The task's own export of the final model (--hf-model: save_pretrained into <save-dir>/hf_final), once,
     by the main process; None where the task has none."""
     plain = fsdp.plain_copy(trainer.model, trainer.task.build_model) if fsdp.is_sharded(trainer.model) else None
@@ -231,7 +231,7 @@ def save_final(trainer: Trainer):
                          f"({trainer.checkpoints.last_path} holds it)") from None
 
 
-def draw_picture(trainer: Trainer):
+def draw_picture(trainer: Run):
     """--picture: <save-dir>/curves.png from the run's metrics.jsonl (twophase.plot), or None: turned off, no
     matplotlib, or nothing to draw. A picture that cannot be drawn costs the run nothing but a warning line."""
     if not trainer.cfg.picture or os.environ.get("TWOPHASE_PICTURE", "on").lower() in ("off", "0", "no"):

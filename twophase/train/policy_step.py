@@ -36,7 +36,7 @@ FIELDS = ("tokens", "lengths", "owner", "scores", "token_scores")  # a batch's c
 
 
 class PolicyStep:
-    """The policy objective's RL step for a `Trainer` (its model, task, batches, phase_two and _update)."""
+    """The policy objective's RL step for a `Trainer` (its model, task, batches, phase_two and update)."""
 
     def __init__(self, trainer):
         self.t = trainer
@@ -94,7 +94,7 @@ class PolicyStep:
         for f in found:  # several rewards: each one's values over the generation's batches
             for name, values in f["parts"].items():
                 parts.setdefault(name, []).extend(values)
-        metrics = {**t.reward_log.row(rewards, parts, t.step + 1), "frac_reward_zero_std": sums["zero_std"] / B,
+        metrics = {**t.reward_log.row(rewards, parts, t.number), "frac_reward_zero_std": sums["zero_std"] / B,
                    "completion_length_mean": sums["length"] / n, "terminated": sums["ended"] / n,
                    "completion_length_min": -distributed.reduce_max(-float(lengths.min())),
                    "completion_length_max": distributed.reduce_max(float(lengths.max()))}
@@ -184,7 +184,7 @@ class PolicyStep:
             entropy = total["entropy"] / max(total["entropy_tokens"], 1.0)  # the window's token-weighted mean
             row.update(entropy=entropy, entropy_coef_applied=self.entropy_control.applied(),
                        entropy_coef=self.entropy_control.update(entropy))
-        return {**row, **t._update(total["loss"])}
+        return {**row, **t.update(total["loss"])}
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:

@@ -1,4 +1,4 @@
-"""The training steps: an MLE warm start, then two-phase sequence-level RL (`loop.RunLoop` runs them in order).
+"""The training steps: an MLE step, and a two-phase sequence-level RL step (`run.Run` takes them in order).
 
 One RL step reads like the algorithm:
     1. phase one  - search K candidates per source with no graph (beam_search / sample / stochastic_beam_search);
@@ -7,8 +7,10 @@ One RL step reads like the algorithm:
     4. phase two  - rescore_backward: chunked teacher-forced re-decoding, exact gradient of sum c_i log p_i;
     5. update     - clip and take the optimizer step.
 
-The task (twophase.tasks) supplies the data, the model's sources, target ids and detokenisation; the trainer
-knows nothing else about it. Letters: B sources per step, K candidates per source, N rows, T target length.
+Steps 1 and 4 are the trainer's `gradient` part: `PhaseTwo` here, or a baseline a benchmark puts in its place
+(`onephase.OnePhase`, --one-phase). The task (twophase.tasks) supplies the data, the model's sources, target ids
+and detokenisation; the trainer knows nothing else about it, nor about the run (its step count, checkpoints,
+logs: `run.Run`). Letters: B sources per step, K candidates per source, N rows, T target length.
 """
 from __future__ import annotations
 
@@ -16,30 +18,18 @@ import contextlib
 import functools
 import math
 import random
-from pathlib import Path
 
 import torch
 
 from . import amp, distributed, fsdp
 from .. import estimators, objectives
-from .checkpoint import CheckpointManager
 from .config import Config, parse_size
 from ..tasks.base import Example, Task
 from ..tasks.data import BatchSampler
-from .interrupt import Interrupted
 from .evaluation import completion_ids, score, validate
 from .rewardlog import RewardLog
-from .beststart import BestStart
-from .compare import Comparison
-from .loop import RunLoop
-from ..onephase import one_phase_backward, one_phase_search
-from ..protocol import ModelError
 from .policy_step import PolicyStep
-from .profiling import ChunkPlanner, StepProfiler
-from .resumable import Resumable
-from .rundir import MetricsLog
-from .schedule import Plateau
-from .steptimes import timed
+from .profiling import ChunkPlanner
 from ..rescoring import rescore_backward
 from ..samples import Samples
 from ..sbs import stochastic_beam_search
@@ -48,9 +38,25 @@ from ..search import beam_search, greedy, sample
 from ..vocab import pad_targets
 
 
-class Trainer(Resumable, RunLoop, Comparison, BestStart):
-    def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device):
+class PhaseTwo:
+    """The step's gradient: phase one searches without a graph, phase two re-decodes the rows in chunks."""
+
+    section = "phase 1: search"  # its --profile-memory name
+
+    def search(self, trainer: "Trainer", source) -> tuple[Samples, None]:
+        return trainer.search(source), None
+
+    def backward(self, trainer: "Trainer", source, rows: Samples, coef, graph: None) -> float:
+        return trainer.phase_two(source, rows, coef)
+
+
+class Trainer:
+    """The steps for one model, task and reward: it holds the model, optimizer, fp16's scaler, both phases' batch
+    samplers and the sampling generator; `gradient`: steps 1 and 4 of the RL step (default `PhaseTwo`)."""
+
+    def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device, gradient=None):
         self.cfg, self.task, self.model, self.device, self.reward = cfg, task, model, device, reward
+        self.gradient = gradient or PhaseTwo()
         self.train, self.valid, self.test = task.train, task.valid, task.test or None
         self.ref_ids = [task.target_ids(ex) for ex in self.train]  # (source, reference) -> target ids, no EOS
         self.pairs = [(i, j) for i, refs in enumerate(self.ref_ids) for j in range(len(refs))]
@@ -65,36 +71,29 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         # fp16's loss scale (None otherwise)
         self.autocast = functools.partial(amp.autocast, cfg.amp, device)
         self.scaler = amp.grad_scaler(cfg.amp, device)
-        self.step = 0
-        self.save_dir = Path(cfg.save_dir)
-        self.save_dir.mkdir(parents=True, exist_ok=True)
-        self.best_key = cfg.best_metric  # resolved by the command (auto -> the task's main metric)
-        lower = {m.key for m in task.metrics if not m.higher_is_better}
-        self.checkpoints = CheckpointManager(self.save_dir, keep_last=cfg.keep_last,
-                                             higher_is_better=self.best_key not in lower)
-        self.best_step: int | None = None
-        self.summary: dict[str, dict] = {}
-        self.stats = {p: {"steps": 0, "seconds": 0.0, "skipped": 0, "out_of_memory": 0, "reward_sum": 0.0,
-                          "reward_steps": 0} for p in ("mle", "rl", "mle-continued")}
-        self.bad_in_a_row = 0
-        self.plateau = Plateau(cfg.lr, cfg.lr_decay, cfg.patience, cfg.min_lr, self.checkpoints.higher_is_better)
-        self.mle_end = cfg.mle_steps  # earlier once --lr-decay ends the MLE phase
-        # --compare-mle: the end-of-MLE branch point, whether the comparison is done, the models it tested, the
-        # RL model kept aside during it, and the last step number in metrics.jsonl (beyond RL's with it)
-        self.comparing = cfg.compare_mle and cfg.rl_steps > 0
-        self.branch: dict | None = None
-        self.compared = False
-        self.test_models: dict | None = None
-        self.final: dict | None = None
-        self.log_step = 0
-        self.profiler: StepProfiler | None = None  # set per step under --profile-memory
-        self.part_times: dict | None = None  # a caller's dict: CPU seconds of the step's parts (steptimes)
         self.chunk_planner = ChunkPlanner(parse_size(cfg.memory_budget)) if cfg.rescore_chunk == "auto" else None
         self.last_chunk = cfg.rescore_chunk
-        self.is_main = distributed.rank() == 0  # the one process that logs, draws the bar and saves
-        self.metrics = MetricsLog(self.save_dir / "metrics.jsonl", enabled=self.is_main)
         self.policy = PolicyStep(self) if cfg.objective == "policy" else None  # --objective policy's generations
         self.reward_log = RewardLog(reward)  # the RL rows' reward figures, and the warning of a step scoring nothing
+        # What start_step sets for each step: its number (1-based, for messages), learning rate, --profile-memory's
+        # profiler, phase two's counts (decoded prefix-tree nodes, candidate positions) and the update's outcome.
+        self.number, self.lr, self.profiler, self.step_counts, self.update_outcome = 1, cfg.lr, None, {}, None
+        # A caller's hook around each timed part of a step: timer(part) -> a context manager (bench.steptimes)
+        self.timer = None
+
+    def start_step(self, number: int, lr: float, profiler=None) -> None:
+        """Before step `number`: its learning rate, --profile-memory's profiler (None: not profiled), fresh counts."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.number, self.lr, self.profiler, self.step_counts, self.update_outcome = number, lr, profiler, {}, None
+
+    def step_figures(self) -> dict:
+        """What the step's metrics row adds about the trainer: the auto chunk size, the rate, phase two's counts."""
+        row = {"chunk": self.last_chunk} if self.cfg.rescore_chunk == "auto" else {}
+        row["lr"] = self.lr
+        if self.step_counts.get("positions"):  # phase two decoded this many prefixes for this many positions
+            row["prefix_nodes"], row["prefix_positions"] = self.step_counts["nodes"], self.step_counts["positions"]
+        return row
 
     # ------------------------------------------------------------------ batches
     def _sources(self, idx: list[int]):
@@ -135,7 +134,7 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
                 coef = objectives.mle(refs.owner, len(batch) * self.cfg.grad_accum)
                 loss += self.phase_two(source, refs, coef, keep_mode=True)
         loss = distributed.reduce_sums({"loss": loss})["loss"]
-        return {"loss": loss, **self._update(loss)}
+        return {"loss": loss, **self.update(loss)}
 
     def rl_step(self) -> dict:
         """One update from --grad-accum batches of B sources, every loss averaged over all N*B of them."""
@@ -150,10 +149,10 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
                 rewards.append(batch_rewards)
                 for name, values in (batch_parts or {}).items():  # several rewards: each one's values, for the log
                     parts.setdefault(name, []).extend(values)
-        # 5. Update (several processes: statistics summed here, gradients in _update).
+        # 5. Update (several processes: statistics summed here, gradients in update).
         total = distributed.reduce_sums({"loss": loss})
-        return {"loss": total["loss"], **self.reward_log.row(torch.cat(rewards), parts, self.step + 1),
-                **self._update(total["loss"])}
+        return {"loss": total["loss"], **self.reward_log.row(torch.cat(rewards), parts, self.number),
+                **self.update(total["loss"])}
 
     def rl_batch(self, batch: list[int]):
         """Steps 1-4 of the algorithm on one batch: .grad += its share of the step's loss gradient; returns the
@@ -165,15 +164,9 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         source = self.task.collate(examples, self.device)
         self.model.eval()  # phase one and phase two must score with the same function: no dropout in either
 
-        # 1. Phase one: K candidates per source and their log-probabilities, no graph.
-        log_p = None  # under --one-phase: the log-probabilities with the search's graph, and no phase two
-        with self.section("phase 1: search" + (" with graph (--one-phase)" if cfg.one_phase else ""), "phase one"), \
-                self.autocast():
-            if cfg.one_phase:
-                cand, log_p = one_phase_search(self.model, source, cfg.sampler, cfg.beam_size, cfg.max_len,
-                                               cfg.temperature, self.sampling)
-            else:
-                cand = self.search(source)
+        # 1. Phase one: K candidates per source and their log-probabilities (and what step 4 needs of the search).
+        with self.section(self.gradient.section, "phase one"), self.autocast():
+            cand, search = self.gradient.search(self, source)
         # 2. Rewards of every candidate against all references of its source (and what else the reward asks).
         with self.section("rewards", "rewards"):
             rewards = self.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,)
@@ -191,10 +184,7 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
             rows = Samples.cat([rows, refs], self.model.pad_id)
             coef = objectives.mix(coef, objectives.mle(refs.owner, B), cfg.mle_weight)
         # 4. Phase two: chunked teacher-forced re-decoding; .grad = d/dtheta sum_i c_i log p_i, exactly.
-        if log_p is None:
-            loss = self.phase_two(source, rows, coef)
-        else:
-            loss = self.one_phase_backward(log_p, source, rows, coef)
+        loss = self.gradient.backward(self, source, rows, coef, search)
         return loss, rewards, parts
 
     def search(self, source) -> Samples:
@@ -210,8 +200,8 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
     def phase_two(self, source, rows: Samples, coef, keep_mode: bool = False, stats: dict | None = None) -> float:
         """rescore_backward with the configured chunk size, or the largest within --memory-budget, under the
         autocast phase one ran in; with fp16 the coefficients carry the loss scale (the returned loss does not)."""
-        coef, scale = amp.scale_coefficients(coef, self.scaler)
-        with timed(self.autocast(), self.part_times, "phase two"):
+        coef, scale = self.scale_coefficients(coef)
+        with self.timed(self.autocast(), "phase two"):
             chunk = self.cfg.rescore_chunk
             if chunk == "auto":
                 chunk = self.chunk_planner.chunk_size(self.model, source, rows)
@@ -223,22 +213,20 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
                 self.step_counts[key] = self.step_counts.get(key, 0) + stats.get(key, 0)
             return loss / scale
 
-    def section(self, name: str, part: str | None = None):
-        """A --profile-memory section of the step (a no-op otherwise), its CPU seconds added to self.part_times[part]
-        when a caller set that dict (steptimes)."""
-        profiled = self.profiler.section(name) if self.profiler is not None else contextlib.nullcontext()
-        return timed(profiled, self.part_times, part)
+    def scale_coefficients(self, coef):
+        """(coefficients times fp16's loss scale, that scale); (coef, 1.0) without a scaler."""
+        return amp.scale_coefficients(coef, self.scaler)
 
-    def one_phase_backward(self, log_p, source, rows: Samples, coef) -> float:
-        """--one-phase: one backward through the search graph of the candidates (the first len(log_p) rows);
-        reference rows of --mle-weight have no search graph, so phase two scores those."""
-        n = len(log_p)
-        scaled, scale = amp.scale_coefficients(coef[:n], self.scaler)
-        loss = one_phase_backward(log_p, scaled) / scale
-        if len(rows) > n:
-            refs = rows.select(torch.arange(n, len(rows), device=coef.device))
-            loss += self.phase_two(source, refs, coef[n:])
-        return loss
+    def section(self, name: str, part: str | None = None):
+        """A --profile-memory section of the step (a no-op otherwise), inside the caller's timer of `part`."""
+        return self.timed(self.profiler.section(name) if self.profiler is not None else contextlib.nullcontext(),
+                          part)
+
+    def timed(self, inner, part: str | None):
+        """The context manager `inner`, inside timer(part) where a caller set a timer (and part names one)."""
+        if self.timer is None or part is None:
+            return inner
+        return _within(self.timer(part), inner)
 
     def coefficients(self, cand: Samples, rewards, source, examples: list[Example], num_sources: int) -> torch.Tensor:
         """num_sources: the global batch size, which every loss is averaged over (cand.owner indexes src)."""
@@ -269,9 +257,10 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         tgt = pad_targets(ids, self.device, pad, eos)  # (R, T)
         return Samples.of_targets(tgt, torch.tensor(owner, dtype=torch.long, device=self.device), pad, eos)
 
-    def _update(self, loss: float) -> dict:
+    def update(self, loss: float) -> dict:
         """Clip and step, unless the loss or the gradient norm is not finite: then the parameters stay as they
-        were, the step is counted as skipped, and too many in a row stop the run with a crash checkpoint."""
+        were and the step is skipped; update_outcome says which ("taken", "skipped", or "bad": a skip that counts
+        towards --max-bad-steps, which the run enforces)."""
         # Sum over processes first: clipping and the skip decision then see the global gradient, so every
         # process takes the same decision and the parameters stay identical.
         with self.section("gradient all-reduce and clipping", "update"):
@@ -285,21 +274,20 @@ class Trainer(Resumable, RunLoop, Comparison, BestStart):
         if math.isfinite(loss) and math.isfinite(norm):
             with self.section("optimizer step", "update"):
                 self.optimizer.step()
-            self.bad_in_a_row = 0
+            self.update_outcome = "taken"
             return {"grad_norm": norm, "skipped": 0}
         self.optimizer.zero_grad(set_to_none=True)
-        self.bad_in_a_row += amp.counts_as_bad(loss, scale)
-        if self.bad_in_a_row > self.cfg.max_bad_steps:
-            self.save(crash=True)
-            raise Interrupted(3, f"{self.bad_in_a_row} non-finite steps in a row at step {self.step + 1}; saved "
-                                 f"{self.save_dir / 'checkpoint_crash.pt'} (parameters from before them)")
+        self.update_outcome = "bad" if amp.counts_as_bad(loss, scale) else "skipped"
         return {"grad_norm": norm, "skipped": 1}
 
     def validate(self) -> dict:
         cfg = self.cfg
-        try:
-            with fsdp.gathered(self.model):
-                return validate(self.model, self.task, self.valid, self.reward, cfg.eval_beam, cfg.max_len,
-                                self.device, limit=cfg.valid_size)
-        except ModelError as err:
-            raise ModelError(f"validation after step {self.step}: {err}") from None
+        with fsdp.gathered(self.model):
+            return validate(self.model, self.task, self.valid, self.reward, cfg.eval_beam, cfg.max_len, self.device,
+                            limit=cfg.valid_size)
+
+
+@contextlib.contextmanager
+def _within(outer, inner):
+    with outer, inner:
+        yield

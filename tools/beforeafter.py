@@ -1,12 +1,13 @@
 """An RL step's CPU time in two checkouts of twophase, side by side, their steps alternated in one run.
 
-    python -m twophase.bench.beforeafter --before ../before --after . --jobs hf-t5,hf-causal,karel,g2p
+    python -m tools.beforeafter --before ../before --after . --jobs hf-t5,hf-causal,karel,g2p
 
-For each job the two checkouts each get a worker process (`stepworker.py`, run with that checkout's `twophase`
-on the path and its folder as the working directory), both built first; then the driver asks them for one step
-at a time, in turns (before, after; then after, before; ...), so that whatever else loads the machine loads
-both alike. The first --warmup steps of each are not counted. Reported: the median over the steps of the
-step's process CPU seconds and of each part's, wall seconds and steps per second (wall), and after / before.
+Run from a checkout's folder (its `tools` and `twophase` on the path). For each job the two checkouts each get
+a worker process (`stepworker.py`, run with that checkout's `twophase` on the path and its folder as the working
+directory), both built first; then the driver asks them for one step at a time, in turns (before, after; then
+after, before; ...), so that whatever else loads the machine loads both alike. The first --warmup steps of each
+are not counted. Reported: the median over the steps of the step's process CPU seconds and of each part's, wall
+seconds and steps per second (wall), and after / before.
 
 Jobs (their sizes and flags in JOBS):
     hf-t5, hf-causal   bench.hf's two-phase step on its T5 / Llama-style model, default sizes (B 8, K 16, P 128,
@@ -28,7 +29,7 @@ import sys
 from pathlib import Path
 
 from . import stepworker
-from ..train.config import OneLineParser
+from twophase.train.config import OneLineParser
 
 G2P_CHECKPOINT = "/work/runs/exp/g2p-s1/checkpoint_mle_end.pt"
 JOBS = {  # name: (worker job, default timed steps)
@@ -124,7 +125,7 @@ def table(results: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = OneLineParser(prog="python -m twophase.bench.beforeafter", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m tools.beforeafter", description=__doc__.split("\n")[0])
     p.add_argument("--before", type=Path, required=True, help="the older checkout's folder (holds twophase/)")
     p.add_argument("--after", type=Path, required=True, help="the newer checkout's folder")
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {','.join(JOBS)}")

@@ -1,4 +1,4 @@
-"""One side of `python -m twophase.bench.beforeafter`: one job's training step, timed one step per request, with
+"""One side of `python -m tools.beforeafter`: one job's training step, timed one step per request, with
 whatever `twophase` is on the path (the checkout under test, which may predate this file).
 
 The driver runs it as `python -c SOURCE JOB_JSON` in the checkout's folder. Once the job is built it prints
@@ -8,17 +8,17 @@ its candidates' mean reward (`reward_mean`: the two checkouts' should agree wher
 input stops it.
 
 Jobs (JOB_JSON's "kind"):
-    rl   a `train.py` trainer's RL step (`Trainer.train_step("rl")`) built from "flags" as the command would
+    rl   a `train.py` run's RL step (`Run.train_step("rl")`) built from "flags" as the command would
          (the task's recipe under them; "flags_if_known": [flag, value] pairs given only where the checkout's
          command has the flag), optionally with a checkpoint's model weights ("checkpoint"), EOS's
          output bias set ("eos_bias": every candidate runs to --max-len, as bench.karel) and each reward
          offset by a random [0, 1e-3) ("untie": see bench.karel); parts: phase one, rewards and update
          (clipping and the optimizer step) by the trainer's own sections (`Trainer.section`), phase two
-         (`Trainer.phase_two`)
+         (`Trainer.phase_two`); in a checkout from before `Run`, the trainer is what cli.build returns
     hf   `twophase.bench.hf`'s two-phase step on its model "model" (t5, causal) at its default sizes; parts:
          phase one (`sample`), phase two (the step's `phase2_cpu`)
-The parts are timed by wrapping those functions from outside, so that a checkout without
-`Trainer.part_times` (`twophase.train.steptimes`) is timed the same way as one with it. Only what both
+The parts are timed by wrapping those functions from outside, so that a checkout without the trainer's timer
+hook (`twophase.bench.steptimes`) is timed the same way as one with it. Only what both
 checkouts compared have is used, hence bench.karel's tie-breaking written again here.
 """
 import contextlib
@@ -82,7 +82,8 @@ def rl_job(job: dict, parts: dict):
     optional = [x for flag, value in job.get("flags_if_known", []) if flag in known for x in (flag, value)]
     argv = [*job["flags"], *optional, "--save-dir", tempfile.mkdtemp(prefix="beforeafter-"), "--overwrite"]
     parser.set_defaults(**cli.recipe_defaults(parser.parse_args(argv)))
-    trainer = cli.build(cli.config_from_args(parser.parse_args(argv)))
+    run = cli.build(cli.config_from_args(parser.parse_args(argv)))
+    trainer = getattr(run, "trainer", run)  # the steps: a run's trainer (a checkout before runs: the trainer)
     inner = getattr(trainer.model, "model", trainer.model)  # under a grammar: the constrained model
     if job.get("checkpoint"):
         inner.load_state_dict(torch.load(job["checkpoint"], map_location="cpu", weights_only=False)["model"])
@@ -93,7 +94,7 @@ def rl_job(job: dict, parts: dict):
         trainer.rewards_of = untied(trainer.rewards_of)
     trainer.section = sectioned(trainer.section, parts)
     trainer.phase_two = timed(trainer.phase_two, parts, "phase two")
-    return lambda: trainer.train_step("rl"), trainer.model
+    return lambda: run.train_step("rl"), trainer.model
 
 
 def hf_job(job: dict, parts: dict):

@@ -1,0 +1,302 @@
+"""A training run: the trainer's steps in order (MLE, then RL), with validation, checkpoints, metrics rows and
+progress lines when each is due, the test split at the end, and a clean stop on a signal or a failing reward.
+
+`Run` owns the `Trainer` (the steps, model, optimizer and data streams), one `RunState` (what the run has done)
+and the parts it holds: the checkpoints, the metrics log, the MLE plateau schedule, --rl-from-best and the
+--compare-mle control (`mlephase`). A checkpoint is the model, the optimizer and the trainer's streams, plus
+that state (`runstate`).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import distributed, fsdp, peaks
+from .. import oom
+from ..onephase import OnePhase
+from ..protocol import ModelError
+from ..rewards import RewardError
+from . import runstate
+from .checkpoint import CheckpointManager
+from .evaluation import test_beams, test_scores
+from .mlephase import CONTINUED, MleContinued, Plateau, start_from_best
+from .profiling import StepProfiler
+from .report import ProgressLines, fmt_scores, peak_memory_mb
+from .rundir import MetricsLog
+from .runstate import GracefulStop, Interrupted, RunState
+from .trainer import PhaseTwo, Trainer
+
+
+class Run:
+    """A run of `trainer`'s steps (see the module docstring); `Run.assemble` builds one from a configuration."""
+
+    def __init__(self, trainer: Trainer):
+        cfg = trainer.cfg
+        self.trainer = trainer
+        self.save_dir = Path(cfg.save_dir)
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        self.best_key = cfg.best_metric  # resolved by the command (auto -> the task's main metric)
+        lower = {m.key for m in trainer.task.metrics if not m.higher_is_better}
+        self.checkpoints = CheckpointManager(self.save_dir, keep_last=cfg.keep_last,
+                                             higher_is_better=self.best_key not in lower)
+        self.state = RunState(mle_end=cfg.mle_steps)
+        self.plateau = Plateau(cfg.lr, cfg.lr_decay, cfg.patience, cfg.min_lr, self.checkpoints.higher_is_better)
+        self.comparing = cfg.compare_mle and cfg.rl_steps > 0
+        self.comparison = MleContinued(self)
+        self.is_main = distributed.rank() == 0  # the one process that logs, draws the bar and saves
+        self.metrics = MetricsLog(self.save_dir / "metrics.jsonl", enabled=self.is_main)
+        self.base_model = None  # the frozen base the saved parameters need (--lora-r: basemodel.record's)
+
+    @classmethod
+    def assemble(cls, cfg, task, model, reward, device: torch.device) -> "Run":
+        """The run of this configuration; its RL step's gradient is phase two's, or --one-phase's baseline."""
+        return cls(Trainer(cfg, task, model, reward, device, OnePhase() if cfg.one_phase else PhaseTwo()))
+
+    # what callers read of the trainer and the state (read-only: a caller changes the state through `state`)
+    cfg = property(lambda self: self.trainer.cfg)
+    model = property(lambda self: self.trainer.model)
+    task = property(lambda self: self.trainer.task)
+    reward = property(lambda self: self.trainer.reward)
+    device = property(lambda self: self.trainer.device)
+    train = property(lambda self: self.trainer.train)
+    valid = property(lambda self: self.trainer.valid)
+    test = property(lambda self: self.trainer.test)
+    step = property(lambda self: self.state.step)
+    mle_end = property(lambda self: self.state.mle_end)
+    log_step = property(lambda self: self.state.log_step)
+    compared = property(lambda self: self.state.compared)
+    best_step = property(lambda self: self.state.best_step)
+    summary = property(lambda self: self.state.summary)
+
+    def log(self, row: dict) -> None:
+        self.metrics.write(row)  # only the main process's log writes
+
+    def phase_at(self, step: int) -> str:
+        """Phase of the step after `step` steps have been taken."""
+        return "mle" if step < self.state.mle_end else "rl"
+
+    @property
+    def total(self) -> int:
+        """The run's last step: the end of MLE (--mle-steps, or earlier where --lr-decay stopped it) plus RL's."""
+        return self.state.mle_end + self.cfg.rl_steps
+
+    def validate(self) -> dict:
+        try:
+            return self.trainer.validate()
+        except ModelError as err:
+            raise ModelError(f"validation after step {self.state.step}: {err}") from None
+
+    def budget_clock(self) -> str:
+        """The stats field --compare-mle's budget is counted in: on CPU this process's CPU time (a shared
+        machine's other processes slow RL's steps and the continuation's unequally in wall time), else wall time
+        (a GPU's work is not the process's CPU time)."""
+        return "cpu_seconds" if self.device.type == "cpu" else "seconds"
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, phase: str) -> dict:
+        """One step of the phase (mle, rl or mle-continued, the comparison's); a non-finite loss or gradient skips
+        the update (counted; too many in a row stop the run with a crash checkpoint)."""
+        cfg, trainer, state = self.cfg, self.trainer, self.state
+        profiled = cfg.profile_memory and phase != CONTINUED  # the profile is of the run's own steps
+        trainer.start_step(state.step + 1, self.plateau.lr if phase == "mle" else cfg.rl_lr,
+                           StepProfiler(self.device) if profiled else None)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        row = None  # None after an out-of-memory error
+        try:
+            row = trainer.rl_step() if phase == "rl" else trainer.mle_step()
+            self.count_bad_update()
+        except ModelError as err:  # NaN log-probabilities, say: the model and the step, never a dropped source
+            raise ModelError(f"step {state.step + 1} [{phase}]: {err}") from None
+        except Exception as err:  # noqa: BLE001  (any error but out-of-memory is raised again)
+            if not oom.is_out_of_memory(err) or distributed.world() > 1:
+                raise  # several processes: one cannot skip alone, the others would wait for it in the all-reduce
+        if row is None:  # out of the except block: the failed step's tensors, held by its traceback, are gone
+            row = self.skip_out_of_memory(phase)
+        row.update(trainer.step_figures())
+        if trainer.profiler is not None:  # --profile-memory: every step to memory_profile.jsonl, the first printed
+            if self.is_main:
+                trainer.profiler.write(self.save_dir / "memory_profile.jsonl", state.step + 1, phase,
+                                       echo=state.stats[phase]["steps"] == 0)
+            trainer.profiler = None
+        stats = state.stats[phase]
+        stats["seconds"] += time.perf_counter() - start
+        # this process's CPU time: --compare-mle's budget on CPU, which other processes on the machine do not tilt
+        stats["cpu_seconds"] = stats.get("cpu_seconds", 0.0) + time.process_time() - cpu_start
+        stats["steps"] += 1
+        stats["skipped"] += row["skipped"]
+        if row.get("reward_mean") is not None:  # None: no candidate of the step was scored
+            stats["reward_sum"] += row["reward_mean"]
+            stats["reward_steps"] += 1
+        return row
+
+    def count_bad_update(self) -> None:
+        """--max-bad-steps: a taken update resets the count, a bad skip adds one; past the limit, the run stops
+        with a crash checkpoint holding the parameters from before them."""
+        outcome, state = self.trainer.update_outcome, self.state
+        if outcome == "taken":
+            state.bad_in_a_row = 0
+        elif outcome is not None:
+            state.bad_in_a_row += outcome == "bad"
+            if state.bad_in_a_row > self.cfg.max_bad_steps:
+                self.save(crash=True)
+                raise Interrupted(3, f"{state.bad_in_a_row} non-finite steps in a row at step {state.step + 1}; "
+                                     f"saved {self.save_dir / 'checkpoint_crash.pt'} (parameters from before them)")
+
+    def skip_out_of_memory(self, phase: str) -> dict:
+        """Out of memory outside phase two's chunks (those halve themselves and retry): drop this batch with a
+        memory summary on stderr, count it, and go on with the next."""
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            summary = torch.cuda.memory_summary(self.device, abbreviated=True)
+            oom.release()
+        else:
+            summary = f"peak memory {peak_memory_mb(self.device):.0f} MB"
+        stats = self.state.stats[phase]
+        stats["out_of_memory"] += 1
+        print(f"step {self.state.step + 1} [{phase}]: out of memory, batch skipped ({stats['out_of_memory']} so "
+              f"far)\n{summary}", file=sys.stderr, flush=True)
+        return {"loss": None, "skipped": 1, "out_of_memory": 1}  # None: metrics.jsonl stays strict JSON
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> dict:
+        cfg, state = self.cfg, self.state
+        total = self.total
+        # disable=None: a bar on a terminal, nothing in log files; only the main process draws one.
+        bar = tqdm(total=total, initial=state.step, desc="train", dynamic_ncols=True, mininterval=1.0,
+                   disable=None if self.is_main else True)
+        # Without a bar (stdout a file or a pipe), --log-every lines show the run moving between validations.
+        progress = ProgressLines(cfg.log_every, total, state.step, self.metrics.elapsed) \
+            if self.is_main and bar.disable else None
+        try:
+            with GracefulStop(repeats_within=2.0 if distributed.world() > 1 else 0.0) as stop, bar:
+                # Every process must stop after the same step, whichever got the signal first (one all-reduce).
+                if state.step == state.mle_end and self.comparing and self.comparison.branch is None:
+                    self.comparison.save_branch()  # no MLE steps, or a run resumed at the end of MLE
+                while state.step < self.total and distributed.agree_to_stop(stop.received) is None:
+                    phase = self.phase_at(state.step)
+                    row = self.train_step(phase)
+                    state.step += 1
+                    self.log({"step": state.step, "phase": phase, **row})
+                    bar.update(1)
+                    bar.set_postfix({k: f"{v:.3g}" for k, v in row.items()
+                                     if k in ("loss", "reward_mean") and isinstance(v, float)})
+                    line = progress.line(state.step, phase, row, self.metrics.elapsed) if progress else None
+                    if line:
+                        print(line, flush=True)
+                    self.after_step(phase, bar)
+                    if self.total != total:  # the MLE phase stopped early
+                        total = bar.total = self.total
+                        if progress:
+                            progress.total = total
+                signum = distributed.agree_to_stop(stop.received)  # also a signal during the last step
+                if signum is None and self.comparing and not state.compared:
+                    stopped = self.comparison.compare(stop)
+                    if stopped is not None:
+                        raise Interrupted(128 + stopped, f"stopped by signal {stopped} during the comparison with "
+                                                         f"MLE continued; {self.save_dir / 'checkpoint_last.pt'} "
+                                                         "holds the end of RL (--resume redoes the comparison)")
+                if signum is None:
+                    self.evaluate_test()
+        except RewardError as err:
+            raise self.saved_after(err) from None
+        if signum is not None:
+            self.save()
+            raise Interrupted(128 + signum, f"stopped by signal {signum} after step {state.step}; "
+                                            f"saved {self.save_dir / 'checkpoint_last.pt'} (--resume continues)")
+        state.summary["peak_memory_mb"] = peak_memory_mb(self.device)  # CUDA's allocated, or the RSS
+        state.summary.update(peaks.overall_mb(self.device))  # and on CUDA the reserved: the closing table's rows
+        return state.summary
+
+    def saved_after(self, err: RewardError) -> RewardError:
+        """A reward that fails after the start-up check (during RL or a validation): save checkpoint_last.pt at
+        the steps taken so far, so fixing the plug-in and --resume loses nothing, and report both in one line.
+        With several processes the others wait in a collective the failing one never joins, so nothing is saved
+        there (torchrun stops them)."""
+        if distributed.world() > 1:
+            return err
+        self.comparison.restore_final()  # failed during the comparison: the RL model is the one to keep
+        self.save()
+        return RewardError(f"{err} (after step {self.state.step}; saved {self.save_dir / 'checkpoint_last.pt'}, "
+                           "--resume continues once the reward is fixed)")
+
+    def evaluate_test(self) -> None:
+        """The test split, once per model: the final one (the summary's "test"), and after --compare-mle the
+        end-of-MLE and continued-MLE models too; one "test" metrics row each, naming the model."""
+        if self.test is None:
+            return
+        cfg, state = self.cfg, self.state
+        final = "rl" if cfg.rl_steps > 0 else "mle"
+        tests = {name: self.comparison.test_model(name, params)
+                 for name, params in self.comparison.compared_models().items()}
+        with fsdp.gathered(self.model):
+            tests[final] = test_scores(self.model, self.task, self.test, self.reward, test_beams(cfg), cfg.max_len,
+                                       self.device)
+        state.summary["test"], state.summary["tests"] = tests[final], tests
+        steps = {"mle": state.mle_end, final: state.step,  # each row carries its model's step
+                 CONTINUED: state.mle_end + state.summary.get(CONTINUED, {}).get("steps", 0)}
+        for name, scores in tests.items():
+            self.log({"step": steps[name], "phase": "test", "model": name, **scores})
+            if self.is_main:
+                tqdm.write(f"step {state.step} test ({name}) " + fmt_scores(scores))
+
+    def after_step(self, phase: str, bar) -> None:
+        """Validation (and checkpoint_best.pt when it improves, and the --lr-decay schedule during MLE), phase
+        summary and checkpoints, each when due."""
+        cfg, state = self.cfg, self.state
+        scores = None
+        if state.step % cfg.eval_every == 0 or state.step in (state.mle_end, self.total):
+            scores = self.validate()
+            self.log({"step": state.step, "phase": "eval", "after": phase, **scores,
+                      "train_s": round(state.stats[phase].get(self.budget_clock(), 0.0), 3)})
+            if self.is_main:
+                bar.write(f"step {state.step} [{phase}] valid " + fmt_scores(scores))
+            self.save_best(scores)
+            if phase == "mle":
+                self.schedule(scores, bar)
+        if state.step == state.mle_end and phase == "mle" and cfg.rl_from_best:
+            scores = start_from_best(self, scores, bar)
+        phase_end = state.step in (state.mle_end, self.total)
+        if phase_end:
+            st = state.stats[phase]
+            state.summary[phase] = {**scores, "steps_per_s": st["steps"] / max(st["seconds"], 1e-9),
+                                    "skipped": st["skipped"], "steps": st["steps"], "seconds": st["seconds"],
+                                    "cpu_seconds": st.get("cpu_seconds", math.nan),
+                                    "reward_mean": math.nan if phase != "rl" else  # None: no step scored anything
+                                    st["reward_sum"] / st["reward_steps"] if st["reward_steps"] else None}
+        if phase_end or state.step % cfg.save_every == 0:
+            state.log_step = state.step
+            self.save()
+        if state.step == state.mle_end and self.comparing:
+            self.comparison.save_branch()
+
+    def schedule(self, scores: dict, bar) -> None:
+        """--lr-decay: decay the MLE rate on a plateau, or end the MLE phase here."""
+        action = self.plateau.update(scores.get(self.best_key))
+        if action is None:
+            return
+        step = self.state.step
+        if action == "stop":
+            self.state.mle_end = step
+        self.log({"step": step, "phase": "schedule", "action": action, "lr": self.plateau.lr})
+        if self.is_main:
+            bar.write(f"step {step} [mle] " + (f"no better {self.best_key} in {self.cfg.patience} validations: lr "
+                                               f"{self.plateau.lr:g}" if action == "decay" else
+                                               f"MLE phase ends ({self.best_key} no better at the lowest rate)"))
+
+    # ------------------------------------------------------------------ checkpoints (runstate)
+    def state_dict(self, whole: tuple | None = None, policy: dict | None = None) -> dict:
+        return runstate.state_dict(self, whole, policy)
+
+    def save(self, best: bool = False, crash: bool = False, path=None, phase: str | None = None) -> None:
+        runstate.save(self, best, crash, path, phase)
+
+    def save_best(self, scores: dict) -> None:
+        runstate.save_best(self, scores)
+
+    def load_state(self, saved: dict) -> None:
+        runstate.load_state(self, saved)
