@@ -59,7 +59,7 @@ def test_the_trainer_has_no_one_phase_branch():
 
 
 def test_the_run_gives_the_trainer_its_gradient(tmp_path):
-    from twophase.onephase import OnePhase
+    from twophase.phase1.onephase import OnePhase
     from twophase.train import cli
     from twophase.train.config import Config
     from twophase.train.trainer import PhaseTwo

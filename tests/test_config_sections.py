@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from twophase.train import cli, config, resume_rules
+from twophase.train import cli, config
+from twophase.train.config import rules
 from twophase.train.config import rules as configrules
 from twophase.train.config import SECTIONS, Config
 
@@ -122,10 +123,10 @@ def test_what_the_conditions_allow_still_passes():
 
 def test_the_resume_rules_are_the_fields_declarations():
     declared = {f.name: f.metadata["resume"] for f in dataclasses.fields(Config)}
-    assert resume_rules.RULES == {k: v for k, v in declared.items() if v != resume_rules.FIXED}
-    assert resume_rules.RULES["rl_steps"] == resume_rules.GROW and resume_rules.RULES["mle_steps"] == \
-        resume_rules.PHASE
-    assert set(resume_rules.NOT_INHERITED) == {"save_dir", "device", "resume", "resume_from", "overwrite",
+    assert rules.RULES == {k: v for k, v in declared.items() if v != rules.FIXED}
+    assert rules.RULES["rl_steps"] == rules.GROW and rules.RULES["mle_steps"] == \
+        rules.PHASE
+    assert set(rules.NOT_INHERITED) == {"save_dir", "device", "resume", "resume_from", "overwrite",
                                                "eval_only", "fsdp", "compile"}
     assert configrules.section_fields("lora")[0] == "lora_r"
 

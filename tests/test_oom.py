@@ -8,7 +8,8 @@ import weakref
 import pytest
 import torch
 
-from twophase import Compiled, beam_search, objectives, oom, rescore_backward, rescoring
+from twophase import Compiled, beam_search, objectives, oom, rescore_backward
+from twophase.phase2 import rescoring
 from twophase.train import run as run_module, trainer as trainer_module
 
 from conftest import take_grads, tiny_model, toy_batch

@@ -18,7 +18,7 @@ from twophase.models.hf import HFCausalLM, HFSeq2Seq  # noqa: E402
 from twophase.train import cli  # noqa: E402
 from twophase.system.fsdp import saved_state  # noqa: E402
 from twophase.train.klreference import Reference  # noqa: E402
-from twophase.train.startup import StartupError  # noqa: E402
+from twophase.train.start import StartupError  # noqa: E402
 
 import hf_tiny  # noqa: E402
 from test_hf import PROMPTS, TOLERANCE, EXACT, _batch  # noqa: E402

@@ -7,7 +7,8 @@ from dataclasses import asdict, fields
 import pytest
 import torch
 
-from twophase.train import cli, resume_rules
+from twophase.train import cli
+from twophase.train.config import rules
 from twophase.train.checkpoint import load, save_atomic
 from twophase.train.config import Config
 
@@ -96,8 +97,8 @@ def test_an_interrupted_rl_run_resumed_with_another_objective_is_refused(task, t
 def test_the_rule_table_covers_every_flag():
     """Every declared flag exists; every flag not declared is fixed; each rule does what the table says."""
     names = {f.name for f in fields(Config)}
-    assert set(resume_rules.RULES) <= names
-    assert resume_rules.rule("a_flag_added_later") == resume_rules.FIXED
+    assert set(rules.RULES) <= names
+    assert rules.rule("a_flag_added_later") == rules.FIXED
     saved_cfg = Config(task="tsv", train="t.tsv", valid="v.tsv", reward="edit", best_metric="reward")
     saved = asdict(saved_cfg)
     state = {"step": 5, "mle_end": 4}  # in RL
@@ -105,31 +106,31 @@ def test_the_rule_table_covers_every_flag():
         old = saved[f.name]
         new = (not old if isinstance(old, bool) else old + 1 if isinstance(old, int) else old * 2 + 1
                if isinstance(old, float) else f"other-{old}")
-        kind = resume_rules.rule(f.name)
+        kind = rules.rule(f.name)
         cfg = Config(**{**saved, f.name: new})
-        if kind == resume_rules.FREE or (kind == resume_rules.GROW and new > old):
-            resume_rules.check(cfg, saved, state, "ck.pt")
+        if kind == rules.FREE or (kind == rules.GROW and new > old):
+            rules.check(cfg, saved, state, "ck.pt")
         else:  # fixed, or --mle-steps of a finished MLE phase
             with pytest.raises(ValueError, match=f"--{f.name.replace('_', '-')} ") as info:
-                resume_rules.check(cfg, saved, state, "ck.pt")
-            assert "ck.pt was trained with" in str(info.value) and resume_rules.show(new) in str(info.value)
+                rules.check(cfg, saved, state, "ck.pt")
+            assert "ck.pt was trained with" in str(info.value) and rules.show(new) in str(info.value)
     grow = Config(**{**saved, "rl_steps": saved["rl_steps"] - 1})
     with pytest.raises(ValueError, match="may only grow"):
-        resume_rules.check(grow, saved, state, "ck.pt")
+        rules.check(grow, saved, state, "ck.pt")
     # --mle-steps may change while the MLE phase runs, never below the steps taken
     in_mle = {"step": 3, "mle_end": saved["mle_steps"]}
-    resume_rules.check(Config(**{**saved, "mle_steps": 3}), saved, in_mle, "ck.pt")
+    rules.check(Config(**{**saved, "mle_steps": 3}), saved, in_mle, "ck.pt")
     with pytest.raises(ValueError, match="taken 3 MLE steps"):
-        resume_rules.check(Config(**{**saved, "mle_steps": 2}), saved, in_mle, "ck.pt")
+        rules.check(Config(**{**saved, "mle_steps": 2}), saved, in_mle, "ck.pt")
 
 
 def test_the_docs_table_is_the_declared_table():
     from pathlib import Path
     text = (Path(__file__).resolve().parents[1] / "docs" / "runs.md").read_text()
-    for kind in (resume_rules.FREE, resume_rules.GROW, resume_rules.PHASE):
+    for kind in (rules.FREE, rules.GROW, rules.PHASE):
         [row] = [line for line in text.splitlines() if line.startswith(f"| {kind} |")]
         listed = {flag[2:].replace("-", "_") for flag in row.split("|")[2].strip(" `").split()}
-        assert listed == {name for name, k in resume_rules.RULES.items() if k == kind}, kind
+        assert listed == {name for name, k in rules.RULES.items() if k == kind}, kind
 
 
 def test_karel_train_size_changed_is_refused(tmp_path, monkeypatch, capsys):

@@ -69,7 +69,7 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     accumulation; off, an out-of-memory error propagates and the chunk's gradient goes straight into .grad,
     saving a chunk-time copy of the gradients.
     The model runs in evaluation mode, as search ran it, unless keep_mode (e.g. MLE rows with dropout).
-    `profiler` (optional, see twophase.train.profiling) gets a section per encoder pass and per chunk. `stats`
+    `profiler` (optional, see twophase.system.profiling) gets a section per encoder pass and per chunk. `stats`
     (optional dict) gets "rows", "chunks", "positions" (token positions the rows score) and "nodes" (positions
     decoded: the distinct prefixes, or every position without sharing) added to its counts; with a token-level
     objective also "tokens", "clip_low", "clip_high" (positions clipped, TRL's definitions) and "kl" (summed k3).

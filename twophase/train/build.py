@@ -13,11 +13,13 @@ import sys
 
 import torch
 
-from . import amp, basemodel, devices, distributed, fsdp, numerics, rundir, runs, tensorboard
+from ..system import devices, distributed, fsdp, precision
+from . import report, resume, rundir
 from .start import (batch_warnings, changed_fields, check_model_on_a_batch, check_references, check_reward_references,
                     check_task_flags, init_state, recipe_defaults, refuse_against_checkpoint, resume_state,
                     start_run_dir)
-from .. import rewards, rewardsum, tasks
+from .. import rewards, tasks
+from ..rewards import weighted
 from ..compiling import compiled
 from ..constraints import Constrained, GrammarError, teacher_forced_allowed
 from ..vocab import pad_targets
@@ -102,7 +104,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     given = changed_fields(cfg) if given is None else given
     try:
         cfg.validate()
-        runs.check_flags(cfg)
+        resume.check_flags(cfg)
     except ValueError as err:
         try:  # a flag that differs from the checkpoint's is what went wrong, rather than the combination
             refuse_against_checkpoint(cfg, start)
@@ -113,8 +115,8 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         cfg.save_dir = os.path.dirname(os.path.abspath(cfg.init_from))
     device = pick_device(cfg.device)  # under torchrun: cuda:LOCAL_RANK
     try:
-        numerics.configure(cfg.deterministic, cfg.tf32)  # before any model runs: cuBLAS reads its workspace once
-        amp.check_device(cfg.amp, device)
+        devices.configure(cfg.deterministic, cfg.tf32)  # before any model runs: cuBLAS reads its workspace once
+        precision.check_device(cfg.amp, device)
         fsdp.check(cfg)
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -129,12 +131,12 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     check_task_flags(task, given)
     cfg.save_dir = cfg.save_dir or default_save_dir(task)
     cfg.reward = cfg.reward or task.default_reward
-    reward = rewardsum.from_flags(cfg.reward, cfg.reward_weights) if reward is None else \
+    reward = weighted.from_flags(cfg.reward, cfg.reward_weights) if reward is None else \
         reward_of(reward, cfg.reward, cfg.reward_weights)  # before loading data: a typo fails in a second
     cfg.best_metric = resolve_best_metric(cfg, task)
     if cfg.tensorboard:
         try:
-            tensorboard.writer_class()
+            report.writer_class()
         except ImportError as err:
             raise UsageError(str(err)) from None
     stale, state, init = claim_and_read(cfg, start)
@@ -154,14 +156,14 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if threads:
         torch.set_num_threads(threads)
     model = (task.build_model() if model is None else model).to(device)
-    base = basemodel.record(model, cfg.hf_model)  # the frozen part's base, if any
+    base = resume.record(model, cfg.hf_model)  # the frozen part's base, if any
     try:  # a --lora-r checkpoint's adapters need the base they were trained on
         if state is not None:
-            where = f"{'--resume-from' if cfg.resume_from else '--resume'}: {runs.resume_path(cfg)}"
-            basemodel.check(state.get("base_model"), base, where, cfg.hf_model)
+            where = f"{'--resume-from' if cfg.resume_from else '--resume'}: {resume.resume_path(cfg)}"
+            resume.check(state.get("base_model"), base, where, cfg.hf_model)
         if init is not None:  # --init-from: its weights (a --lora-r run's: its adapters); step 0, a fresh optimizer
-            basemodel.check(init.get("base_model"), base, f"--init-from {cfg.init_from}", cfg.hf_model)
-            runs.load_init(model, init, cfg.init_from)
+            resume.check(init.get("base_model"), base, f"--init-from {cfg.init_from}", cfg.hf_model)
+            resume.load_init(model, init, cfg.init_from)
     except ValueError as err:
         raise UsageError(str(err)) from None
     check_model_on_a_batch(task, model, device)  # a broken model named now, not trained silently
@@ -223,8 +225,8 @@ def open_tensorboard(trainer: Run, resumed: bool) -> None:
     if not resumed and folder.is_dir():
         for old in folder.glob("events.out.tfevents.*"):
             old.unlink()
-    writer = tensorboard.writer_class()(log_dir=str(folder), purge_step=trainer.log_step + 1 if resumed else None)
-    trainer.metrics.mirror = tensorboard.TensorBoardLog(writer, lambda: trainer.mle_end)
+    writer = report.writer_class()(log_dir=str(folder), purge_step=trainer.log_step + 1 if resumed else None)
+    trainer.metrics.mirror = report.TensorBoardLog(writer, lambda: trainer.mle_end)
 
 
 # ---- --grammar on: the task's grammar around the model, for every search, score and gradient
@@ -302,7 +304,7 @@ def reward_of(reward, spec: str, weights: str | None):
         if len(values) != len(checked) or not all(math.isfinite(w) for w in values):
             raise rewards.RewardError(f"reward_weights {weights}: expected {len(checked)} finite numbers, one per "
                                       "reward function")
-    return rewardsum.WeightedSum(checked, values, rewardsum.display_names(names, checked))
+    return weighted.WeightedSum(checked, values, weighted.display_names(names, checked))
 
 
 def adopt_task(task, spec: str):

@@ -13,7 +13,8 @@ from dataclasses import fields
 
 import torch
 
-from . import distributed, fsdp, rundir, runs
+from ..system import distributed, fsdp
+from . import report, resume, rundir
 from .config import file as configfile
 from .build import (PROG, UsageError, build, compile_step, cpu_threads, pick_device,  # noqa: F401 (cli's names
                     resolve_best_metric)                                         # for decode and tests)
@@ -26,7 +27,7 @@ from ..tasks.data import DataError
 from .evaluation import test_beams
 from .checkpoint import SaveError
 from .report import Result, summary_table, with_beams
-from .interrupt import Interrupted
+from .runstate import Interrupted
 from .run import Run
 
 
@@ -156,10 +157,10 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     trainer = build(cfg, start, given, model=model, task=task, reward=reward)
     if cfg.eval_only:
         scores = evaluate(trainer)
-        table = runs.evaluation_table(trainer.task, scores)
+        table = report.evaluation_table(trainer.task, scores)
         if trainer.is_main:
             step = (start or {}).get("step", trainer.step)
-            print(f"{runs.resume_path(cfg) or cfg.init_from} (step {step}):\n" + table)
+            print(f"{resume.resume_path(cfg) or cfg.init_from} (step {step}):\n" + table)
         return Result(cfg, trainer.save_dir.absolute(), scores, table)
     if trainer.is_main:
         test = f" / {len(trainer.test)} test" if trainer.test is not None else ""
@@ -223,7 +224,7 @@ def save_final(trainer: Run):
     if not trainer.is_main:
         return None
     try:
-        return trainer.task.save_final(plain or runs.export_model(trainer), trainer.save_dir)
+        return trainer.task.save_final(plain or resume.export_model(trainer), trainer.save_dir)
     except ValueError as err:  # --export best: a checkpoint_best.pt that does not fit
         raise UsageError(str(err)) from None
     except OSError as err:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from . import grammar, resume
+from . import build, resume
 from .checkpoint import CheckpointError, load
 from .cli import UsageError, compile_step, pick_device
 from .config import DEFAULT_BEAM, OneLineParser, config_from_dict
@@ -29,7 +29,7 @@ from ..tasks.base import Example
 from ..tasks.data import DataError, read_lines, split_utf8_lines
 from ..plugins import brief
 from ..protocol import ModelError
-from ..search import beam_search
+from ..phase1.search import beam_search
 from ..system.fsdp import load_saved
 
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         max_len = args.max_len or cfg["max_len"]
         model = compile_step(model, args.compile)
         try:
-            model = grammar.constrain(model, task, args.grammar or cfg.get("grammar", "off"), max_len)
+            model = build.constrain(model, task, args.grammar or cfg.get("grammar", "off"), max_len)
         except ValueError as err:
             raise UsageError(str(err)) from None
         lines = read_input(args.input)

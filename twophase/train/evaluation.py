@@ -15,9 +15,9 @@ from torch import Tensor
 from .. import protocol
 from ..system import distributed
 from ..protocol import target_mask
-from ..rewardsum import mean_std, statistics
+from ..rewards.weighted import mean_std, statistics
 from ..samples import Samples, best_rows
-from ..search import beam_search
+from ..phase1.search import beam_search
 from ..tasks.base import Example, Task
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 
-from . import cli, distributed
+from . import cli
+from ..system import distributed
 from .config import file as configfile
 from .build import reward_specs, spec_of
 from .config import Config

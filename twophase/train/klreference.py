@@ -31,7 +31,7 @@ from .. import protocol
 from ..samples import Samples
 from ..system import fsdp
 from ..system.fsdp import saved_state
-from .startup import StartupError
+from .start import StartupError
 
 KINDS = ("copy", "base", "adapters")
 

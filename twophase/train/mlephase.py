@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 import time
 
-from . import distributed, fsdp
+from ..system import distributed, fsdp
 from .checkpoint import CheckpointError, host_copy, load
 from .evaluation import test_beams, test_scores
-from .params import saved_state
+from ..system.fsdp import saved_state
 from .runstate import load_weights, restore, snapshot
 from .report import fmt_scores
 

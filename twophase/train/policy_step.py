@@ -25,11 +25,11 @@ import math
 
 import torch
 
-from . import distributed, fsdp
-from ..entropycontrol import AdaptiveEntropy
-from ..policy import advantages, policy_loss, scored_moments, truncated_rows, zero_std_groups
+from ..system import distributed, fsdp
+from ..objectives.entropycontrol import AdaptiveEntropy
+from ..objectives.policy import advantages, policy_loss, scored_moments, truncated_rows, zero_std_groups
 from ..samples import Samples
-from .reference import Reference
+from .klreference import Reference
 
 REF_CHUNK = 64  # rows per chunk of the reference's no-graph scoring when --rescore-chunk is auto
 FIELDS = ("tokens", "lengths", "owner", "scores", "token_scores")  # a batch's candidates, as Samples holds them

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ..rewardsum import mean_std, statistics
+from ..rewards.weighted import mean_std, statistics
 from ..system import distributed, memory
 
 

@@ -16,16 +16,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import distributed, fsdp, peaks
+from ..system import distributed, fsdp, memory
 from .. import oom
-from ..onephase import OnePhase
+from ..phase1.onephase import OnePhase
 from ..protocol import ModelError
 from ..rewards import RewardError
 from . import runstate
 from .checkpoint import CheckpointManager
 from .evaluation import test_beams, test_scores
 from .mlephase import CONTINUED, MleContinued, Plateau, start_from_best
-from .profiling import StepProfiler
+from ..system.profiling import StepProfiler
 from .report import ProgressLines, fmt_scores, peak_memory_mb
 from .rundir import MetricsLog
 from .runstate import GracefulStop, Interrupted, RunState
@@ -209,7 +209,7 @@ class Run:
             raise Interrupted(128 + signum, f"stopped by signal {signum} after step {state.step}; "
                                             f"saved {self.save_dir / 'checkpoint_last.pt'} (--resume continues)")
         state.summary["peak_memory_mb"] = peak_memory_mb(self.device)  # CUDA's allocated, or the RSS
-        state.summary.update(peaks.overall_mb(self.device))  # and on CUDA the reserved: the closing table's rows
+        state.summary.update(memory.overall_mb(self.device))  # and on CUDA the reserved: the closing table's rows
         return state.summary
 
     def saved_after(self, err: RewardError) -> RewardError:

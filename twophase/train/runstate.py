@@ -16,10 +16,10 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import distributed, fsdp
+from ..system import distributed, fsdp
 from .checkpoint import (host_copy, python_rng_state, rng_state, save_atomic, set_generator_state,
                          set_python_rng_state, set_rng_state)
-from .params import saved_state
+from ..system.fsdp import saved_state
 
 PHASES = ("mle", "rl", "mle-continued")  # the last: --compare-mle's control
 

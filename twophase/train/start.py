@@ -14,7 +14,8 @@ from dataclasses import fields
 
 import torch
 
-from . import distributed, rundir, runs
+from ..system import distributed
+from . import rundir, resume
 from .. import tasks
 from .config import PRESETS, SHAPING_FLAGS, Config
 from .config import rules as configrules
@@ -140,23 +141,23 @@ def start_defaults(args) -> tuple[dict, dict | None]:
     """The defaults of this command and the checkpoint it starts from: --resume / --resume-from take the
     checkpoint's resolved configuration (configrules), --init-from its model-shape flags over the recipe's,
     a new run the recipe's (recipe_defaults)."""
-    runs.check_flags(args)
+    resume.check_flags(args)
     if args.init_from and (args.resume or args.resume_from):
         raise ValueError("--init-from starts a new run from a checkpoint's model; --resume and --resume-from "
                          "continue a run: give one of them")
     known = {f.name for f in fields(Config)}
-    path = runs.resume_path(args)
+    path = resume.resume_path(args)
     if path is not None:
-        state = runs.load_checkpoint(path, "--resume-from" if args.resume_from else "--resume")
+        state = resume.load_checkpoint(path, "--resume-from" if args.resume_from else "--resume")
         defaults = configrules.inherited(state["config"], known)
         if args.resume_from:
             defaults["save_dir"] = str(path.parent)  # its own run directory
         return defaults, state
     if args.init_from:
-        state = runs.load_checkpoint(args.init_from, "--init-from")
+        state = resume.load_checkpoint(args.init_from, "--init-from")
         if args.eval_only:  # evaluates the checkpoint as --resume --eval-only would: its reward, metric, lengths
             return configrules.inherited(state["config"], known), state
-        shape = runs.init_defaults(state, known)
+        shape = resume.init_defaults(state, known)
         # the recipe of the checkpoint's task (a different --task is refused in build)
         recipe = recipe_defaults(argparse.Namespace(**{**vars(args), "task": shape.get("task", args.task)}))
         return {**recipe, **shape}, state
@@ -166,16 +167,16 @@ def start_defaults(args) -> tuple[dict, dict | None]:
 def resume_state(cfg: Config, state: dict | None = None) -> dict | None:
     """The checkpoint --resume / --resume-from continues from (`state`: already read), checked against the flags
     of this run by the declared rules (configrules: fixed, may grow, free)."""
-    path = runs.resume_path(cfg)
+    path = resume.resume_path(cfg)
     if path is None:
         return None
     flag = "--resume-from" if cfg.resume_from else "--resume"
     if cfg.resume_from and os.path.abspath(cfg.save_dir) != os.path.abspath(path.parent):
         raise ValueError(f"--resume-from {path} continues the run in {path.parent}, not in --save-dir "
                          f"{cfg.save_dir} (--init-from starts a new run from its model)")
-    state = state if state is not None else runs.load_checkpoint(path, flag)
+    state = state if state is not None else resume.load_checkpoint(path, flag)
     if cfg.eval_only:  # changes nothing: only the model must be the checkpoint's
-        runs.check_init(cfg, state, path, flag)
+        resume.check_init(cfg, state, path, flag)
     else:
         configrules.check(cfg, state["config"], state, f"{flag}: {path}")
     return state
@@ -188,8 +189,8 @@ def init_state(cfg: Config, state: dict | None = None) -> dict | None:
     if cfg.overwrite and os.path.dirname(os.path.abspath(cfg.init_from)) == os.path.abspath(cfg.save_dir):
         raise ValueError(f"--init-from {cfg.init_from} is in --save-dir {cfg.save_dir}, whose run --overwrite "
                          "would delete: choose another --save-dir")
-    state = state if state is not None else runs.load_checkpoint(cfg.init_from, "--init-from")
-    runs.check_init(cfg, state, cfg.init_from)
+    state = state if state is not None else resume.load_checkpoint(cfg.init_from, "--init-from")
+    resume.check_init(cfg, state, cfg.init_from)
     return state
 
 
@@ -220,13 +221,13 @@ def start_run_dir(trainer, state: dict | None, recipe: dict) -> None:
     checkpoint (one run, one log: rows of steps after it were lost with it); every run writes config.json."""
     cfg = trainer.cfg
     if state is not None:
-        aside = runs.set_aside(trainer.save_dir, trainer.step)
+        aside = rundir.set_aside(trainer.save_dir, trainer.step)
         if aside is not None:
             print(f"note: continuing from step {trainer.step}: the checkpoints of later steps were moved to {aside} "
                   "(with a copy of metrics.jsonl); nothing was deleted", flush=True)
         for log in rundir.LOGS:
             rundir.cut_back(trainer.save_dir / log, trainer.step, trainer.compared)
-    runs.write_config(trainer.save_dir, cfg, recipe, runs.resume_path(cfg) or cfg.init_from)
+    rundir.write_config(trainer.save_dir, cfg, recipe, resume.resume_path(cfg) or cfg.init_from)
 
 
 def evaluate(trainer) -> dict:

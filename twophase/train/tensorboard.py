@@ -1,3 +1,0 @@
-"""Moved to `twophase.report`; this old name re-exports what other modules import from it until their
-imports move."""
-from .report import TensorBoardLog, writer_class  # noqa: F401
