@@ -16,7 +16,7 @@ from twophase import beam_search, objectives, rescore_backward, sample
 from twophase.models import outputlayer
 from twophase.train import trainer as trainer_module
 from twophase.train.checkpoint import load, save_atomic
-from twophase.train.config import Config
+from twophase.config import Config
 from twophase.vocab import BOS, PAD
 
 from conftest import rnn_graph_mode, tiny_model, toy_batch

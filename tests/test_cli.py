@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from twophase.train import cli, decode
-from twophase.train.config import Config
+from twophase.config import Config
 
 from tasks import write_task
 
@@ -191,7 +191,7 @@ def test_decode_refuses_bad_input(tmp_path, capsys):
 
 
 def test_threads_default_to_one_for_small_models(monkeypatch):
-    from twophase.train.config import Config
+    from twophase.config import Config
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert cli.cpu_threads(Config(hidden_size=256)) == 1

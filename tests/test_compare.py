@@ -12,7 +12,7 @@ import torch
 
 from twophase import plot
 from twophase.train import cli, report
-from twophase.train.config import Config
+from twophase.config import Config
 from twophase.train.runstate import Interrupted
 from twophase.train.report import summary_table
 from twophase.train.mlephase import Plateau

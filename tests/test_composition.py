@@ -61,7 +61,7 @@ def test_the_trainer_has_no_one_phase_branch():
 def test_the_run_gives_the_trainer_its_gradient(tmp_path):
     from twophase.phase1.onephase import OnePhase
     from twophase.train import cli
-    from twophase.train.config import Config
+    from twophase.config import Config
     from twophase.train.trainer import PhaseTwo
     from tasks import write_task
     write_task(tmp_path / "train.tsv", "reverse", 8, seed=0)

@@ -5,10 +5,11 @@ import dataclasses
 
 import pytest
 
-from twophase.train import cli, config
-from twophase.train.config import rules
-from twophase.train.config import rules as configrules
-from twophase.train.config import SECTIONS, Config
+from twophase.train import cli
+from twophase import config
+from twophase.config import rules
+from twophase.config import rules as configrules
+from twophase.config import SECTIONS, Config
 
 # asdict(Config()) as train.py wrote it into every checkpoint before the config had sections: frozen here, so a
 # reordering or a renaming shows as a failure

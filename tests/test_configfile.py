@@ -10,7 +10,7 @@ import torch
 from twophase import tasks
 from twophase.tasks.base import Task
 from twophase.train import cli
-from twophase.train.config import file as configfile
+from twophase.config import file as configfile
 
 from tasks import small_task_here
 

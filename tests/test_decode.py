@@ -94,7 +94,7 @@ def test_nbest_with_scores(run, monkeypatch, capsys):
 
 def test_tsv_lines_longer_than_training_allowed_are_refused():
     from twophase import tasks
-    from twophase.train.config import Config
+    from twophase.config import Config
     task = tasks.build(Config(train="t.tsv", valid="v.tsv", max_src_len=3))
     assert task.source_problem("a b c", 8) is None
     assert task.source_problem("a b c d", 8) == "source has 4 tokens, more than the training limit of --max-src-len 3"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from twophase.train import checkpoint, cli, decode, mlephase, resume, runstate
-from twophase.train.config import Config
+from twophase.config import Config
 from twophase.train.klreference import Reference
 
 from tasks import task_dir

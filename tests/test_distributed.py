@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from twophase.system import distributed
 from twophase.train import cli
-from twophase.train.config import Config
+from twophase.config import Config
 
 from tasks import write_task
 

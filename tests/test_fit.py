@@ -9,7 +9,7 @@ import torch
 import twophase
 from twophase.tasks.text import TSV
 from twophase.train import cli
-from twophase.train.config.file import ConfigFileError
+from twophase.config.file import ConfigFileError
 
 from tasks import small_task_here
 

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from twophase.system import distributed, fsdp
 from twophase.train import cli, decode
-from twophase.train.config import Config
+from twophase.config import Config
 
 import hf_tiny
 from tasks import write_task

@@ -14,7 +14,7 @@ if importlib.util.find_spec("transformers") is None:  # only a missing extra ski
 from twophase import tasks  # noqa: E402
 from twophase.tasks.base import Example  # noqa: E402
 from twophase.train import cli, decode  # noqa: E402
-from twophase.train.config import Config  # noqa: E402
+from twophase.config import Config  # noqa: E402
 
 import hf_tiny  # noqa: E402
 from test_cli import _fails_with_one_line  # noqa: E402

@@ -10,7 +10,7 @@ from twophase.tasks.karel import World, baselines, generate_dataset, stats
 from twophase.tasks.karel.generate import Example as Generated
 from twophase.tasks.karel.grids import PairSet, batch_grids, pair_array
 from twophase.tasks.karel.task import Karel, as_example
-from twophase.train.config import Config
+from twophase.config import Config
 
 SMALL = dict(rows=5, cols=5, max_tokens=20)
 P = "DEF run m( {} m)"

@@ -14,7 +14,7 @@ from twophase.models.karel_paper import PAPER_SIZES, KarelPaperModel
 from twophase.tasks import TaskError
 from twophase.tasks.karel.task import Karel
 from twophase.train import checkpoint, cli, decode
-from twophase.train.config import Config
+from twophase.config import Config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, R, C, B, P = 7, 3, 4, 3, 4

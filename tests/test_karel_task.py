@@ -13,7 +13,7 @@ from twophase.tasks.karel import World
 from twophase.tasks.karel.reward import ExecutionReward
 from twophase.tasks.karel.task import Karel
 from twophase.train import cli, decode
-from twophase.train.config import Config
+from twophase.config import Config
 from twophase.train.evaluation import score
 
 pytestmark = pytest.mark.usefixtures("one_thread")

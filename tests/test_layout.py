@@ -27,6 +27,7 @@ LAYERS = (
     ("twophase.phase1", "twophase.phase2", "twophase.rewards"),
     ("twophase.objectives", "twophase.modelcheck"),  # estimators read phase one's SBS; check_model runs a search
     ("twophase.system",),
+    ("twophase.config",),  # the run's sections and flags: imports nothing of twophase's
     ("twophase.models",),
     ("twophase.tasks",),
     ("twophase.train",),

@@ -7,7 +7,7 @@ import torch
 
 from twophase.system import devices
 from twophase.train import cli
-from twophase.train.config import Config
+from twophase.config import Config
 
 import test_onephase
 import test_prefixtree

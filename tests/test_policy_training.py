@@ -14,7 +14,7 @@ import torch
 from tasks import write_task
 from test_cli import _fails_with_one_line
 from twophase.train import cli
-from twophase.train.config import Config
+from twophase.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "5", "--mle-batch-size", "8", "--beam-size", "3",

@@ -7,7 +7,7 @@ import torch
 
 from twophase import Seq2Seq, beam_search
 from twophase.phase2.rescoring import rescore_backward
-from twophase.train.config import parse_chunk, parse_size
+from twophase.config import parse_chunk, parse_size
 from twophase.system.memory import graph_bytes, rss_bytes
 from twophase.system.profiling import ChunkPlanner, StepProfiler
 from twophase.phase2.rescoring import rescore_backward

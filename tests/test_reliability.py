@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from twophase.train import cli, trainer as trainer_module
-from twophase.train.config import Config
+from twophase.config import Config
 from twophase.train.runstate import Interrupted
 
 from tasks import task_dir

@@ -5,7 +5,7 @@ import torch
 
 from twophase.train import cli
 from twophase.train.checkpoint import load
-from twophase.train.config import Config
+from twophase.config import Config
 
 from tasks import task_dir
 

@@ -7,7 +7,7 @@ import pytest
 
 from twophase.train import cli
 from twophase.train.checkpoint import load, save_atomic
-from twophase.train.config import Config
+from twophase.config import Config
 
 from tasks import task_dir
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from twophase.train import cli, rundir
-from twophase.train.config import Config
+from twophase.config import Config
 
 from tasks import task_dir
 

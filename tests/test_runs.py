@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from twophase.train import cli
-from twophase.train.config import rules
+from twophase.config import rules
 from twophase.train.checkpoint import load, save_atomic
-from twophase.train.config import Config
+from twophase.config import Config
 
 from tasks import task_dir
 

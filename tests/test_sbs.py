@@ -18,7 +18,7 @@ from twophase.objectives import estimators
 from twophase.phase1 import sbs, search
 from twophase.phase1.onephase import one_phase_backward, one_phase_stochastic_beam_search
 from twophase.train import cli
-from twophase.train.config import Config
+from twophase.config import Config
 from twophase.vocab import EOS, PAD
 
 from tasks import write_task

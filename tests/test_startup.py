@@ -8,7 +8,7 @@ import torch
 
 from twophase import ModelError
 from twophase.train import cli
-from twophase.train.config import Config
+from twophase.config import Config
 
 from tasks import task_dir
 

@@ -6,7 +6,7 @@ import pytest
 
 from twophase.bench.steptimes import PartTimes
 from twophase.train import cli, trainer as trainer_module
-from twophase.train.config import Config
+from twophase.config import Config
 from tests.tasks import task_dir
 
 

@@ -118,7 +118,7 @@ def test_the_lstm_trains_on_a_prompt_table(tmp_path, monkeypatch, capsys, one_th
 
 def test_too_long_rows_are_skipped_and_counted(tmp_path):
     from twophase import tasks
-    from twophase.train.config import Config
+    from twophase.config import Config
     _jsonl(tmp_path / "t.jsonl", [{"prompt": "a b"}, {"prompt": "a b c d"}, {"prompt": "c", "completion": "x y z"}])
     cfg = Config(train=str(tmp_path / "t.jsonl"), valid=str(tmp_path / "t.jsonl"), max_src_len=3, max_len=3,
                  too_long="skip")

@@ -7,7 +7,7 @@ import pytest
 from twophase import tasks
 from twophase.tasks.text import G2P, TSV
 from twophase.train import cli
-from twophase.train.config import Config
+from twophase.config import Config
 
 
 def test_builtins_and_defaults():

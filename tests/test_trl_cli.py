@@ -155,7 +155,7 @@ def test_bad_new_flags_are_one_line(folder, monkeypatch, capsys, extra, match):
 
 
 def test_truncated_sampling_with_reinforce_is_warned_once():
-    from twophase.train.config import Config
+    from twophase.config import Config
     warned = Config(sampler="sample", objective="reinforce", top_p=0.9).warnings()
     assert len(warned) == 1 and "biased" in warned[0] and "--top-p" in warned[0]
     assert Config(sampler="sample", objective="beam", top_p=0.9).warnings() == []

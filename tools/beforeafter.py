@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from . import stepworker
-from twophase.train.config import OneLineParser
+from twophase.config import OneLineParser
 
 G2P_CHECKPOINT = "/work/runs/exp/g2p-s1/checkpoint_mle_end.pt"
 JOBS = {  # name: (worker job, default timed steps)

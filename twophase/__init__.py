@@ -36,7 +36,7 @@ def __getattr__(name: str):
         from .models.seq2seq import Seq2Seq
         return Seq2Seq
     if name == "Config":
-        from .train.config import Config
+        from .config import Config
         return Config
     if name == "fit":
         from .train.fit import fit

@@ -36,6 +36,13 @@ MOVED = {
     "twophase.entropycontrol": "twophase.objectives.entropycontrol",
     "twophase.rewardsum": "twophase.rewards.weighted",
     "twophase.trlcall": "twophase.rewards.trlstyle",
+    # the run's configuration, read by train/ and bench/ alike, is a package of its own
+    "twophase.train.config": "twophase.config",
+    "twophase.train.config.documented": "twophase.config.documented",
+    "twophase.train.config.sections": "twophase.config.sections",
+    "twophase.train.config.runsections": "twophase.config.runsections",
+    "twophase.train.config.rules": "twophase.config.rules",
+    "twophase.train.config.file": "twophase.config.file",
 }
 
 

@@ -38,7 +38,7 @@ import torch
 from .bareloop import vs_loop
 from .cell import run_cell
 from .report import NOTE, describe_sizes, fmt_cell, label, markdown, plot
-from ..train.config import parse_size
+from ..config import parse_size
 
 SEED_CONFIG = dict(batch=16, beam=64, src_len=50, max_len=50, hidden=512, embed=256, vocab=10000, src_vocab=1000)
 SPEED_CONFIG = dict(SEED_CONFIG, batch=2, beam=32, max_len=30, chunk=64)

@@ -26,7 +26,7 @@ from .. import rewards, tasks
 from ..compiling import Compiled
 from ..tasks.data import DataError
 from ..train import cli
-from ..train.config import OneLineParser
+from ..config import OneLineParser
 
 
 def _compiled_part(model) -> Compiled:

@@ -35,7 +35,7 @@ from .. import rewards, tasks
 from ..constraints import Constrained
 from ..tasks.data import DataError
 from ..train import cli
-from ..train.config import OneLineParser
+from ..config import OneLineParser
 from ..train.evaluation import validate
 from .steptimes import PartTimes
 

@@ -2,7 +2,7 @@
 
 `get(name)` resolves `--task NAME` like rewards: `package.module:callable` (the working directory is searched
 too), then the entry-point group `twophase.tasks`, then the built-ins. The callable takes the task's settings (the
-training Config's data, model, karel and lora sections and max_len: `twophase.train.config.TaskConfig`) and
+training Config's data, model, karel and lora sections and max_len: `twophase.config.TaskConfig`) and
 returns a `Task` (see `twophase.tasks.base`); adding a task changes nothing in the trainer.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ ids without the data.
 A task is found by `--task NAME` (see twophase.tasks.get): `package.module:callable`, an entry point of the
 group `twophase.tasks`, or a built-in (`g2p`, `tsv`, `karel`). The callable takes the task's settings (the
 training Config's data, model, karel and lora sections and max_len, by their Config names: `cfg.hidden_size`,
-`cfg.train`; `twophase.train.config.TaskConfig`) and returns a `Task`; it should be cheap: data is read by
+`cfg.train`; `twophase.config.TaskConfig`) and returns a `Task`; it should be cheap: data is read by
 `load_data`, which runs after `load_state_dict` on --resume.
 """
 from __future__ import annotations

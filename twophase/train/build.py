@@ -23,7 +23,7 @@ from ..rewards import weighted
 from ..compiling import compiled
 from ..constraints import Constrained, GrammarError, teacher_forced_allowed
 from ..vocab import pad_targets
-from .config import Config
+from ..config import Config
 from .evaluation import score
 from .run import Run
 

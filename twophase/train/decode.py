@@ -23,7 +23,7 @@ import torch
 from . import build, resume
 from .checkpoint import CheckpointError, load
 from .cli import UsageError, compile_step, pick_device
-from .config import DEFAULT_BEAM, OneLineParser, config_from_dict
+from ..config import DEFAULT_BEAM, OneLineParser, config_from_dict
 from .. import oom, tasks
 from ..tasks.base import Example
 from ..tasks.data import DataError, read_lines, split_utf8_lines

@@ -16,7 +16,7 @@ import torch
 from . import checkpoint
 from .checkpoint import CheckpointError, load
 from ..system.fsdp import load_saved
-from .config.rules import same, show
+from ..config.rules import same, show
 
 # Flags that give the model its shape and ids: --init-from takes them from the checkpoint and refuses others.
 # LoRA's rank, scale and modules too: a --lora-r checkpoint holds the adapters alone, which only continue on

@@ -17,9 +17,9 @@ import torch
 from ..system import distributed
 from . import rundir, resume
 from .. import tasks
-from .config import PRESETS, SHAPING_FLAGS, Config
-from .config import rules as configrules
-from .config.rules import _flag
+from ..config import PRESETS, SHAPING_FLAGS, Config
+from ..config import rules as configrules
+from ..config.rules import _flag
 from .evaluation import validate
 from ..modelcheck import check_model
 from ..rewards import needs_references

@@ -24,7 +24,7 @@ import torch
 from ..system import precision, distributed, fsdp
 from ..objectives import estimators
 from .. import objectives
-from .config import Config, parse_size
+from ..config import Config, parse_size
 from ..tasks.base import Example, Task
 from ..tasks.data import BatchSampler
 from .evaluation import completion_ids, score, validate

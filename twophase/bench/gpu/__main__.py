@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from ...train.config import parse_size
+from ...config import parse_size
 from .common import prepare_environment
 from .runner import SECTIONS, run_all, worker
 from .summary import summary

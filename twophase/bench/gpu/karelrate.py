@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...train.config import PRESETS
+from ...config import PRESETS
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: train.py beside the twophase package
 TRAIN = ROOT / "train.py"
