@@ -1,5 +1,7 @@
 import contextlib
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,14 @@ from twophase import Seq2Seq
 # train.py's end-of-run picture (matplotlib, about a second a run) is drawn only by the tests that look at it; set
 # here, before any test, so the suite's subprocesses inherit it too
 os.environ["TWOPHASE_PICTURE"] = "off"
+
+# The tests live in folders that mirror the package (tests/phase1, tests/train, ...) and share helpers by module
+# name (`from test_cli import _fails_with_one_line`, `import hf_tiny`): every folder is on the path, as the one
+# folder was before, so a test imports another folder's helpers whatever order pytest collects them in.
+_HERE = Path(__file__).resolve().parent
+for _folder in sorted(p for p in _HERE.iterdir() if p.is_dir() and any(p.glob("test_*.py"))):
+    if str(_folder) not in sys.path:
+        sys.path.insert(1, str(_folder))
 
 
 def _refuse_eval_rnn_graph(module, args):

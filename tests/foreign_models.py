@@ -9,7 +9,7 @@ exactness checks on them as on the LSTM, so nothing in the library may assume th
   dataclass (float + long tensors); the state a dict of a float hidden and a long counter; `advance`/`log_probs`.
 - `EndIsPadRNN`: an Elman RNN over a float tensor, pad_id == eos_id (GPT-2 style), enc and state bare tensors.
 
-Broken on purpose (`twophase.check_model` must refuse it, see tests/test_modelcheck.py):
+Broken on purpose (`twophase.check_model` must refuse it, see tests/core/test_modelcheck.py):
 - `RowMixingDecoder`: a `torch.nn.TransformerEncoderLayer` left at batch_first=False run on an (N, t, H) state:
   it attends across the N rows at each position (a common real bug). Reversing the rows changes nothing, so a
   reordering test alone misses it; search then scores each row by its neighbours.

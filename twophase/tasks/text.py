@@ -96,9 +96,9 @@ class G2P(TextTask):
     metrics = (Metric("word_acc", "word accuracy"), Metric("wer", "word error rate", higher_is_better=False),
                Metric("per", "phoneme error rate", higher_is_better=False),
                Metric("wer_nostress", "WER without stress", higher_is_better=False))
-    # A warm start that has converged (issue #10): the rate halves at each validation without a better word
-    # accuracy and MLE ends below 2.5e-4 (measured: after 9,000 and at 10,000 steps, seeds 1 and 2), so the RL
-    # phase and its equal-time control start where more MLE barely helps. --mle-steps is then a maximum.
+    # A warm start that has converged: the rate halves at each validation without a better word accuracy and MLE
+    # ends below 2.5e-4 (docs/g2p.md), so the RL phase and its equal-time control start where more MLE barely
+    # helps. --mle-steps is then a maximum.
     flag_defaults = dict(lr_decay=0.5, mle_steps=10000)
 
     def __init__(self, cfg):

@@ -1,2 +1,4 @@
-"""The training loop and its machinery: trainer, checkpoints and resume, signals, torchrun, AMP, flags, the
-`train.py` / `twophase-decode` commands and validation."""
+"""A run: the trainer's steps (`trainer`, `policy_step`), the run that owns them (`run`, `runstate`, `mlephase`),
+validation and the KL reference (`evaluation`, `klreference`), the run's directory and checkpoints (`rundir`,
+`checkpoint`, `resume`, `report`), and the commands that assemble a run from a `twophase.config.Config`
+(`build`, `start`, `cli`, `fit`, `decode`)."""

@@ -4,7 +4,7 @@ The same short `train.py` run three times on the built-in Karel task (tiny sizes
 one process on one GPU, 2 processes data-parallel, 2 processes with --fsdp (FSDP2 shards). Each two-process
 run's final parameters (checkpoint_last.pt) against the one-process run's: relative L2 distance, which should
 be float32 rounding across shardings (~1e-5), not a different trajectory. Skipped (with the reason) on fewer
-than 2 GPUs or on the CPU, where tests/test_fsdp.py and tests/test_distributed.py check the same over gloo.
+than 2 GPUs or on the CPU, where tests/system/test_fsdp.py and tests/system/test_distributed.py check the same over gloo.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def relative(a: dict, b: dict) -> float:
 
 def run(options: dict) -> dict:
     if not options["device"].startswith("cuda"):
-        raise Skip(f"needs 2 CUDA devices; running on {options['device']} (tests/test_fsdp.py covers gloo)")
+        raise Skip(f"needs 2 CUDA devices; running on {options['device']} (tests/system/test_fsdp.py covers gloo)")
     if torch.cuda.device_count() < 2:
         raise Skip(f"needs 2 CUDA devices; this machine has {torch.cuda.device_count()}")
     out = {"flags": FLAGS}

@@ -1,0 +1,210 @@
+"""The house's layout: twophase's import graph (lazy, function-level imports included) has no circle and no import
+back up a layer, and an old module path (twophase/_moved.py) is the very module at its new place.
+
+An import of an old path counts as an import of the module it names now, so a file still written against the old
+layout is checked against the new one.
+"""
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from twophase._moved import MOVED, new_name
+
+ROOT = Path(__file__).resolve().parents[2] / "twophase"
+
+# The layers, lowest first. Each entry is a group: a folder of twophase, a single module named here, or the core
+# (CORE: every other module directly in twophase/). A module may import its own group and any group of a lower
+# layer; the groups of one layer never import each other (phase one and phase two meet only in the core, through
+# the protocol and `Samples`). The package's own __init__ (FRONT) re-exports from every layer: it sits above them
+# all, so no module imports it.
+CORE, FRONT = "core", "twophase"
+LAYERS = (
+    (CORE,),  # protocol, samples, nested, owners, blocks, oom, vocab, plugins, constraints, compiling, plot
+    ("twophase.phase1", "twophase.phase2", "twophase.rewards"),
+    ("twophase.objectives", "twophase.modelcheck"),  # estimators read phase one's SBS; check_model runs a search
+    ("twophase.system",),
+    ("twophase.config",),  # the run's sections and flags: imports nothing of twophase's
+    ("twophase.models",),
+    ("twophase.tasks",),
+    ("twophase.train",),
+    ("twophase.bench",),
+    (FRONT,),
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> dict[str, tuple[str, bool]]:
+    """Every twophase module: its source and whether it is a package's __init__."""
+    return {_module_name(p): (p.read_text(encoding="utf-8"), p.name == "__init__.py") for p in ROOT.rglob("*.py")}
+
+
+def _imports(name: str, source: str, is_package: bool, modules: set[str]) -> dict[str, int]:
+    """The twophase modules `name` imports anywhere in it, each with a line that imports it (a name imported
+    from a package that is a module of its own counts as that module; an old path as the module it moved to)."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [new_name(a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            base = new_name(base)
+            targets = [new_name(f"{base}.{a.name}") for a in node.names]
+            targets = [t if t in modules else base for t in targets]
+        else:
+            continue
+        for target in targets:
+            found.setdefault(target, node.lineno)
+    return {m: line for m, line in found.items() if m in modules and m != name}
+
+
+def _graph(sources: dict[str, tuple[str, bool]]) -> dict[str, dict[str, int]]:
+    modules = set(sources)
+    return {name: _imports(name, text, is_package, modules) for name, (text, is_package) in sources.items()}
+
+
+def _cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One import circle of `graph`, or None (depth-first search for a back edge)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def _group(module: str, packages: set[str]) -> str:
+    """The group `module` belongs to (see LAYERS)."""
+    if module in {g for layer in LAYERS for g in layer}:
+        return module
+    parts = module.split(".")
+    if len(parts) > 2 or module in packages:
+        return ".".join(parts[:2])
+    return CORE
+
+
+def _layer(group: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if group in layer:
+            return i
+    raise AssertionError(f"{group} is in no layer: add it to LAYERS in tests/core/test_layout.py")
+
+
+def _wrong_way(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Every import that goes up a layer, or sideways to another group of its own layer, one line each."""
+    packages = {name for name, (_, is_package) in sources.items() if is_package}
+    found = []
+    for module, imported in sorted(_graph(sources).items()):
+        mine = _group(module, packages)
+        for target, line in sorted(imported.items()):
+            theirs = _group(target, packages)
+            if theirs != mine and _layer(theirs) >= _layer(mine):
+                way = "up" if _layer(theirs) > _layer(mine) else "sideways"
+                found.append(f"{module}:{line} imports {target} ({way}: {mine} -> {theirs})")
+    return found
+
+
+def test_no_import_circles():
+    graph = _graph(_sources())
+    assert "twophase.tasks.text" in graph["twophase.tasks.hf"]  # the graph sees imports at all
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_no_import_goes_back_up_a_layer():
+    assert "twophase.phase1.search" in _graph(_sources())["twophase.modelcheck"]  # imports across folders seen
+    assert _wrong_way(_sources()) == []
+
+
+@pytest.mark.parametrize("module, source, expected", [
+    ("twophase.phase1.probe", "from ..train import cli\n", "1 imports twophase.train.cli (up: twophase.phase1 -> "
+                                                           "twophase.train)"),
+    ("twophase.probe", "import torch\n\n\ndef f():\n    from .phase2.rescoring import rescore_backward\n",
+     "5 imports twophase.phase2.rescoring (up: core -> twophase.phase2)"),
+    # an old path counts as the module it moved to
+    ("twophase.probe", "import twophase.rescoring\n", "1 imports twophase.phase2.rescoring (up: core -> twophase.phase2)"),
+    ("twophase.phase2.probe", "from .. import search\n",
+     "1 imports twophase.phase1.search (sideways: twophase.phase2 -> twophase.phase1)"),
+    ("twophase.models.probe", "from twophase import Samples\n", "1 imports twophase (up: twophase.models -> twophase)"),
+])
+def test_an_import_the_wrong_way_is_found(module, source, expected):
+    sources = dict(_sources(), **{module: (source, False)})
+    assert _wrong_way(sources) == [f"{module}:{expected}"]
+
+
+def test_a_circle_through_an_old_path_is_found():
+    sources = _sources()
+    sources["twophase.nested"] = (sources["twophase.nested"][0] + "\nfrom . import protocol\n", False)
+    assert _cycle(_graph(sources)) == ["twophase.nested", "twophase.protocol", "twophase.nested"]
+
+
+def test_every_old_path_is_the_module_at_its_new_place():
+    for old, new in MOVED.items():
+        assert not (ROOT.parent / (old.replace(".", "/") + ".py")).exists(), old  # one file, one module
+        assert importlib.import_module(old) is importlib.import_module(new), old
+        module = sys.modules[old]
+        assert module.__name__ == new and module.__spec__.name == new  # its own identity, not the old path's
+    import twophase
+    from twophase.phase1 import search
+    assert twophase.search is search  # an attribute of the package too
+    from twophase.phase1.search import beam_search
+    from twophase.nested import select_rows
+    assert beam_search is search.beam_search and select_rows is twophase.nested.select_rows
+
+
+def test_a_patch_through_an_old_path_acts_on_the_module_that_runs(monkeypatch):
+    from twophase.phase1 import search
+    monkeypatch.setattr("twophase.search.COMPACT_AT", 0.125)
+    assert search.COMPACT_AT == 0.125
+
+
+def test_old_paths_work_in_a_fresh_interpreter():
+    """Imported first by an old path (nothing imported at the new one yet), each is the new module."""
+    code = ("import importlib, sys\n"
+            "from twophase._moved import MOVED\n"
+            "for old, new in MOVED.items():\n"
+            "    m = importlib.import_module(old)\n"
+            "    assert m is sys.modules[new] and m.__spec__.name == new, old\n"
+            "from twophase.rewardsum import WeightedSum\n"
+            "from twophase.rewards.weighted import WeightedSum as same\n"
+            "assert WeightedSum is same\n")
+    run = subprocess.run([sys.executable, "-W", "error::ImportWarning", "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+def test_the_layout_page_names_every_core_module_and_every_old_path():
+    page = (ROOT.parent / "docs" / "layout.md").read_text(encoding="utf-8")
+    core = [p for p in ROOT.glob("*.py") if p.name != "__init__.py"]
+    core += [p for d in ("phase1", "phase2", "objectives", "rewards") for p in (ROOT / d).glob("*.py")
+             if p.name != "__init__.py"]
+    for path in core:
+        assert f"| `{path.relative_to(ROOT).as_posix()}` |" in page, path
+    for old, new in MOVED.items():
+        assert f"| `{old}` | `{new}` |" in page, old

@@ -1,0 +1,115 @@
+"""What train.py says where a flag cannot mean anything or a run differs from what was asked: non-finite numbers,
+--temperature with --objective policy, flags a resumed run must not keep or blame, --init-from --eval-only scoring
+as its run did, batch sizes the data cannot fill, and a run of no steps naming no checkpoint."""
+import math
+
+import pytest
+
+from twophase.train import cli
+from twophase.train.checkpoint import load, save_atomic
+from twophase.config import Config
+
+from taskfiles import task_dir
+
+TINY = ["--hidden-size", "8", "--embed-dim", "4", "--batch-size", "3", "--mle-batch-size", "4", "--beam-size", "2",
+        "--rescore-chunk", "5", "--max-len", "7", "--eval-beam", "1", "--no-compare-mle"]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return task_dir(tmp_path_factory, 6, 3)
+
+
+def _argv(task, save, *flags):
+    return ["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--save-dir", str(save), *TINY,
+            *flags]
+
+
+@pytest.fixture(scope="module")
+def run(task, tmp_path_factory):
+    """A finished run with a reward other than the task's default: 2 MLE steps, 1 RL step."""
+    save = tmp_path_factory.mktemp("run") / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "2", "--rl-steps", "1", "--reward", "exact")) == 0
+    return save
+
+
+def _one_line(capsys, needle):
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and needle in err, err
+
+
+@pytest.mark.parametrize("flag, text", [("--kl-beta", "nan"), ("--top-p", "nan"), ("--lr", "inf"),
+                                        ("--clip-norm", "nan"), ("--temperature", "inf"), ("--rl-lr", "Infinity")])
+def test_non_finite_numbers_are_refused_in_one_line(flag, text, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.parse([flag, text, "--save-dir", str(tmp_path)])
+    assert stop.value.code == 2
+    _one_line(capsys, f"argument {flag}: expected a finite number, got {text}")
+
+
+@pytest.mark.parametrize("name", ["kl_beta", "top_p", "rl_lr", "lora_alpha"])
+def test_a_config_built_in_python_refuses_non_finite_numbers_too(name):
+    with pytest.raises(ValueError, match=f"--{name.replace('_', '-')} must be a finite number, got nan"):
+        Config(**{name: math.nan}).validate()
+
+
+def test_temperature_with_the_policy_objective_is_refused(task, tmp_path, capsys):
+    argv = _argv(task, tmp_path, "--objective", "policy", "--sampler", "sample", "--temperature", "0.7",
+                 "--mle-steps", "0", "--rl-steps", "1")
+    assert cli.main(argv) == 2
+    _one_line(capsys, "--objective policy with --temperature 0.7: phase two's ratios and KL use the model's own")
+    Config(objective="policy", sampler="sample", temperature=0.7, rl_steps=0).validate()  # RL never runs
+
+
+def test_compile_given_on_resume_is_that_command_s_own(run, tmp_path):
+    state = load(run / "checkpoint_last.pt")
+    state["config"]["compile"] = "on"  # as a checkpoint written by `--resume --compile on` holds it
+    save = tmp_path / "run"
+    save.mkdir()
+    save_atomic(state, save / "checkpoint_last.pt")
+    cfg, _ = cli.parse(["--save-dir", str(save), "--resume"])
+    assert cfg.compile == "off"
+    cfg, _ = cli.parse(["--save-dir", str(save), "--resume", "--fsdp"])
+    cfg.validate()  # no "--compile on does not combine with --fsdp"
+
+
+def test_resume_with_hf_model_on_an_lstm_run_names_the_model_flag(run, tmp_path, capsys):
+    assert cli.main(["--save-dir", str(run), "--resume", "--hf-model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "was trained with --hf-model (not set), not" in err and "--embed-dim" not in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert cli.main(["--init-from", str(run / "checkpoint_last.pt"), "--hf-model", str(tmp_path),
+                     "--save-dir", str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err
+    assert "its model was built with --hf-model (not set)" in err and "--embed-dim" not in err, err
+
+
+def test_init_from_eval_only_scores_as_resume_eval_only(run, capsys):
+    cfg, _ = cli.parse(["--init-from", str(run / "checkpoint_last.pt"), "--eval-only"])
+    assert (cfg.reward, cfg.mle_steps, cfg.rl_steps) == ("exact", 2, 1)
+    capsys.readouterr()
+    assert cli.main(["--save-dir", str(run), "--resume", "--eval-only"]) == 0
+    resumed = capsys.readouterr().out.splitlines()
+    assert cli.main(["--init-from", str(run / "checkpoint_last.pt"), "--eval-only"]) == 0
+    started = capsys.readouterr().out.splitlines()
+    assert started[1:] == resumed[1:] and any(line.startswith("reward") for line in started)
+
+
+def test_batch_sizes_the_data_cannot_fill_are_named(task, tmp_path, capsys):
+    assert cli.main(_argv(task, tmp_path / "a", "--mle-steps", "1", "--rl-steps", "1", "--batch-size", "8",
+                          "--mle-batch-size", "7")) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [
+        "train.py: warning: --batch-size 8: the training data has 6 sources, so each RL step takes all 6",
+        "train.py: warning: --mle-batch-size 7: the training data has 6 (source, reference) pairs, so each MLE "
+        "step takes all 6"]
+    assert cli.main(_argv(task, tmp_path / "b", "--mle-steps", "1", "--rl-steps", "0", "--batch-size", "8")) == 0
+    assert "warning" not in capsys.readouterr().err  # no RL step: --batch-size is never used
+
+
+def test_a_run_of_no_steps_names_no_checkpoint(task, tmp_path, capsys):
+    assert cli.main(_argv(task, tmp_path / "run", "--mle-steps", "0", "--rl-steps", "0")) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert not (tmp_path / "run" / "checkpoint_last.pt").exists()
+    assert "checkpoint_last.pt" not in last and "metrics.jsonl" not in last
+    assert last == "no training step taken (--mle-steps 0 --rl-steps 0): no checkpoint written"

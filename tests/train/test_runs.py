@@ -1,0 +1,294 @@
+"""A run's lineage: --resume takes the checkpoint's configuration and refuses flags that would change the run
+(the declared table of resume_rules), --resume-from any checkpoint (later ones set aside, never deleted),
+--init-from, --eval-only, --export, config.json, and save-dir failures in one line."""
+import json
+from dataclasses import asdict, fields
+
+import pytest
+import torch
+
+from twophase.train import cli
+from twophase.config import rules
+from twophase.train.checkpoint import load, save_atomic
+from twophase.config import Config
+
+from taskfiles import task_dir
+
+TINY = ["--hidden-size", "8", "--embed-dim", "4", "--batch-size", "3", "--mle-batch-size", "4", "--beam-size", "3",
+        "--rescore-chunk", "5", "--max-len", "7", "--eval-beam", "1"]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return task_dir(tmp_path_factory, 24, 4)
+
+
+def _argv(task, save, *flags):
+    return ["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--save-dir", str(save), *TINY,
+            *flags]
+
+
+def _one_line(capsys, *needles):
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def _files(save):
+    return {p.relative_to(save).as_posix(): p.read_bytes() for p in sorted(save.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(task, tmp_path_factory):
+    """A finished run (2 MLE + 2 RL steps, compared with MLE continued), every step checkpoint kept."""
+    save = tmp_path_factory.mktemp("finished") / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "2", "--rl-steps", "2", "--save-every", "1",
+                          "--keep-last", "10")) == 0
+    return save
+
+
+# ---- 1-2. --resume: the checkpoint's configuration, and the table of what may change
+def test_a_finished_run_resumed_without_its_flags_loses_nothing(finished, capsys):
+    capsys.readouterr()
+    before = {k: v for k, v in _files(finished).items() if k.endswith(".pt")}
+    assert cli.main(["--save-dir", str(finished), "--resume"]) == 0  # no data, model or step flags
+    out = capsys.readouterr().out
+    assert "[mle]" not in out and "end of MLE" in out  # the closing table again, no step taken
+    after = {k: v for k, v in _files(finished).items() if k.endswith(".pt")}
+    assert after == before  # not one checkpoint rewritten or deleted (RL's step checkpoints included)
+    assert {"checkpoint_step00000003.pt", "checkpoint_step00000004.pt"} <= set(after)
+    assert json.loads((finished / "config.json").read_text())["config"]["hidden_size"] == 8
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--objective", "mrt"], "--objective beam, not mrt"),
+    (["--beam-size", "4"], "--beam-size 3, not 4"),
+    (["--mle-steps", "5"], "--mle-steps 2, not 5: the MLE phase ended at step 2"),
+    (["--rl-steps", "1"], "--rl-steps 2, not 1: --rl-steps may only grow"),
+    (["--reward", "exact"], "--reward edit, not exact"),
+    (["--seed", "2"], "--seed 1, not 2"),
+    (["--grad-accum", "2"], "--grad-accum 1, not 2"),
+])
+def test_flags_that_change_the_run_are_refused(finished, capsys, flags, needle):
+    capsys.readouterr()
+    before = _files(finished)
+    assert cli.main(["--save-dir", str(finished), "--resume", *flags]) == 2
+    _one_line(capsys, needle, str(finished / "checkpoint_last.pt"))
+    assert _files(finished) == before
+
+
+def test_an_interrupted_rl_run_resumed_with_another_objective_is_refused(task, tmp_path, capsys):
+    save = tmp_path / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "1", "--rl-steps", "1", "--objective", "mrt",
+                          "--no-compare-mle")) == 0
+    capsys.readouterr()
+    assert cli.main(["--save-dir", str(save), "--resume", "--rl-steps", "2", "--objective", "beam"]) == 2
+    _one_line(capsys, "--objective mrt, not beam")
+    # extending and observing flags may change: one more RL step, validated every step
+    assert cli.main(["--save-dir", str(save), "--resume", "--rl-steps", "2", "--eval-every", "1", "--log-every",
+                     "1", "--keep-last", "5", "--rescore-chunk", "2", "--threads", "1"]) == 0
+    rows = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["phase"]) for r in rows if r["phase"] in ("mle", "rl")] == [(1, "mle"), (2, "rl"), (3, "rl")]
+    assert load(save / "checkpoint_last.pt")["config"]["objective"] == "mrt"
+
+
+def test_the_rule_table_covers_every_flag():
+    """Every declared flag exists; every flag not declared is fixed; each rule does what the table says."""
+    names = {f.name for f in fields(Config)}
+    assert set(rules.RULES) <= names
+    assert rules.rule("a_flag_added_later") == rules.FIXED
+    saved_cfg = Config(task="tsv", train="t.tsv", valid="v.tsv", reward="edit", best_metric="reward")
+    saved = asdict(saved_cfg)
+    state = {"step": 5, "mle_end": 4}  # in RL
+    for f in fields(Config):
+        old = saved[f.name]
+        new = (not old if isinstance(old, bool) else old + 1 if isinstance(old, int) else old * 2 + 1
+               if isinstance(old, float) else f"other-{old}")
+        kind = rules.rule(f.name)
+        cfg = Config(**{**saved, f.name: new})
+        if kind == rules.FREE or (kind == rules.GROW and new > old):
+            rules.check(cfg, saved, state, "ck.pt")
+        else:  # fixed, or --mle-steps of a finished MLE phase
+            with pytest.raises(ValueError, match=f"--{f.name.replace('_', '-')} ") as info:
+                rules.check(cfg, saved, state, "ck.pt")
+            assert "ck.pt was trained with" in str(info.value) and rules.show(new) in str(info.value)
+    grow = Config(**{**saved, "rl_steps": saved["rl_steps"] - 1})
+    with pytest.raises(ValueError, match="may only grow"):
+        rules.check(grow, saved, state, "ck.pt")
+    # --mle-steps may change while the MLE phase runs, never below the steps taken
+    in_mle = {"step": 3, "mle_end": saved["mle_steps"]}
+    rules.check(Config(**{**saved, "mle_steps": 3}), saved, in_mle, "ck.pt")
+    with pytest.raises(ValueError, match="taken 3 MLE steps"):
+        rules.check(Config(**{**saved, "mle_steps": 2}), saved, in_mle, "ck.pt")
+
+
+def test_the_docs_table_is_the_declared_table():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "runs.md").read_text()
+    for kind in (rules.FREE, rules.GROW, rules.PHASE):
+        [row] = [line for line in text.splitlines() if line.startswith(f"| {kind} |")]
+        listed = {flag[2:].replace("-", "_") for flag in row.split("|")[2].strip(" `").split()}
+        assert listed == {name for name, k in rules.RULES.items() if k == kind}, kind
+
+
+def test_karel_train_size_changed_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TWOPHASE_CACHE_DIR", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    assert cli.main(["--task", "karel", "--train-size", "6", "--valid-size", "2", "--hidden-size", "8", "--embed-dim",
+                     "4", "--mle-steps", "1", "--rl-steps", "0", "--mle-batch-size", "4", "--max-len", "31",
+                     "--eval-beam", "1", "--save-dir", str(run)]) == 0
+    recipe = json.loads((run / "config.json").read_text())["recipe"]
+    assert recipe == cli.recipe_defaults(Config(task="karel")) and recipe  # the task's recipe, recorded
+    capsys.readouterr()
+    assert cli.main(["--save-dir", str(run), "--resume", "--train-size", "7"]) == 2
+    _one_line(capsys, "--train-size 6, not 7")
+    assert cli.main(["--save-dir", str(run), "--resume", "--valid-size", "3"]) == 2
+    _one_line(capsys, "--valid-size 2, not 3")
+
+
+# ---- 11. --resume-from any checkpoint; the crash checkpoint; files that are not checkpoints
+def test_resume_where_only_the_crash_checkpoint_exists(task, tmp_path, capsys):
+    save = tmp_path / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "2", "--rl-steps", "0", "--keep-last", "0")) == 0
+    (save / "checkpoint_last.pt").rename(save / "checkpoint_crash.pt")  # what a run stopped by bad steps leaves
+    (save / "checkpoint_best.pt").unlink()
+    capsys.readouterr()
+    assert cli.main(["--save-dir", str(save), "--resume"]) == 2
+    _one_line(capsys, f"--resume-from {save / 'checkpoint_crash.pt'} continues from it")
+    assert cli.main(["--resume-from", str(save / "checkpoint_crash.pt"), "--mle-steps", "3"]) == 0
+    assert load(save / "checkpoint_last.pt")["step"] == 3
+
+
+def test_resume_from_an_earlier_step_sets_the_later_checkpoints_aside(finished, tmp_path, capsys):
+    import shutil
+    save = tmp_path / "run"
+    shutil.copytree(finished, save)
+    before = _files(save)
+    capsys.readouterr()
+    assert cli.main(["--resume-from", str(save / "checkpoint_step00000001.pt")]) == 0
+    assert "moved to" in capsys.readouterr().out
+    aside = save / "after_step1"
+    for name in ("checkpoint_step00000002.pt", "checkpoint_step00000004.pt", "checkpoint_last.pt",
+                 "checkpoint_mle_end.pt", "metrics.jsonl"):
+        assert (aside / name).read_bytes() == before[name], name  # the abandoned branch, whole
+    assert load(save / "checkpoint_last.pt")["step"] == 4  # the run redone from step 1
+    assert (save / "checkpoint_step00000001.pt").read_bytes() == before["checkpoint_step00000001.pt"]
+    capsys.readouterr()
+    assert cli.main(["--resume-from", str(save / "checkpoint_step00000001.pt"), "--save-dir", str(tmp_path)]) == 2
+    _one_line(capsys, f"continues the run in {save}")
+
+
+# ---- 12. config.json, --init-from, --eval-only, --export
+def test_config_json_is_written_and_updated_on_resume(task, tmp_path):
+    save = tmp_path / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "1", "--rl-steps", "0")) == 0
+    doc = json.loads((save / "config.json").read_text())
+    assert doc["config"] == load(save / "checkpoint_last.pt")["config"] and doc["started_from"] is None
+    assert doc["config"]["task"] == "tsv" and doc["config"]["reward"] == "edit"  # resolved
+    assert cli.main(["--save-dir", str(save), "--resume", "--mle-steps", "2"]) == 0
+    doc = json.loads((save / "config.json").read_text())
+    assert doc["config"]["mle_steps"] == 2 and doc["config"]["resume"] and doc["started_from"].endswith("last.pt")
+    assert not list(save.glob(".*.tmp"))
+
+
+def test_init_from_starts_a_new_run_from_the_model(finished, tmp_path, capsys):
+    source = finished / "checkpoint_last.pt"
+    new = tmp_path / "rl"
+    # no model or data flags: the checkpoint's (hidden 8); a learning rate of 0 leaves its weights as they were
+    assert cli.main(["--init-from", str(source), "--save-dir", str(new), "--mle-steps", "0", "--rl-steps", "1",
+                     "--rl-lr", "0", "--beam-size", "2", "--no-compare-mle"]) == 0
+    state, old = load(new / "checkpoint_last.pt"), load(source)
+    assert state["step"] == 1 and state["config"]["hidden_size"] == 8 and state["config"]["init_from"] == str(source)
+    assert all(torch.equal(state["model"][k], old["model"][k]) for k in old["model"])
+    assert [s["step"] for s in state["optimizer"]["state"].values()][0] == 1  # a fresh optimizer
+    assert cli.main(["--save-dir", str(new), "--resume", "--rl-steps", "2"]) == 0  # the new run resumes as any
+    assert load(new / "checkpoint_last.pt")["step"] == 2
+    capsys.readouterr()
+    assert cli.main(["--save-dir", str(new), "--resume", "--eval-only"]) == 0  # its own model, not the source's
+    assert capsys.readouterr().out.splitlines()[0] == f"{new / 'checkpoint_last.pt'} (step 2):"
+    assert state["config"]["lr_decay"] == 1.0  # the recipe of the checkpoint's task (tsv), not the default g2p's
+    assert cli.main(["--init-from", str(source), "--save-dir", str(finished), "--overwrite"]) == 2
+    _one_line(capsys, "whose run --overwrite would delete")
+    assert source.exists()
+    capsys.readouterr()
+    assert cli.main(["--init-from", str(source), "--save-dir", str(tmp_path / "other"), "--hidden-size", "16"]) == 2
+    _one_line(capsys, "its model was built with --hidden-size 8, not 16")
+    assert not (tmp_path / "other").exists()
+
+
+def test_eval_only_writes_nothing(finished, task, capsys):
+    before = _files(finished)
+    capsys.readouterr()
+    assert cli.main(["--save-dir", str(finished), "--resume", "--eval-only", "--test", str(task / "valid.tsv"),
+                     "--eval-beam", "2"]) == 0  # evaluation flags are its own: only the model must match
+    out = capsys.readouterr().out
+    source, header, *rows = out.strip().splitlines()
+    assert source == f"{finished / 'checkpoint_last.pt'} (step 4):"
+    assert header.split() == ["valid", "test"] and any(r.startswith("reward") for r in rows)
+    assert _files(finished) == before
+    assert cli.main(["--init-from", str(finished / "checkpoint_step00000001.pt"), "--eval-only"]) == 0
+    assert _files(finished) == before
+    assert cli.main(["--eval-only"]) == 2
+    _one_line(capsys, "--eval-only evaluates a checkpoint")
+
+
+def test_export_best_hands_the_best_checkpoint_to_the_task(finished, tmp_path, monkeypatch):
+    import shutil
+    save = tmp_path / "run"
+    shutil.copytree(finished, save)
+    best = load(save / "checkpoint_best.pt")
+    best["model"] = {k: v + 1 for k, v in best["model"].items()}  # unlike the last model
+    save_atomic(best, save / "checkpoint_best.pt")
+    exported = {}
+    for export in ("best", "last"):
+        cfg, start = cli.parse(["--save-dir", str(save), "--resume", "--export", export])
+        tr = cli.build(cfg, start)
+        monkeypatch.setattr(tr.task, "save_final", lambda model, d: exported.update({export: model.state_dict()}))
+        cli.save_final(tr)
+    assert all(torch.equal(exported["best"][k], best["model"][k]) for k in best["model"])
+    last = load(save / "checkpoint_last.pt")["model"]
+    assert all(torch.equal(exported["last"][k], last[k]) for k in last)
+
+
+def test_run_flag_combinations_are_refused(finished, capsys):
+    assert cli.main(["--save-dir", str(finished), "--resume", "--resume-from", str(finished / "checkpoint_last.pt")]) \
+        == 2
+    _one_line(capsys, "give one of them")
+    assert cli.main(["--init-from", str(finished / "checkpoint_last.pt"), "--resume", "--save-dir", str(finished)]) == 2
+    _one_line(capsys, "--init-from starts a new run")
+
+
+# ---- --grad-accum: N batches of B accumulate the gradient of one batch of N*B, exactly (float64)
+@pytest.mark.parametrize("phase, objective", [("mle", "beam"), ("rl", "beam"), ("rl", "mrt")])
+def test_grad_accum_equals_one_big_batch(task, tmp_path, phase, objective):
+    cfg = Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=8, embed_dim=4,
+                 beam_size=3, max_len=7, rescore_chunk=4, save_dir=str(tmp_path), objective=objective,
+                 mle_weight=0.3, compare_mle=False)
+    tr = cli.build(cfg).trainer  # its steps, taken directly
+    tr.model.double()
+    tr.step_counts = {}  # set by start_step, which this test goes around
+    grads = []
+    tr.update = lambda loss: grads.append([p.grad.clone() for p in tr.model.parameters()]) or \
+        {"grad_norm": 0.0, "skipped": 0}
+    first, second = [0, 5, 7], [2, 9, 11]  # pair indices (MLE) or source indices (RL)
+    batches = "mle_batches" if phase == "mle" else "rl_batches"
+    for accum, plan in ((2, [first, second]), (1, [first + second])):
+        tr.cfg.grad_accum = accum
+        setattr(tr, batches, iter(plan))
+        row = tr.mle_step() if phase == "mle" else tr.rl_step()
+        assert row["skipped"] == 0
+    accumulated, big = grads
+    assert any(g.abs().sum() > 0 for g in big)
+    for a, b in zip(accumulated, big):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+
+
+def test_grad_accum_runs_from_the_command_line(task, tmp_path):
+    save = tmp_path / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "1", "--rl-steps", "1", "--grad-accum", "2",
+                          "--no-compare-mle")) == 0
+    rows = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [r["candidates"] for r in rows if r["phase"] == "rl"] == [2 * 3 * 3]  # 2 batches of 3 sources, K = 3
+    assert load(save / "checkpoint_last.pt")["mle_batches"] != load(save / "checkpoint_last.pt")["rl_batches"]
