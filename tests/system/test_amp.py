@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from twophase.system import precision
+from twophase.system import amp
 from twophase.train import cli
 from twophase import beam_search, objectives, rescore_backward, sample
 from twophase.models import outputlayer
@@ -152,19 +152,19 @@ def test_bf16_is_refused_where_a_gpu_only_emulates_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     with pytest.raises(ValueError, match=r"^--amp bf16: Tesla T4 has no native bfloat16 .*use --amp fp16$"):
-        precision.check_device("bf16", torch.device("cuda", 0))
-    precision.check_device("fp16", torch.device("cuda", 0))
+        amp.check_device("bf16", torch.device("cuda", 0))
+    amp.check_device("fp16", torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100
-    precision.check_device("bf16", torch.device("cuda", 0))
+    amp.check_device("bf16", torch.device("cuda", 0))
 
 
 def test_scale_coefficients_and_bad_step_rule():
     c = torch.tensor([0.5, -0.25], dtype=torch.float64)
-    assert precision.scale_coefficients(c, None) == (c, 1.0)
-    scaled, scale = precision.scale_coefficients(c, torch.amp.GradScaler("cpu", init_scale=8.0))
+    assert amp.scale_coefficients(c, None) == (c, 1.0)
+    scaled, scale = amp.scale_coefficients(c, torch.amp.GradScaler("cpu", init_scale=8.0))
     assert scale == 8.0 and torch.equal(scaled, 8 * c) and scaled.dtype == torch.float64
-    assert precision.counts_as_bad(1.0, None) and precision.counts_as_bad(math.inf, 8.0) and precision.counts_as_bad(1.0, 0.5)
-    assert not precision.counts_as_bad(1.0, 8.0)  # the scale backs off instead
+    assert amp.counts_as_bad(1.0, None) and amp.counts_as_bad(math.inf, 8.0) and amp.counts_as_bad(1.0, 0.5)
+    assert not amp.counts_as_bad(1.0, 8.0)  # the scale backs off instead
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ def _imported(path: Path) -> set[str]:
 
 def test_the_system_layer_imports_nothing_of_the_trainer():
     files = sorted(SYSTEM.glob("*.py"))
-    assert {p.stem for p in files} >= {"devices", "precision", "memory", "profiling", "distributed", "fsdp"}
+    assert {p.stem for p in files} >= {"devices", "amp", "memory", "profiling", "distributed", "fsdp"}
     upward = {p.name: sorted(n for n in _imported(p) if n == "twophase.train" or n.startswith("twophase.train."))
               for p in files}
     assert not any(upward.values()), upward

@@ -1,5 +1,5 @@
 """Where and how the computation runs: the device and its float32 modes (`devices`), mixed precision
-(`precision`), memory figures (`memory`), a step's profile and phase two's chunk size from a memory budget
+(`amp`), memory figures (`memory`), a step's profile and phase two's chunk size from a memory budget
 (`profiling`), data-parallel processes (`distributed`) and sharded models with what a checkpoint holds of a model
 (`fsdp`).
 

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from ..system import devices, distributed, fsdp, precision
+from ..system import devices, distributed, fsdp, amp
 from . import report, resume, rundir
 from .start import (batch_warnings, changed_fields, check_model_on_a_batch, check_references, check_reward_references,
                     check_task_flags, init_state, recipe_defaults, refuse_against_checkpoint, resume_state,
@@ -116,7 +116,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     device = pick_device(cfg.device)  # under torchrun: cuda:LOCAL_RANK
     try:
         devices.configure(cfg.deterministic, cfg.tf32)  # before any model runs: cuBLAS reads its workspace once
-        precision.check_device(cfg.amp, device)
+        amp.check_device(cfg.amp, device)
         fsdp.check(cfg)
     except ValueError as err:
         raise UsageError(str(err)) from None

@@ -21,7 +21,7 @@ import random
 
 import torch
 
-from ..system import precision, distributed, fsdp
+from ..system import amp, distributed, fsdp
 from ..objectives import estimators
 from .. import objectives
 from ..config import Config, parse_size
@@ -70,8 +70,8 @@ class Trainer:
         self.optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)  # LoRA: adapters
         # --amp: autocast around every model run of a training step (validation runs in full precision), and
         # fp16's loss scale (None otherwise)
-        self.autocast = functools.partial(precision.autocast, cfg.amp, device)
-        self.scaler = precision.grad_scaler(cfg.amp, device)
+        self.autocast = functools.partial(amp.autocast, cfg.amp, device)
+        self.scaler = amp.grad_scaler(cfg.amp, device)
         self.chunk_planner = ChunkPlanner(parse_size(cfg.memory_budget)) if cfg.rescore_chunk == "auto" else None
         self.last_chunk = cfg.rescore_chunk
         self.policy = PolicyStep(self) if cfg.objective == "policy" else None  # --objective policy's generations
@@ -216,7 +216,7 @@ class Trainer:
 
     def scale_coefficients(self, coef):
         """(coefficients times fp16's loss scale, that scale); (coef, 1.0) without a scaler."""
-        return precision.scale_coefficients(coef, self.scaler)
+        return amp.scale_coefficients(coef, self.scaler)
 
     def section(self, name: str, part: str | None = None):
         """A --profile-memory section of the step (a no-op otherwise), inside the caller's timer of `part`."""
@@ -268,17 +268,17 @@ class Trainer:
             if not fsdp.is_sharded(self.model):  # --fsdp: summed into the shards' .grad already
                 distributed.all_reduce_grads(list(self.model.parameters()))
             params = [p for p in self.model.parameters() if p.grad is not None]
-            precision.unscale(self.scaler, self.optimizer, params)  # clipping and the check below see true gradients
+            amp.unscale(self.scaler, self.optimizer, params)  # clipping and the check below see true gradients
             clip = self.cfg.clip_norm if self.cfg.clip_norm > 0 else math.inf
             norm = float(fsdp.whole(torch.nn.utils.clip_grad_norm_(params, clip))) if params else 0.0
-        scale = precision.update(self.scaler, params)  # backs the scale off after inf/nan gradients, else may grow it
+        scale = amp.update(self.scaler, params)  # backs the scale off after inf/nan gradients, else may grow it
         if math.isfinite(loss) and math.isfinite(norm):
             with self.section("optimizer step", "update"):
                 self.optimizer.step()
             self.update_outcome = "taken"
             return {"grad_norm": norm, "skipped": 0}
         self.optimizer.zero_grad(set_to_none=True)
-        self.update_outcome = "bad" if precision.counts_as_bad(loss, scale) else "skipped"
+        self.update_outcome = "bad" if amp.counts_as_bad(loss, scale) else "skipped"
         return {"grad_norm": norm, "skipped": 1}
 
     def validate(self) -> dict:

@@ -1,4 +1,4 @@
-"""Section (d): one RL step of the LSTM under autocast in bf16 and in fp16 (train.py's --amp, `system.precision`).
+"""Section (d): one RL step of the LSTM under autocast in bf16 and in fp16 (train.py's --amp, `system.amp`).
 
 Phase one (beam search) and phase two (`rescore_backward`, fp16 with the loss scale carried by the coefficients as
 the trainer does) both run under the same autocast. Reported per precision: whether the loss and every gradient are
@@ -14,7 +14,7 @@ import torch
 from ... import protocol
 from ...phase2.rescoring import rescore_backward
 from ...phase1.search import beam_search
-from ...system import precision
+from ...system import amp
 from .common import cudnn_retry, grads, one_line, relative_error, seed_lstm
 
 FULL = dict(batch=4, beam=16, src_len=30, max_len=30, hidden=512, embed=256, vocab=10000, src_vocab=1000, chunk=32)
@@ -26,13 +26,13 @@ def step(model, source, sizes: dict, mode: str, device: torch.device) -> dict:
     """One step under --amp `mode`: its figures, its unscaled gradient against float32's on the same
     candidates and coefficients."""
     model.zero_grad(set_to_none=True)
-    with precision.autocast(mode, device):
+    with amp.autocast(mode, device):
         with torch.no_grad():
             cand = beam_search(model, source, sizes["beam"], sizes["max_len"])
         g = torch.Generator().manual_seed(4)
         coefficients = (torch.rand(len(cand), generator=g) - 0.5).to(device)  # (N,)
-        scaler = precision.grad_scaler(mode, device)
-        scaled, scale = precision.scale_coefficients(coefficients, scaler)
+        scaler = amp.grad_scaler(mode, device)
+        scaled, scale = amp.scale_coefficients(coefficients, scaler)
         loss = rescore_backward(model, source, cand, scaled, sizes["chunk"]) / scale
     for p in model.parameters():
         if p.grad is not None and scale != 1.0:
@@ -57,11 +57,11 @@ def score_differences(model, source, cand, sizes: dict, mode: str, device: torch
     for i in range(rows):
         one_hot = torch.zeros(len(cand), device=device)
         one_hot[i] = 1.0
-        with precision.autocast(mode, device):
+        with amp.autocast(mode, device):
             log_p = rescore_backward(model, source, cand, one_hot, sizes["chunk"])
         tree.append(abs(log_p - float(cand.scores[i])))
     model.zero_grad(set_to_none=True)
-    with precision.autocast(mode, device), torch.no_grad(), protocol.scoring_mode(model):
+    with amp.autocast(mode, device), torch.no_grad(), protocol.scoring_mode(model):
         scored = protocol.score(model, model.encode(source), cand.tokens, cand.owner).float()  # (N,)
     diff = (scored - cand.scores.float()).abs()  # (N,)
     return {"rescore_max_abs_diff_nats": max(tree), "rescore_rows": rows,
@@ -81,7 +81,7 @@ def run(options: dict) -> dict:
     out = {"config": sizes, "float32": measured(model, source, sizes, "off", device)}
     for mode in ("bf16", "fp16"):
         try:
-            precision.check_device(mode, device)
+            amp.check_device(mode, device)
         except ValueError as why:
             out[mode] = {"skipped": str(why)}
             continue
