@@ -12,7 +12,7 @@ from twophase.train import cli, decode
 from twophase.train.checkpoint import load
 
 from test_cli import _fails_with_one_line
-from test_startup import VERIFIER
+from test_start import VERIFIER
 
 PLUGIN = "mytask"  # a copy of verifier_task under a module name nothing else imports
 HERE = Path(__file__).resolve().parents[1]

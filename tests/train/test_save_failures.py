@@ -10,7 +10,7 @@ from twophase.train import checkpoint, cli, rundir
 from twophase.train.checkpoint import CheckpointError, CheckpointManager, load, save_atomic
 
 from taskfiles import task_dir
-from test_runs import _argv, _files, _one_line
+from test_resume import _argv, _files, _one_line
 
 
 @pytest.fixture(scope="module")
