@@ -54,8 +54,8 @@ class _DeferredLinear(torch.autograd.Function):
     @amp_forward
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, sink: DeferredWeights) -> Tensor:
         ctx.save_for_backward(x)
-        # The weight (a parameter, alive anyway) is kept as itself: saved through saved_tensors_hooks (memstats'
-        # meter) it would come back as another tensor object, and its gradient would go to that one.
+        # The weight (a parameter, alive anyway) is kept as itself: saved through saved_tensors_hooks (the meter
+        # of system.memory) it would come back as another tensor object, and its gradient would go to that one.
         ctx.weight, ctx.sink = weight, sink
         return F.linear(x, weight, bias)  # under autocast, in its dtype, as nn.Linear and the LSTM cell run
 

@@ -75,7 +75,7 @@ def validate(model, task: Task, examples: list[Example], reward, beam_size: int,
     sums = dict(task.nbest_metric_sums(nbest, share))
     values = [v for v in score(reward, hyps, share, ids) if not math.isnan(v)] if share else []
     sums["reward"], sums["rewarded"] = math.fsum(values), len(values)  # NaN: not scored, left out of the mean
-    names = getattr(reward, "names", [])  # several rewards (rewardsum.WeightedSum): each one's mean and std
+    names = getattr(reward, "names", [])  # several rewards (rewards.weighted.WeightedSum): each one's mean and std
     if names:
         sums.update(statistics(reward.last if share else {n: [] for n in names}))
     sums = distributed.reduce_sums(sums)

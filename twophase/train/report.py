@@ -74,7 +74,7 @@ def summary_table(summary: dict, metrics=()) -> str:
                 cells.append(f"{'-' if v is None or v != v else compact(fmt, v):>16}")
             if any(cell.strip() != "-" for cell in cells):
                 lines.append(f"{prefix + label:{width}}" + "".join(cells))
-    # CUDA's allocated and reserved, or the CPU's resident set (RunLoop.run's summary)
+    # CUDA's allocated and reserved, or the CPU's resident set (Run.run's summary)
     for key, label in [row for row in PEAK_ROWS if row[0] in summary] or [("peak_memory_mb", "peak memory")]:
         lines.append(f"{label:{width}}{summary.get(key, float('nan')):>15.0f}M")
     return "\n".join(lines)
@@ -142,7 +142,7 @@ def _cell(fmt: str, value) -> str:
 # ------------------------------------------------------------------ an RL step's reward figures
 # For its metrics row, reduced over processes: `reward_mean`, `reward_max` and
 # `candidates`; `unscored` where some candidate got no reward (NaN: every TRL-style reward returned None), left
-# out of the mean and max; and with several rewards (`twophase.rewardsum.WeightedSum`) `reward/<name>/mean` and
+# out of the mean and max; and with several rewards (`twophase.rewards.weighted.WeightedSum`) `reward/<name>/mean` and
 # `reward/<name>/std` of each, over the candidates it scored. A step whose reward scored no candidate at all
 # trains nothing (no candidate has an advantage); `RewardLog` says so on stderr, once a run, rather than let a
 # reward that never applies (a misspelt column) train silently on zero gradients.

@@ -31,7 +31,7 @@ INIT_DATA = ("train", "valid", "test", "train_size", "valid_size", "max_src_len"
 
 def check_flags(cfg) -> None:
     """Combinations of the run flags that cannot mean anything; ValueError, one line. (A resumed run's --init-from
-    is its checkpoint's record of where it started: resume_rules keeps it fixed.)"""
+    is its checkpoint's record of where it started: the resume rules keep it fixed.)"""
     if cfg.resume and cfg.resume_from:
         raise ValueError("--resume continues from <save-dir>/checkpoint_last.pt and --resume-from from the file "
                          "given: give one of them")

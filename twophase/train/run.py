@@ -50,7 +50,7 @@ class Run:
         self.comparison = MleContinued(self)
         self.is_main = distributed.rank() == 0  # the one process that logs, draws the bar and saves
         self.metrics = MetricsLog(self.save_dir / "metrics.jsonl", enabled=self.is_main)
-        self.base_model = None  # the frozen base the saved parameters need (--lora-r: basemodel.record's)
+        self.base_model = None  # the frozen base the saved parameters need (--lora-r: resume.record's)
 
     @classmethod
     def assemble(cls, cfg, task, model, reward, device: torch.device) -> "Run":
