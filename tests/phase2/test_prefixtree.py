@@ -274,8 +274,8 @@ def test_step_only_model_under_bf16(one_thread):
 
 @pytest.mark.parametrize("collect", [False, True])
 def test_gradient_is_exact_under_saved_tensor_hooks(collect):
-    """Packing hooks (memory's saved-tensor meter, activation offloading) hand saved tensors back as other tensor objects: the
-    LSTM cell's deferred weight gradients must still reach the parameters themselves."""
+    """Packing hooks (the saved-tensor meter, activation offloading) hand saved tensors back as other tensor
+    objects: the LSTM cell's deferred weight gradients must still reach the parameters themselves."""
     model, source = _lstm()
     s = _candidates(model, source, "beam")
     c = _coefficients("beam", s, 3)

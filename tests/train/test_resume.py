@@ -1,6 +1,6 @@
 """A run's lineage: --resume takes the checkpoint's configuration and refuses flags that would change the run
-(the declared table of the resume rules, config.rules.RULES), --resume-from any checkpoint (later ones set aside, never deleted),
---init-from, --eval-only, --export, config.json, and save-dir failures in one line."""
+(the declared table of the resume rules, config.rules.RULES), --resume-from any checkpoint (later ones set
+aside, never deleted), --init-from, --eval-only, --export, config.json, and save-dir failures in one line."""
 import json
 from dataclasses import asdict, fields
 
