@@ -4,7 +4,8 @@ The same short `train.py` run three times on the built-in Karel task (tiny sizes
 one process on one GPU, 2 processes data-parallel, 2 processes with --fsdp (FSDP2 shards). Each two-process
 run's final parameters (checkpoint_last.pt) against the one-process run's: relative L2 distance, which should
 be float32 rounding across shardings (~1e-5), not a different trajectory. Skipped (with the reason) on fewer
-than 2 GPUs or on the CPU, where tests/system/test_fsdp.py and tests/system/test_distributed.py check the same over gloo.
+than 2 GPUs or on the CPU, where tests/system/test_fsdp.py and tests/system/test_distributed.py check the same
+over gloo.
 """
 from __future__ import annotations
 
