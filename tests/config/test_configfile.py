@@ -90,6 +90,57 @@ def test_a_bad_file_is_one_line_naming_it_exit_2(name, text, match, tmp_path, mo
     assert err.startswith("train.py: error: ") and match in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("name, text", [
+    ("s.yaml", "seed: 3\nsearch:\n  beam_size: 6\n  max-len: 9\nmle:\n  lr: 0.004\nmodel: {hidden_size: 12}\n"),
+    ("s.json", '{"seed": 3, "search": {"beam_size": 6, "max-len": 9}, "mle": {"lr": 0.004},\n'
+               ' "model": {"hidden_size": 12}}'),
+])
+def test_a_file_may_hold_fields_in_their_sections(name, text, seen, tmp_path):
+    """`search: {beam_size: 6}` is `beam_size: 6`: the same Config and the same given fields as the flat file."""
+    (tmp_path / name).write_text(text)
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("seed: 3\nbeam_size: 6\nmax_len: 9\nlr: 0.004\nhidden_size: 12\n")
+    assert cli.main(["--config", str(tmp_path / name)]) == 0 and cli.main(["--config", str(flat)]) == 0
+    (sectioned, given), (plain, plain_given) = seen
+    assert sectioned == plain and given == plain_given
+    assert (sectioned.beam_size, sectioned.max_len, sectioned.lr, sectioned.hidden_size) == (6, 9, 0.004, 12)
+
+
+@pytest.mark.parametrize("name, text, match", [
+    ("a.yaml", "seed: 1\nsearch:\n  beam_size: 4\n  lr: 0.1\n",
+     "a.yaml:4: search.lr: lr is in the mle section, not search (python train.py --help)"),
+    ("a.yaml", "search:\n  beem_size: 4\n", "a.yaml:2: search.beem_size: unknown key (did you mean beam_size?)"),
+    ("a.yaml", "search: 4\n", "a.yaml:1: search: a section holds its fields as key: value, got 4"),
+    ("a.yaml", "search:\n  beam_size: 0\n", "a.yaml:2: search.beam_size: must be >= 1, got 0"),
+    ("a.yaml", "beam_size: 4\nsearch:\n  beam_size: 5\n",
+     "a.yaml:3: search.beam_size: given twice (as beam_size too)"),
+    ("a.yaml", "search:\n  beam_size: 4\n  beam_size: 5\n", "a.yaml:3: search.beam_size: given twice"),
+    ("a.yaml", "run:\n  overwrite: true\n", "a.yaml:2: run.overwrite: what a command does with a run is said"),
+    ("a.json", '{"search":\n {"lr": 0.1}}', "a.json:2: search.lr: lr is in the mle section, not search"),
+])
+def test_a_bad_section_is_one_line_naming_the_file_and_line(name, text, match, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text(text)
+    assert cli.main(["--config", name]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("train.py: error: ") and match in err and err.count("\n") == 1, err
+
+
+def test_print_config_writes_the_sections_of_help(task, capsys):
+    """--print-config's YAML is in --help's sections, each field under its own section and every field once."""
+    from twophase.config import SECTION_OF, SECTIONS
+
+    assert cli.main(["--train", "train.tsv", "--valid", "valid.tsv", *TINY, "--print-config"]) == 0
+    section, placed = None, {}
+    for line in capsys.readouterr().out.splitlines()[1:]:
+        if not line.startswith(" "):
+            section = line.split(":")[0]
+            assert section in SECTIONS, line
+        else:
+            placed[line.strip().split(":")[0]] = section
+    assert placed == {k: v for k, v in SECTION_OF.items() if k not in configfile.COMMAND_ONLY}
+
+
 def test_a_missing_file_and_missing_pyyaml(tmp_path, monkeypatch, capsys):
     assert cli.main(["--config", str(tmp_path / "none.yaml")]) == 2
     assert f"--config {tmp_path / 'none.yaml'}: no such file" in capsys.readouterr().err

@@ -1,7 +1,9 @@
 """Configuration files: `train.py --config FILE.yaml` (or `.json`) and `train.py --print-config`.
 
 A file holds `Config` fields as `key: value` (YAML) or one JSON object: the field names (`rescore_chunk`) or the
-flags' spellings (`rescore-chunk`). Its values are defaults of the command, so a flag given with it still wins.
+flags' spellings (`rescore-chunk`), at the top or inside their section (`search: {beam_size: 8}`, the sections of
+`train.py --help`; `--print-config` writes them so). Its values are defaults of the command, so a flag given with
+it still wins.
 The layers, lowest first: Config's defaults < the task's recipe (`Task.flag_defaults`) < `--preset` < the file <
 the command line. `--resume` takes the checkpoint's configuration in place of the first three (the file and the
 flags then change it where the resume rules allow); `--init-from` takes its checkpoint's model flags over its
@@ -27,7 +29,7 @@ import re
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from . import Config
+from . import SECTION_OF, SECTIONS, Config
 
 COMMAND_ONLY = ("resume", "resume_from", "overwrite", "eval_only")  # a file may not set these
 RECORD_ONLY = ("save_dir",) + COMMAND_ONLY  # a run's config.json: taken as it is, less these
@@ -73,18 +75,22 @@ def _read_yaml(path: str, text: str) -> tuple[object, dict]:
         place = f"{path}:{mark.line + 1}" if mark is not None else path
         raise ConfigFileError(f"{place}: not valid YAML ({getattr(err, 'problem', None) or err})") from None
     lines: dict = {}
-    mappings = [node] if isinstance(node, yaml.MappingNode) else []
+    mappings = [(node, "")] if isinstance(node, yaml.MappingNode) else []
     while mappings:
-        mapping = mappings.pop()
+        mapping, prefix = mappings.pop()
         seen = set()
         for key, value in mapping.value:
             name = key.value if isinstance(key, yaml.ScalarNode) else None
             if name in seen:
-                raise ConfigFileError(f"{path}:{key.start_mark.line + 1}: {name}: given twice")
+                raise ConfigFileError(f"{path}:{key.start_mark.line + 1}: {prefix}{name}: given twice")
             seen.add(name)
-            lines.setdefault(name, key.start_mark.line + 1)
-            if name == "config" and isinstance(value, yaml.MappingNode) and mapping is node:
-                mappings.append(value)
+            lines.setdefault(f"{prefix}{name}", key.start_mark.line + 1)
+            if not isinstance(value, yaml.MappingNode) or mapping is not node:
+                continue
+            if name == "config":  # a run's record: its fields, flat
+                mappings.append((value, ""))
+            elif name in SECTIONS:  # a section's fields, keyed "section.field"
+                mappings.append((value, f"{name}."))
     return doc, lines
 
 
@@ -132,15 +138,15 @@ def read(path) -> dict:
         raise ConfigFileError(f"{path}: expected a mapping of Config fields (key: value), got "
                               f"{type(doc).__name__}")
     record = isinstance(doc.get("config"), dict)  # a run's config.json
-    items = doc["config"] if record else doc
     out, spelled = {}, {}
 
     def where(key) -> str:
-        line = lines.get(key) if lines else _line_of(text, key)
+        line = lines.get(key) if lines else _line_of(text, key.rpartition(".")[2])
         return f"{path}:{line}" if line else path
 
+    items = doc["config"] if record else _unsectioned(doc, where)
     for key, value in items.items():
-        name = key.replace("-", "_") if isinstance(key, str) else key
+        name = key.rpartition(".")[2].replace("-", "_") if isinstance(key, str) else key
         if name not in FIELDS:
             if record:  # a field of another version of twophase: as a checkpoint's, dropped
                 continue
@@ -158,6 +164,27 @@ def read(path) -> dict:
                                   f"line (--{name.replace('_', '-')}), not in a configuration file")
         out[name] = check_value(name, value, f"{where(key)}: {key}")
     return out
+
+
+def _unsectioned(doc: dict, where) -> dict:
+    """A hand-written file's keys, a section's fields among them as "section.field" (`search: {beam_size: 8}`
+    gives "search.beam_size"); a field inside a section other than its own is refused in one line."""
+    items = {}
+    for key, value in doc.items():
+        if key not in SECTIONS:
+            items[key] = value
+            continue
+        if not isinstance(value, dict):
+            raise ConfigFileError(f"{where(key)}: {key}: a section holds its fields as key: value, got "
+                                  f"{_shown(value)}")
+        for inner, field_value in value.items():
+            label = f"{key}.{inner}"
+            name = inner.replace("-", "_") if isinstance(inner, str) else inner
+            if name in SECTION_OF and SECTION_OF[name] != key:
+                raise ConfigFileError(f"{where(label)}: {label}: {name} is in the {SECTION_OF[name]} section, not "
+                                      f"{key} (python train.py --help)")
+            items[label] = field_value
+    return items
 
 
 def check_value(name: str, value, label: str):
@@ -219,10 +246,13 @@ def changed(values: dict) -> frozenset[str]:
 
 
 def dumps(cfg: Config) -> str:
-    """`--print-config`: the configuration as YAML that `--config` reads back to the same Config (every field but
-    COMMAND_ONLY, in Config's order; each value a JSON scalar, which YAML 1.2 reads as JSON does)."""
+    """`--print-config`: the configuration as YAML that `--config` reads back to the same Config, in the sections
+    of `train.py --help` (every field but COMMAND_ONLY; each value a JSON scalar, which YAML 1.2 reads as JSON
+    does)."""
     lines = ["# twophase configuration: python train.py --config FILE.yaml (flags given with it still win)"]
-    for f in fields(cfg):
-        if f.name not in COMMAND_ONLY:
-            lines.append(f"{f.name}: {json.dumps(getattr(cfg, f.name))}")
+    for name, section in SECTIONS.items():
+        shown = [f.name for f in fields(section) if f.name not in COMMAND_ONLY]
+        if shown:
+            title = f"  # {section.title}" if section.title != name else ""
+            lines += [f"{name}:{title}"] + [f"  {n}: {json.dumps(getattr(cfg, n))}" for n in shown]
     return "\n".join(lines) + "\n"
