@@ -97,7 +97,7 @@ def cpu_threads(cfg: Config, width: int | None = None) -> int | None:
 
 def build(cfg: Config, start: dict | None = None, given: frozenset | None = None, *, model=None, task=None,
           reward=None) -> Run:
-    """The trainer of this command; `start`: the checkpoint main() read already (--resume, --init-from);
+    """The run of this command; `start`: the checkpoint main() read already (--resume, --init-from);
     `given`: the flags set on the command line (default: those differing from Config's). `model`, `task`,
     `reward`: a user's own, given to `twophase.fit` (adopt_task, reward_of), in place of the task's model, the task
     --task names and the reward --reward names."""
@@ -180,15 +180,15 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
     if distributed.rank() == 0:
         rundir.remove(stale)  # --overwrite's old run; the residue of writes a killed process left
-    trainer = Run.assemble(cfg, task, model, reward, device)
-    trainer.base_model = base  # recorded in every checkpoint (runstate)
+    training = Run.assemble(cfg, task, model, reward, device)
+    training.base_model = base  # recorded in every checkpoint (runstate)
     if state is not None:
-        trainer.load_state(state)
-    if trainer.is_main and not cfg.eval_only:
-        start_run_dir(trainer, state, recipe_defaults(cfg))
-    if cfg.tensorboard and trainer.is_main and not cfg.eval_only:
-        open_tensorboard(trainer, resumed=state is not None)
-    return trainer
+        training.load_state(state)
+    if training.is_main and not cfg.eval_only:
+        start_run_dir(training, state, recipe_defaults(cfg))
+    if cfg.tensorboard and training.is_main and not cfg.eval_only:
+        open_tensorboard(training, resumed=state is not None)
+    return training
 
 
 def compile_step(model, flag: str):
@@ -218,15 +218,15 @@ def default_save_dir(task) -> str:
     return f"runs/{name.lower()}"
 
 
-def open_tensorboard(trainer: Run, resumed: bool) -> None:
+def open_tensorboard(training: Run, resumed: bool) -> None:
     """--tensorboard: <save-dir>/tensorboard, its steps after the checkpoint purged on --resume (as in
     metrics.jsonl); a new run starts without the event files of the run it replaces."""
-    folder = trainer.save_dir / "tensorboard"
+    folder = training.save_dir / "tensorboard"
     if not resumed and folder.is_dir():
         for old in folder.glob("events.out.tfevents.*"):
             old.unlink()
-    writer = report.writer_class()(log_dir=str(folder), purge_step=trainer.log_step + 1 if resumed else None)
-    trainer.metrics.mirror = report.TensorBoardLog(writer, lambda: trainer.mle_end)
+    writer = report.writer_class()(log_dir=str(folder), purge_step=training.log_step + 1 if resumed else None)
+    training.metrics.mirror = report.TensorBoardLog(writer, lambda: training.mle_end)
 
 
 # ---- --grammar on: the task's grammar around the model, for every search, score and gradient

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_from_flags(argv: list[str]) -> Run:
-    """The trainer train.py would build from these flags (the recipe's defaults, --init-from's model flags under
+    """The run train.py would build from these flags (the recipe's defaults, --init-from's model flags under
     them), not run: for benchmarks. A bad flag combination is a UsageError, as train.py's one line."""
     try:
         cfg, start = parse(argv)
@@ -154,53 +154,53 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     """What train.py runs once its flags are resolved, printing what it prints; also `twophase.fit`'s. Bad input
     raises (UsageError, DataError, ...: one line each), a signal Interrupted after the save. `model`, `task`,
     `reward`: build's (a user's own)."""
-    trainer = build(cfg, start, given, model=model, task=task, reward=reward)
+    training = build(cfg, start, given, model=model, task=task, reward=reward)
     if cfg.eval_only:
-        scores = evaluate(trainer)
-        table = report.evaluation_table(trainer.task, scores)
-        if trainer.is_main:
-            step = (start or {}).get("step", trainer.step)
+        scores = evaluate(training)
+        table = report.evaluation_table(training.task, scores)
+        if training.is_main:
+            step = (start or {}).get("step", training.step)
             print(f"{resume.resume_path(cfg) or cfg.init_from} (step {step}):\n" + table)
-        return Result(cfg, trainer.save_dir.absolute(), scores, table)
-    if trainer.is_main:
-        test = f" / {len(trainer.test)} test" if trainer.test is not None else ""
+        return Result(cfg, training.save_dir.absolute(), scores, table)
+    if training.is_main:
+        test = f" / {len(training.test)} test" if training.test is not None else ""
         threads = torch.get_num_threads()
-        print(f"task {trainer.task.spec}: {len(trainer.train)} train / {len(trainer.valid)} valid{test} sources; "
-              f"reward {trainer.reward.name}; "
-              f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters{trainable(trainer.model)} on "
-              f"{trainer.device}"
-              + (f", {threads} CPU thread{'s' * (threads > 1)}" if trainer.device.type == "cpu" else "")
+        print(f"task {training.task.spec}: {len(training.train)} train / {len(training.valid)} valid{test} sources; "
+              f"reward {training.reward.name}; "
+              f"{sum(p.numel() for p in training.model.parameters()):,} parameters{trainable(training.model)} on "
+              f"{training.device}"
+              + (f", {threads} CPU thread{'s' * (threads > 1)}" if training.device.type == "cpu" else "")
               + (f" (x {distributed.world()} processes)" if distributed.world() > 1 else ""), flush=True)
     try:
-        summary = trainer.run()
-        exported = save_final(trainer)
+        summary = training.run()
+        exported = save_final(training)
     finally:
-        if trainer.metrics.mirror is not None:
-            trainer.metrics.mirror.close()
-    best, folder = trainer.checkpoints, trainer.save_dir.absolute()  # the Result's paths: from anywhere
-    result = Result(cfg, folder, summary, summary_table(summary, with_beams(trainer.task.metrics,
-                                                                            test_beams(trainer.cfg))),
-                    model=trainer.model, best_metric=trainer.best_key, best=best.best, best_step=trainer.best_step,
+        if training.metrics.mirror is not None:
+            training.metrics.mirror.close()
+    best, folder = training.checkpoints, training.save_dir.absolute()  # the Result's paths: from anywhere
+    result = Result(cfg, folder, summary, summary_table(summary, with_beams(training.task.metrics,
+                                                                            test_beams(training.cfg))),
+                    model=training.model, best_metric=training.best_key, best=best.best, best_step=training.best_step,
                     best_checkpoint=if_written(folder / best.best_path.name) if best.best is not None else None,
                     last_checkpoint=if_written(folder / best.last_path.name),
                     metrics=if_written(folder / "metrics.jsonl"), final_model=exported)
-    if not trainer.is_main:
+    if not training.is_main:
         return result
     print(result.table)
-    for line in trainer.task.closing_lines():  # Karel: its baselines, beside the table
+    for line in training.task.closing_lines():  # Karel: its baselines, beside the table
         print(line)
     if best.best is not None:
-        print(f"best {trainer.best_key}: {best.best:.4f} at step {trainer.best_step}: {best.best_path}")
-    print(closing_paths(trainer, exported))
-    result.picture = draw_picture(trainer)
+        print(f"best {training.best_key}: {best.best:.4f} at step {training.best_step}: {best.best_path}")
+    print(closing_paths(training, exported))
+    result.picture = draw_picture(training)
     if result.picture is not None:
         print(f"picture: {result.picture}")
     return result
 
 
-def closing_paths(trainer: Run, exported) -> str:
+def closing_paths(training: Run, exported) -> str:
     """The last line: the files the run wrote (a run of no steps writes no checkpoint and no log)."""
-    metrics, last = trainer.save_dir / "metrics.jsonl", trainer.checkpoints.last_path
+    metrics, last = training.save_dir / "metrics.jsonl", training.checkpoints.last_path
     written = ([f"metrics: {metrics}"] if metrics.exists() else []) + \
         ([f"checkpoint: {last}"] if last.exists() else []) + ([f"final model: {exported}"] if exported else [])
     return "; ".join(written) or "no training step taken (--mle-steps 0 --rl-steps 0): no checkpoint written"
@@ -217,29 +217,29 @@ def trainable(model) -> str:
     return "" if n == sum(p.numel() for p in model.parameters()) else f" ({n:,} trainable)"
 
 
-def save_final(trainer: Run):
+def save_final(training: Run):
     """The task's own export of the final model (--hf-model: save_pretrained into <save-dir>/hf_final), once,
     by the main process; None where the task has none."""
-    plain = fsdp.plain_copy(trainer.model, trainer.task.build_model) if fsdp.is_sharded(trainer.model) else None
-    if not trainer.is_main:
+    plain = fsdp.plain_copy(training.model, training.task.build_model) if fsdp.is_sharded(training.model) else None
+    if not training.is_main:
         return None
     try:
-        return trainer.task.save_final(plain or resume.export_model(trainer), trainer.save_dir)
+        return training.task.save_final(plain or resume.export_model(training), training.save_dir)
     except ValueError as err:  # --export best: a checkpoint_best.pt that does not fit
         raise UsageError(str(err)) from None
     except OSError as err:
-        raise UsageError(f"cannot write the final model into {trainer.save_dir}: {err.strerror or err} "
-                         f"({trainer.checkpoints.last_path} holds it)") from None
+        raise UsageError(f"cannot write the final model into {training.save_dir}: {err.strerror or err} "
+                         f"({training.checkpoints.last_path} holds it)") from None
 
 
-def draw_picture(trainer: Run):
+def draw_picture(training: Run):
     """--picture: <save-dir>/curves.png from the run's metrics.jsonl (twophase.plot), or None: turned off, no
     matplotlib, or nothing to draw. A picture that cannot be drawn costs the run nothing but a warning line."""
-    if not trainer.cfg.picture or os.environ.get("TWOPHASE_PICTURE", "on").lower() in ("off", "0", "no"):
+    if not training.cfg.picture or os.environ.get("TWOPHASE_PICTURE", "on").lower() in ("off", "0", "no"):
         return None
-    out = trainer.save_dir / rundir.PICTURE
+    out = training.save_dir / rundir.PICTURE
     try:
-        plot.plot([trainer.save_dir / "metrics.jsonl"], out, [trainer.save_dir.name])
+        plot.plot([training.save_dir / "metrics.jsonl"], out, [training.save_dir.name])
     except plot.NoMatplotlib:
         return None
     except plot.PlotError as err:

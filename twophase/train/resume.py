@@ -99,25 +99,25 @@ def load_init(model, state: dict, path) -> None:
                          f"({str(err).strip().splitlines()[-1].strip()})") from None
 
 
-def export_model(trainer):
+def export_model(training):
     """--export: the model the task's own export writes: the run's last, or checkpoint_best.pt's parameters
     (where the run has none, the last, with a note). The best is a copy of the model sharing its frozen
     parameters (a LoRA base: the checkpoint holds the adapters alone), its trainable ones in host memory with the
     file's values: no second model on the device."""
-    if trainer.cfg.export != "best":
-        return trainer.model
-    path = trainer.checkpoints.best_path
+    if training.cfg.export != "best":
+        return training.model
+    path = training.checkpoints.best_path
     if not path.exists():
         print(f"note: --export best: no {path} (no validation improved on the start): exporting the last model",
               file=sys.stderr, flush=True)
-        return trainer.model
+        return training.model
     try:
         state = load(path, mmap=True)
     except CheckpointError as err:
         raise ValueError(f"--export best: {err}") from None
     memo = {id(p): p if not p.requires_grad else torch.nn.Parameter(p.detach().to(checkpoint.HOST, copy=True))
-            for p in trainer.model.parameters()}
-    model = copy.deepcopy(trainer.model, memo)
+            for p in training.model.parameters()}
+    model = copy.deepcopy(training.model, memo)
     try:
         load_saved(model, state["model"])
     except RuntimeError as err:

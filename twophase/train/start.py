@@ -216,25 +216,25 @@ def refuse_against_checkpoint(cfg, start: dict | None) -> None:
         init_state(cfg, start)
 
 
-def start_run_dir(trainer, state: dict | None, recipe: dict) -> None:
+def start_run_dir(training, state: dict | None, recipe: dict) -> None:
     """A resumed run sets aside the checkpoints of later steps (never deleted) and cuts its logs back to the
     checkpoint (one run, one log: rows of steps after it were lost with it); every run writes config.json."""
-    cfg = trainer.cfg
+    cfg = training.cfg
     if state is not None:
-        aside = rundir.set_aside(trainer.save_dir, trainer.step)
+        aside = rundir.set_aside(training.save_dir, training.step)
         if aside is not None:
-            print(f"note: continuing from step {trainer.step}: the checkpoints of later steps were moved to {aside} "
+            print(f"note: continuing from step {training.step}: the checkpoints of later steps were moved to {aside} "
                   "(with a copy of metrics.jsonl); nothing was deleted", flush=True)
         for log in rundir.LOGS:
-            rundir.cut_back(trainer.save_dir / log, trainer.step, trainer.compared)
-    rundir.write_config(trainer.save_dir, cfg, recipe, resume.resume_path(cfg) or cfg.init_from)
+            rundir.cut_back(training.save_dir / log, training.step, training.compared)
+    rundir.write_config(training.save_dir, cfg, recipe, resume.resume_path(cfg) or cfg.init_from)
 
 
-def evaluate(trainer) -> dict:
+def evaluate(training) -> dict:
     """--eval-only: the checkpoint's model on the validation data (--valid-size's share) and the test data."""
-    cfg = trainer.cfg
-    scores = {"valid": trainer.validate()}
-    if trainer.test is not None:
-        scores["test"] = validate(trainer.model, trainer.task, trainer.test, trainer.reward, cfg.eval_beam,
-                                  cfg.max_len, trainer.device)
+    cfg = training.cfg
+    scores = {"valid": training.validate()}
+    if training.test is not None:
+        scores["test"] = validate(training.model, training.task, training.test, training.reward, cfg.eval_beam,
+                                  cfg.max_len, training.device)
     return scores
