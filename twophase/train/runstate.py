@@ -61,7 +61,7 @@ def state_dict(run, whole: tuple | None = None, policy: dict | None = None) -> d
             "compared": s.compared, "log_step": s.log_step, "best_scores": s.best_scores,
             "presenting": python_rng_state(t.presenting),
             **({"policy": policy} if policy is not None else {}),
-            # the frozen base the saved parameters need (--lora-r: the --hf-model folder's): basemodel
+            # the frozen base the saved parameters need (--lora-r: the --hf-model folder's): resume.record
             **({"base_model": run.base_model} if run.base_model else {}),
             **({"scaler": t.scaler.state_dict()} if t.scaler is not None else {})}  # floats and ints
 
