@@ -5,7 +5,7 @@ So `import twophase.search`, `from twophase.rescoring import rescore_backward` a
 `monkeypatch.setattr("twophase.rescoring.x", ...)` act on the module that runs, not on a copy: one module object,
 two names. Installed by `twophase/__init__.py` as a finder at the front of `sys.meta_path`, which answers only
 for the names below, lazily (an old path costs nothing until imported). None of the moved modules had a
-`__main__`, so no `python -m` command changed.
+`__main__` but the two-checkout tools, `python -m tools.beforeafter` now (they run from a checkout).
 
 `twophase.objectives` and `twophase.rewards` are not here: they are packages now, and re-export what the
 modules of those names held.
@@ -36,13 +36,29 @@ MOVED = {
     "twophase.entropycontrol": "twophase.objectives.entropycontrol",
     "twophase.rewardsum": "twophase.rewards.weighted",
     "twophase.trlcall": "twophase.rewards.trlstyle",
-    # the run's configuration, read by train/ and bench/ alike, is a package of its own
+    # train/'s machinery: where and how the computation runs went down to system/, the run's configuration to
+    # config/, and train/'s small modules into the one of their concept (the old names all still there)
     "twophase.train.config": "twophase.config",
-    "twophase.train.config.documented": "twophase.config.documented",
-    "twophase.train.config.sections": "twophase.config.sections",
-    "twophase.train.config.runsections": "twophase.config.runsections",
-    "twophase.train.config.rules": "twophase.config.rules",
-    "twophase.train.config.file": "twophase.config.file",
+    "twophase.train.configfile": "twophase.config.file",
+    "twophase.train.config_rules": "twophase.config.rules",
+    "twophase.train.resume_rules": "twophase.config.rules",
+    "twophase.train.amp": "twophase.system.amp",
+    "twophase.train.devices": "twophase.system.devices",
+    "twophase.train.numerics": "twophase.system.devices",
+    "twophase.train.peaks": "twophase.system.memory",
+    "twophase.train.memstats": "twophase.system.memory",
+    "twophase.train.profiling": "twophase.system.profiling",
+    "twophase.train.distributed": "twophase.system.distributed",
+    "twophase.train.fsdp": "twophase.system.fsdp",
+    "twophase.train.params": "twophase.system.fsdp",
+    "twophase.train.reference": "twophase.train.klreference",
+    "twophase.train.references": "twophase.train.evaluation",
+    "twophase.train.rewardlog": "twophase.train.report",
+    "twophase.train.basemodel": "twophase.train.resume",
+    "twophase.train.startup": "twophase.train.start",
+    "twophase.train.userparts": "twophase.train.build",
+    "twophase.train.interrupt": "twophase.train.runstate",
+    "twophase.train.schedule": "twophase.train.mlephase",
 }
 
 
