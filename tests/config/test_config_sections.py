@@ -146,10 +146,26 @@ def test_a_task_receives_its_own_settings_only(monkeypatch):
     [settings] = seen
     assert isinstance(settings, config.TaskConfig)
     assert (settings.hidden_size, settings.max_len, settings.lora_r, settings.train) == (12, 9, 2, None)
-    with pytest.raises(AttributeError, match="beam_size .*the search section's"):
+    with pytest.raises(config.NotATaskSetting, match="beam_size .*the search section's"):
         settings.beam_size  # the trainer's, not the task's
+    with pytest.raises(config.NotATaskSetting, match="seed"):
+        getattr(settings, "seed", 0)  # never a silent default for a setting that exists but is not the task's
+    assert getattr(settings, "no_such_setting", 0) == 0  # what is no setting at all is an ordinary attribute
     names = set(settings.__dataclass_fields__)
     assert names == {n for s in ("data", "model", "karel", "lora") for n in config.section_fields(s)} | {"max_len"}
+
+
+def test_a_task_reading_a_trainer_setting_is_one_line_naming_it(monkeypatch):
+    from twophase import tasks
+
+    class Greedy(tasks.Task):
+        def __init__(self, settings):
+            super().__init__()
+            self.seed = getattr(settings, "seed", 0)
+
+    monkeypatch.setattr(tasks, "get", lambda name: Greedy)
+    with pytest.raises(tasks.TaskError, match="task 'greedy' raised .*TaskConfig has no seed"):
+        tasks.build(Config(), "greedy")
 
 
 def test_the_shaping_flags_are_the_data_and_model_sections():

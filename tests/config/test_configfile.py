@@ -117,6 +117,9 @@ def test_a_file_may_hold_fields_in_their_sections(name, text, seen, tmp_path):
     ("a.yaml", "search:\n  beam_size: 4\n  beam_size: 5\n", "a.yaml:3: search.beam_size: given twice"),
     ("a.yaml", "run:\n  overwrite: true\n", "a.yaml:2: run.overwrite: what a command does with a run is said"),
     ("a.json", '{"search":\n {"lr": 0.1}}', "a.json:2: search.lr: lr is in the mle section, not search"),
+    ("a.yaml", "seed: 1\nbogus.seed: 3\n", "a.yaml:2: bogus.seed: unknown key"),  # a dotted key is no section
+    ("a.yaml", "search.lr: 0.1\n", "a.yaml:1: search.lr: unknown key"),
+    ("a.json", '{"seed": 1,\n "search.beam_size": 4}', "a.json:2: search.beam_size: unknown key"),
 ])
 def test_a_bad_section_is_one_line_naming_the_file_and_line(name, text, match, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

@@ -93,10 +93,15 @@ Config = _make_config()
 TASK_FIELDS = tuple(n for n in ORDER if SECTION_OF[n] in TASK_SECTIONS or n in TASK_EXTRA)
 
 
+class NotATaskSetting(LookupError):
+    """A training setting a task asked for that is not its own. Not an AttributeError on purpose: `getattr(cfg,
+    "seed", 0)` in a task would otherwise read a silent 0 where the run's seed is meant."""
+
+
 class _TaskViews:
     def __getattr__(self, name: str):  # only for names that are not fields
         if name in FIELDS:
-            raise AttributeError(f"TaskConfig has no {name} (--{name.replace('_', '-')}, the {SECTION_OF[name]} "
+            raise NotATaskSetting(f"TaskConfig has no {name} (--{name.replace('_', '-')}, the {SECTION_OF[name]} "
                                  f"section's): a task reads the {', '.join(TASK_SECTIONS)} sections and "
                                  f"{', '.join(TASK_EXTRA)}")
         raise AttributeError(f"TaskConfig has no attribute {name!r}")

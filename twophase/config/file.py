@@ -141,12 +141,13 @@ def read(path) -> dict:
     out, spelled = {}, {}
 
     def where(key) -> str:
-        line = lines.get(key) if lines else _line_of(text, key.rpartition(".")[2])
+        # JSON: the key as written at the top, else a section's field by its own name
+        line = lines.get(key) if lines else _line_of(text, key) or _line_of(text, key.rpartition(".")[2])
         return f"{path}:{line}" if line else path
 
-    items = doc["config"] if record else _unsectioned(doc, where)
-    for key, value in items.items():
-        name = key.rpartition(".")[2].replace("-", "_") if isinstance(key, str) else key
+    items = {key: (key, value) for key, value in doc["config"].items()} if record else _unsectioned(doc, where)
+    for key, (field_key, value) in items.items():
+        name = field_key.replace("-", "_") if isinstance(field_key, str) else field_key
         if name not in FIELDS:
             if record:  # a field of another version of twophase: as a checkpoint's, dropped
                 continue
@@ -167,12 +168,13 @@ def read(path) -> dict:
 
 
 def _unsectioned(doc: dict, where) -> dict:
-    """A hand-written file's keys, a section's fields among them as "section.field" (`search: {beam_size: 8}`
-    gives "search.beam_size"); a field inside a section other than its own is refused in one line."""
+    """A hand-written file's keys, each {label: (its field's key, value)}: a top-level key is its own label, a
+    section's field is labelled "section.field" (`search: {beam_size: 8}` gives "search.beam_size"); a field
+    inside a section other than its own is refused in one line."""
     items = {}
     for key, value in doc.items():
         if key not in SECTIONS:
-            items[key] = value
+            items[key] = (key, value)
             continue
         if not isinstance(value, dict):
             raise ConfigFileError(f"{where(key)}: {key}: a section holds its fields as key: value, got "
@@ -183,7 +185,7 @@ def _unsectioned(doc: dict, where) -> dict:
             if name in SECTION_OF and SECTION_OF[name] != key:
                 raise ConfigFileError(f"{where(label)}: {label}: {name} is in the {SECTION_OF[name]} section, not "
                                       f"{key} (python train.py --help)")
-            items[label] = field_value
+            items[label] = (inner, field_value)
     return items
 
 
