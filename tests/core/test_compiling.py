@@ -11,7 +11,7 @@ import torch
 from twophase import Compiled, beam_search, compiled, rescore_backward, sample
 from twophase.constraints import Constrained
 from twophase.samples import Samples
-from twophase.train import cli
+from twophase.train import build, cli
 
 from conftest import take_grads, tiny_model, toy_batch
 from test_karel_task import constrained_model, grids, tiny_model as karel_model
@@ -144,9 +144,9 @@ def test_checkpoints_names_copies_and_attributes_are_the_models():
 
 def test_the_flag_picks_the_backend():
     model = tiny_model()
-    assert cli.compile_step(model, "off") is model
-    assert cli.compile_step(model, "on").backend == "inductor"
-    assert cli.compile_step(model, "aot_eager").backend == "aot_eager"
+    assert build.compile_step(model, "off") is model
+    assert build.compile_step(model, "on").backend == "inductor"
+    assert build.compile_step(model, "aot_eager").backend == "aot_eager"
 
 
 def test_the_command_builds_the_compiled_model_and_the_benchmark_alternates_it(tmp_path):

@@ -104,7 +104,7 @@ def test_best_checkpoint_follows_the_best_metric_at_every_validation(task, tmp_p
 
 def test_lower_is_better_metrics_and_auto():
     from twophase import tasks
-    from twophase.train.cli import UsageError, resolve_best_metric
+    from twophase.train.build import UsageError, resolve_best_metric
 
     g2p, tsv = tasks.build(Config(task="g2p")), tasks.build(Config(task="tsv", train="a", valid="b"))
     assert resolve_best_metric(Config(), g2p) == "word_acc" and resolve_best_metric(Config(), tsv) == "reward"

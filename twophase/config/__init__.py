@@ -5,7 +5,7 @@ this module (`Config`, its views and its flags), `rules` (the checks across fiel
 (`--config FILE` and `--print-config`).
 
 Each section is a dataclass whose fields carry their flag's help text, type, default, valid range and resume rule
-(`arg`); a section that only applies under a condition declares it once (`Only`), and `configrules` refuses a field
+(`arg`); a section that only applies under a condition declares it once (`Only`), and `rules` refuses a field
 of it given where the condition does not hold. The flat `Config` holds every section's fields under their own names
 in one fixed order (`ORDER`: what checkpoints and config.json store), so `cfg.beam_size` and `asdict(cfg)` read as
 one record, and `cfg.search` (or `cfg.section("search")`) is the search section's values. The command line is
@@ -19,12 +19,11 @@ import sys
 from dataclasses import MISSING, field, fields, make_dataclass
 
 from . import rules as configrules
-from .documented import (DEFAULT_BEAM, FIXED, FREE, GROW, MRT_ALPHA, PHASE, PRESETS, SET, UNITS, Only,  # noqa: F401
-                     arg, check_size, parse_chunk, parse_size)
+from .documented import DEFAULT_BEAM, PRESETS, _flag, parse_chunk, parse_size  # noqa: F401 (the package's names)
 from .runsections import EvaluationConfig, PhaseTwoConfig, RunConfig, StepConfig, SystemConfig  # noqa: F401
 from .sections import (FIELDS, SECTION_OF, SECTIONS, SHAPING_FLAGS, TASK_EXTRA, TASK_SECTIONS,  # noqa: F401
                        DataConfig, KarelConfig, LoraConfig, MLEConfig, ModelConfig, PolicyConfig, RLConfig,
-                       SearchConfig, only_conditions, section_fields)
+                       SearchConfig, section_fields)
 
 
 # Config's fields in their stored order: the keys of asdict(cfg), of every checkpoint's "config" and of
@@ -48,7 +47,7 @@ ORDER = (
 assert sorted(ORDER) == sorted(FIELDS) and len(set(ORDER)) == len(ORDER), "ORDER is not the sections' fields"
 
 class _Views:
-    """Config's behaviour beside its fields: the section views and the checks (`configrules`)."""
+    """Config's behaviour beside its fields: the section views and the checks (`rules`)."""
 
     def section(self, name: str):
         """The values of section `name` (a key of SECTIONS) as that section's dataclass: a copy, not a view to
@@ -66,11 +65,11 @@ class _Views:
         return self.baseline or "mean"
 
     def validate(self) -> None:
-        """Cross-field checks the parser cannot express (`configrules.validate`); ValueError naming the flag."""
+        """Cross-field checks the parser cannot express (`rules.validate`); ValueError naming the flag."""
         configrules.validate(self)
 
     def warnings(self) -> list[str]:
-        """Configurations that train, but not what the user probably means (`configrules.warnings`)."""
+        """Configurations that train, but not what the user probably means (`rules.warnings`)."""
         return configrules.warnings(self)
 
 
@@ -175,10 +174,6 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(_flag(f.name), type=_typed(f, kind), default=default, choices=f.metadata["choices"],
                                help=text)
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

@@ -241,7 +241,7 @@ def _shown(value) -> str:
 
 
 def changed(values: dict) -> frozenset[str]:
-    """The fields of a file's `values` that count as given (startup's checks): those differing from Config's
+    """The fields of a file's `values` that count as given (start's checks): those differing from Config's
     defaults, so a run's record, which lists every field, gives only what its run changed."""
     return frozenset(k for k, v in values.items()
                      if FIELDS[k].default is MISSING or v != FIELDS[k].default)

@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from .documented import FIXED, FREE, GROW, MRT_ALPHA, PHASE, _flag  # noqa: F401 (the rules' names, for importers)
-from .sections import FIELDS, SECTIONS, only_conditions, section_fields  # noqa: F401 (SECTIONS: for importers)
+from .sections import FIELDS, only_conditions, section_fields
 
 WITHOUT_REPLACEMENT = ("priority", "unordered-set")  # the objectives that need --sampler sbs
 

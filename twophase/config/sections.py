@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .documented import FIXED, FREE, GROW, MRT_ALPHA, PHASE, PRESETS, SET, Only, arg  # noqa: F401 (FIXED: the default)
+from .documented import FREE, GROW, MRT_ALPHA, PHASE, SET, Only, arg
 from .runsections import EvaluationConfig, PhaseTwoConfig, RunConfig, StepConfig, SystemConfig
 
 _HF_LSTM = Only("hf_model", None, "--hf-model: {flag} sets the built-in LSTM; a Hugging Face model's size and "

@@ -37,7 +37,7 @@ class Checks:
             self._add(logp.detach().amax(), "finite")
 
     def positive(self, has_mass: Tensor) -> None:
-        """ValueError, when raised, where a row drawn from (`draw.draw_unchecked`'s has_mass (N,)) had no
+        """ValueError, when raised, where a row drawn from (`truncation.draw_unchecked`'s has_mass (N,)) had no
         positive probability mass or held NaN."""
         self._add(has_mass.all(), "positive")
 

@@ -24,10 +24,10 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
-from ..phase2 import rescoring
 from .. import nested
-from ..protocol import scoring_mode
+from ..phase2 import rescoring
 from ..phase2.rescoring import chunk_gradients
+from ..protocol import scoring_mode
 from . import memory
 from .memory import MB, SavedTensorMeter, rss_bytes, rss_peak_bytes
 

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from ..system import devices, distributed, fsdp, amp
+from ..system import amp, devices, distributed, fsdp
 from . import report, resume, rundir
 from .start import (batch_warnings, changed_fields, check_model_on_a_batch, check_references, check_reward_references,
                     check_task_flags, init_state, recipe_defaults, refuse_against_checkpoint, resume_state,

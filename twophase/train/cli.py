@@ -16,8 +16,7 @@ import torch
 from ..system import distributed, fsdp
 from . import report, resume, rundir
 from ..config import file as configfile
-from .build import (PROG, UsageError, build, compile_step, cpu_threads, pick_device,  # noqa: F401 (cli's names
-                    resolve_best_metric)                                         # for decode and tests)
+from .build import PROG, UsageError, build
 from .start import StartupError, evaluate, flags_given, recipe_defaults, start_defaults
 from ..protocol import ModelError
 from .. import plot, rewards

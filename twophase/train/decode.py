@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from . import build, resume
+from .build import UsageError, compile_step, pick_device
 from .checkpoint import CheckpointError, load
-from .cli import UsageError, compile_step, pick_device
 from ..config import DEFAULT_BEAM, OneLineParser, config_from_dict
 from .. import oom, tasks
 from ..tasks.base import Example

@@ -16,16 +16,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..system import distributed, fsdp, memory
 from .. import oom
 from ..phase1.onephase import OnePhase
 from ..protocol import ModelError
 from ..rewards import RewardError
+from ..system import distributed, fsdp, memory
+from ..system.profiling import StepProfiler
 from . import runstate
 from .checkpoint import CheckpointManager
 from .evaluation import test_beams, test_scores
 from .mlephase import CONTINUED, MleContinued, Plateau, start_from_best
-from ..system.profiling import StepProfiler
 from .report import ProgressLines, fmt_scores, peak_memory_mb
 from .rundir import MetricsLog
 from .runstate import GracefulStop, Interrupted, RunState

@@ -212,10 +212,6 @@ class GracefulStop:
             signal.signal(s, handler)
         self._previous.clear()
 
-    @property
-    def exit_code(self) -> int:
-        return 128 + (self.received or 0)
-
 
 class Interrupted(Exception):
     """The run stopped early on purpose (signal) or by necessity (too many bad steps); carries the exit code."""

@@ -139,7 +139,7 @@ def recipe_defaults(args) -> dict:
 
 def start_defaults(args) -> tuple[dict, dict | None]:
     """The defaults of this command and the checkpoint it starts from: --resume / --resume-from take the
-    checkpoint's resolved configuration (configrules), --init-from its model-shape flags over the recipe's,
+    checkpoint's resolved configuration (config.rules), --init-from its model-shape flags over the recipe's,
     a new run the recipe's (recipe_defaults)."""
     resume.check_flags(args)
     if args.init_from and (args.resume or args.resume_from):

@@ -21,22 +21,21 @@ import random
 
 import torch
 
-from ..system import amp, distributed, fsdp
-from ..objectives import estimators
 from .. import objectives
 from ..config import Config, parse_size
-from ..tasks.base import Example, Task
-from ..tasks.data import BatchSampler
-from .evaluation import completion_ids, score, validate
-from .report import RewardLog
-from .policy_step import PolicyStep
-from ..system.profiling import ChunkPlanner
+from ..objectives import estimators
+from ..phase1.sbs import stochastic_beam_search
+from ..phase1.search import beam_search, greedy, sample
 from ..phase2.rescoring import rescore_backward
 from ..samples import Samples
-from ..phase1.sbs import stochastic_beam_search
-from .evaluation import with_references
-from ..phase1.search import beam_search, greedy, sample
+from ..system import amp, distributed, fsdp
+from ..system.profiling import ChunkPlanner
+from ..tasks.base import Example, Task
+from ..tasks.data import BatchSampler
 from ..vocab import pad_targets
+from .evaluation import completion_ids, score, validate, with_references
+from .policy_step import PolicyStep
+from .report import RewardLog
 
 
 class PhaseTwo:
@@ -53,11 +52,11 @@ class PhaseTwo:
 
 class Trainer:
     """The steps for one model, task and reward: it holds the model, optimizer, fp16's scaler, both phases' batch
-    samplers and the sampling generator; `gradient`: steps 1 and 4 of the RL step (default `PhaseTwo`)."""
+    samplers and the sampling generator; `gradient`: steps 1 and 4 of the RL step (`PhaseTwo`, or `OnePhase` under --one-phase)."""
 
-    def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device, gradient=None):
+    def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device, gradient):
         self.cfg, self.task, self.model, self.device, self.reward = cfg, task, model, device, reward
-        self.gradient = gradient or PhaseTwo()
+        self.gradient = gradient  # PhaseTwo, or OnePhase under --one-phase (Run.assemble chooses)
         self.train, self.valid, self.test = task.train, task.valid, task.test or None
         self.ref_ids = [task.target_ids(ex) for ex in self.train]  # (source, reference) -> target ids, no EOS
         self.pairs = [(i, j) for i, refs in enumerate(self.ref_ids) for j in range(len(refs))]
