@@ -52,7 +52,8 @@ class PhaseTwo:
 
 class Trainer:
     """The steps for one model, task and reward: it holds the model, optimizer, fp16's scaler, both phases' batch
-    samplers and the sampling generator; `gradient`: steps 1 and 4 of the RL step (`PhaseTwo`, or `OnePhase` under --one-phase)."""
+    samplers and the sampling generator; `gradient`: steps 1 and 4 of the RL step (`PhaseTwo`, or `OnePhase`
+    under --one-phase)."""
 
     def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device, gradient):
         self.cfg, self.task, self.model, self.device, self.reward = cfg, task, model, device, reward
