@@ -217,3 +217,16 @@ def test_overwrite_removes_everything_the_old_run_wrote_and_nothing_else(task, t
     (save / "tensorboard" / "README").write_text("mine")
     rundir.remove(rundir.claim(save, resume=False, overwrite=True))
     assert [p.name for p in (save / "tensorboard").iterdir()] == ["README"]
+
+
+def test_a_rewritten_log_and_record_stay_readable_like_a_plain_file(tmp_path):
+    """cut_back and config.json go through a temporary file (mkstemp: mode 0600); what replaces the file is
+    readable as a plainly written one, and nothing temporary is left."""
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "phase": "mle"}) + "\n" for s in (1, 2, 3)))
+    assert rundir.cut_back(log, 2) == 1
+    assert log.stat().st_mode & 0o777 == 0o644
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
+    record = rundir.write_config(tmp_path, Config(), {})
+    assert record.stat().st_mode & 0o777 == 0o644 and json.loads(record.read_text())["config"]["seed"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "metrics.jsonl"]

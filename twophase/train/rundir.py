@@ -157,25 +157,34 @@ def set_aside(save_dir, step: int) -> Path | None:
     return aside
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """`text` into `path` atomically (a crash leaves the old file or the new one, never half of either, nor a
+    temporary file), readable as a file written plainly; SaveError (one line) where it cannot be written."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name, suffix=".tmp")
+    except OSError as err:
+        raise SaveError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a plain record from the group
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:  # a Ctrl-C mid-write too: no temporary file left behind
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise SaveError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
+        raise
+
+
 def write_config(save_dir, cfg, recipe: dict, source=None) -> Path:
     """<save-dir>/config.json: the resolved flags (the task's recipe and --preset applied), the recipe itself and
     the checkpoint this command started from; written atomically, rewritten by every command that trains."""
     path = Path(save_dir) / "config.json"
     doc = {"config": asdict(cfg), "recipe": recipe, "started_from": str(source) if source else None,
            "written": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")}
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".config.json", suffix=".tmp")
-    except OSError as err:
-        raise SaveError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a plain record from the group
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
-        raise SaveError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
+    write_atomically(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
     return path
 
 
@@ -210,18 +219,7 @@ def cut_back(path, step: int, compared: bool = False) -> int:
         else:
             dropped += 1
     if dropped:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.writelines(kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException as err:
-            Path(tmp).unlink(missing_ok=True)
-            if isinstance(err, OSError):
-                raise SaveError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
-            raise
+        write_atomically(path, "".join(kept))
     return dropped
 
 
