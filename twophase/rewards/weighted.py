@@ -81,14 +81,22 @@ def from_flags(spec: str, weights: str | None):
         raise RewardError(f"--reward {spec}: an empty reward name in the list")
     if weights is None and len(specs) == 1:
         return get(specs[0])
-    values = [1.0] * len(specs)
-    if weights is not None:
-        try:
-            values = [float(w) for w in weights.split(",")]
-        except ValueError:
-            raise RewardError(f"--reward-weights {weights}: expected comma-separated numbers") from None
-        if len(values) != len(specs) or not all(math.isfinite(w) for w in values):
-            raise RewardError(f"--reward-weights {weights}: expected {len(specs)} finite numbers, one per reward of "
-                              f"--reward {spec}")
+    values = parse_weights(weights, len(specs), "--reward-weights", f"reward of --reward {spec}")
     rewards = [get(s) for s in specs]
     return WeightedSum(rewards, values, display_names(specs, rewards))
+
+
+def parse_weights(weights: str | None, count: int, flag: str, each: str) -> list[float]:
+    """`count` finite weights from "w1,w2,..." (1 each where `weights` is None); RewardError naming `flag`, one
+    weight per `each`, otherwise."""
+    from .registry import RewardError
+
+    if weights is None:
+        return [1.0] * count
+    try:
+        values = [float(w) for w in weights.split(",")]
+    except ValueError:
+        raise RewardError(f"{flag} {weights}: expected comma-separated numbers") from None
+    if len(values) != count or not all(math.isfinite(w) for w in values):
+        raise RewardError(f"{flag} {weights}: expected {count} finite numbers, one per {each}")
+    return values

@@ -7,7 +7,6 @@ Bad input raises UsageError (or the part's own one-line error); train.py prints 
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -295,15 +294,7 @@ def reward_of(reward, spec: str, weights: str | None):
     checked = [rewards.validated(fn, name) for fn, name in zip(fns, names)]
     if weights is None and len(checked) == 1:
         return checked[0]
-    values = [1.0] * len(checked)
-    if weights is not None:
-        try:
-            values = [float(w) for w in weights.split(",")]
-        except ValueError:
-            raise rewards.RewardError(f"reward_weights {weights}: expected comma-separated numbers") from None
-        if len(values) != len(checked) or not all(math.isfinite(w) for w in values):
-            raise rewards.RewardError(f"reward_weights {weights}: expected {len(checked)} finite numbers, one per "
-                                      "reward function")
+    values = weighted.parse_weights(weights, len(checked), "reward_weights", "reward function")
     return weighted.WeightedSum(checked, values, weighted.display_names(names, checked))
 
 
