@@ -28,10 +28,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import stepworker
 from twophase.config import OneLineParser
 
-G2P_CHECKPOINT = "/work/runs/exp/g2p-s1/checkpoint_mle_end.pt"
+from . import stepworker
+
+G2P_CHECKPOINT = "runs/g2p/checkpoint_mle_end.pt"  # the default run's end of MLE (python train.py writes it)
 JOBS = {  # name: (worker job, default timed steps)
     "hf-t5": ({"kind": "hf", "model": "t5"}, 3),
     "hf-causal": ({"kind": "hf", "model": "causal"}, 3),
