@@ -29,11 +29,10 @@ import re
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from . import SECTION_OF, SECTIONS, Config
+from . import FIELDS, SECTION_OF, SECTIONS, Config
 
 COMMAND_ONLY = ("resume", "resume_from", "overwrite", "eval_only")  # a file may not set these
 RECORD_ONLY = ("save_dir",) + COMMAND_ONLY  # a run's config.json: taken as it is, less these
-FIELDS = {f.name: f for f in fields(Config)}
 
 
 class ConfigFileError(ValueError):
