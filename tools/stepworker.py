@@ -15,10 +15,10 @@ Jobs (JOB_JSON's "kind"):
          offset by a random [0, 1e-3) ("untie": see bench.karel); parts: phase one, rewards and update
          (clipping and the optimizer step) by the trainer's own sections (`Trainer.section`), phase two
          (`Trainer.phase_two`); in a checkout from before `Run`, the trainer is what cli.build returns
-    hf   `twophase.bench.hf`'s two-phase step on its model "model" (t5, causal) at its default sizes; parts:
+    hf   `benchmarks.hf`'s two-phase step on its model "model" (t5, causal) at its default sizes; parts:
          phase one (`sample`), phase two (the step's `phase2_cpu`)
 The parts are timed by wrapping those functions from outside, so that a checkout without the trainer's timer
-hook (`twophase.bench.steptimes`) is timed the same way as one with it. Only what both
+hook (`benchmarks.steptimes`) is timed the same way as one with it. Only what both
 checkouts compared have is used, hence bench.karel's tie-breaking written again here.
 """
 import contextlib
@@ -99,7 +99,10 @@ def rl_job(job: dict, parts: dict):
 
 def hf_job(job: dict, parts: dict):
     """The step function of an `hf` job: bench.hf's two-phase step (sampling, coefficients, phase two)."""
-    from twophase.bench import hf
+    try:
+        from benchmarks import hf
+    except ImportError:  # a checkout from before the benchmarks left the package
+        from twophase.bench import hf
     cell = dict(hf.DEFAULTS, model=job["model"], method="two-phase")
     torch.set_num_threads(cell["threads"])
     wrapper, source = hf.build(cell)

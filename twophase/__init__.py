@@ -8,24 +8,18 @@ can be trained; the built-in LSTM is `twophase.Seq2Seq`. `twophase.fit(twophase.
 Laid out by phase (docs/layout.md): `phase1/` the search, `phase2/` the chunked re-decoding and its backward,
 `objectives/` what phase two back-propagates, `rewards/`; the core modules beside them are what both phases share.
 """
-import importlib
-
-from . import _moved
-
-_moved.install()  # first: the old module paths (twophase.search, twophase.rescoring, ...) keep working
-
-from . import nested, objectives, rewards, vocab  # noqa: E402
-from .compiling import Compiled, compiled  # noqa: E402
-from .modelcheck import check_model  # noqa: E402
-from .objectives import estimators, policy  # noqa: E402
-from .phase1.sbs import stochastic_beam_search  # noqa: E402
-from .phase1.search import beam_search, greedy, sample  # noqa: E402
-from .phase2.rescoring import rescore_backward  # noqa: E402
-from .protocol import ModelError, SequenceModel  # noqa: E402
-from .samples import Samples, best_rows  # noqa: E402
+from . import nested, objectives, rewards, vocab
+from .compiling import Compiled, compiled
+from .modelcheck import check_model
+from .objectives import estimators, policy
+from .phase1.sbs import stochastic_beam_search
+from .phase1.search import beam_search, greedy, sample
+from .phase2.rescoring import rescore_backward
+from .protocol import ModelError, SequenceModel
+from .samples import Samples, best_rows
 
 __all__ = ["SequenceModel", "ModelError", "check_model", "Seq2Seq", "Samples", "beam_search", "sample", "greedy",
-           "stochastic_beam_search", "rescore_backward", "best_rows", "nested", "tree", "vocab", "rewards",
+           "stochastic_beam_search", "rescore_backward", "best_rows", "nested", "vocab", "rewards",
            "objectives", "estimators", "policy", "compiled", "Compiled", "Config", "fit", "Result"]
 
 
@@ -44,6 +38,4 @@ def __getattr__(name: str):
     if name == "Result":
         from .train.report import Result
         return Result
-    if f"twophase.{name}" in _moved.MOVED:  # twophase.rescoring without importing it by that name first
-        return importlib.import_module(f"twophase.{name}")
     raise AttributeError(f"module 'twophase' has no attribute {name!r}")

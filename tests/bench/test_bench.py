@@ -1,10 +1,10 @@
-"""twophase.bench on a toy grid: the worker's fields, the report files, and one-phase = two-phase gradients."""
+"""benchmarks on a toy grid: the worker's fields, the report files, and one-phase = two-phase gradients."""
 import json
 
 import pytest
 import torch
 
-from twophase.bench import __main__ as grid, cell
+from benchmarks import __main__ as grid, cell
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -91,7 +91,7 @@ def _has_matplotlib():  # the `bench` extra, not a test requirement
 
 
 def test_plot_labels_log_axes_with_plain_numbers():
-    from twophase.bench import report
+    from benchmarks import report
 
     assert report._ticks(30, 400) == [50, 100, 200]  # 1-2-5 in the range
     assert report._ticks(40, 60) == [40, 50, 60]  # a narrow range: every digit
@@ -114,7 +114,7 @@ def test_plot_labels_log_axes_with_plain_numbers():
 def test_bare_loop_finds_beam_searchs_candidates():
     """The bare loop is the same arithmetic as beam_search (EOS banned): the same K best rows with the same
     scores, in float64; so --vs-loop compares equal work."""
-    from twophase.bench.bareloop import bare_beam_search
+    from benchmarks.bareloop import bare_beam_search
     from twophase.phase1.search import beam_search
     c = dict(grid.GRIDS["tiny"][0], batch=3, src_len=6, max_len=5, beam=4, method="two-phase", device="cpu",
              dtype="float64", seed=0)

@@ -1,4 +1,4 @@
-"""`python -m twophase.bench.gpu`: its CPU dry run (--device cpu --quick) runs or skips every section with a
+"""`python -m benchmarks.gpu`: its CPU dry run (--device cpu --quick) runs or skips every section with a
 reason and writes one report of the documented structure; a failing or hanging section is recorded and the rest
 go on; the wheel list covers what the GPU machine lacks of setup.cfg's requirements."""
 import configparser
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from twophase.bench.gpu import runner, wheels
+from benchmarks.gpu import runner, wheels
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def test_quick_dry_run_runs_every_section_or_skips_it_with_a_reason(tmp_path):
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), TWOPHASE_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, "-m", "twophase.bench.gpu", "--device", "cpu", "--quick", "--inline",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--quick", "--inline",
                            "--out", str(out)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"report written: {out}" in proc.stdout
@@ -108,7 +108,7 @@ def test_an_isolated_section_reports_from_its_own_process_and_is_killed_at_its_l
 @pytest.mark.parametrize("argv, flag", [(["--sections", "a,z"], "--sections"), (["--device", "tpu:x"], "--device"),
                                         (["--karel-seconds", "0"], "--karel-seconds")])
 def test_bad_flags_are_refused_in_one_line(argv, flag, capsys):
-    from twophase.bench.gpu.__main__ import main
+    from benchmarks.gpu.__main__ import main
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert stop.value.code == 2 and flag in capsys.readouterr().err.splitlines()[-1]
@@ -130,7 +130,7 @@ def test_the_wheels_cover_every_requirement_the_gpu_machine_lacks():
 
 def test_a_cudnn_refusal_of_eval_mode_rnn_backward_is_measured_again_without_cudnn():
     import torch
-    from twophase.bench.gpu.common import CUDNN_EVAL_BACKWARD, cudnn_retry
+    from benchmarks.gpu.common import CUDNN_EVAL_BACKWARD, cudnn_retry
     calls = []
 
     def case(x):

@@ -1,4 +1,4 @@
-"""twophase.bench.hf on toy sizes: every method's worker reports its fields, and the TRL recipe (one forward of
+"""benchmarks.hf on toy sizes: every method's worker reports its fields, and the TRL recipe (one forward of
 the whole input per row) gives the two-phase gradient, so the benchmark compares equal work."""
 import importlib.util
 
@@ -9,7 +9,7 @@ if importlib.util.find_spec("transformers") is None:
     pytest.skip("transformers is not installed (pip install twophase[hf])", allow_module_level=True)
 
 from twophase import rescore_backward, sample  # noqa: E402
-from twophase.bench import hf, peers  # noqa: E402
+from benchmarks import hf, peers  # noqa: E402
 
 TOY = dict(hf.DEFAULTS, batch=2, samples=3, prompt=6, completion=4, width=16, layers=1, heads=2, vocab=40, chunk=4,
            warmup=1, steps=1)
@@ -70,7 +70,7 @@ def test_the_real_grpo_trainer_gives_the_two_phase_gradient(one_thread):
 @pytest.mark.parametrize("model", hf.MODELS)
 @pytest.mark.parametrize("search", ["sample", "beam"])
 def test_phase_one_against_generate_reports_whole_and_per_step(model, search, one_thread):
-    from twophase.bench import decode
+    from benchmarks import decode
     wrapper, source = hf.build(dict(TOY, model=model))
     K, T = TOY["samples"], 6
     with torch.inference_mode():  # the same work: B*K rows of T new tokens each (eos after the first is rare)

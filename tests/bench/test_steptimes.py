@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from twophase.bench.steptimes import PartTimes
+from benchmarks.steptimes import PartTimes
 from twophase.train import cli, trainer as trainer_module
 from twophase.config import Config
 from taskfiles import task_dir
@@ -61,7 +61,7 @@ def test_parts_lie_within_the_step(task, tmp_path, one_thread):
 def test_karel_bench_splits_the_step(task, tmp_path, one_thread):
     """bench.karel's step split (on a tiny TSV trainer: the same Trainer path): every part and the rest, which
     add up to the step; its untied rewards differ from the true ones by less than 1e-3 and never tie."""
-    from twophase.bench import karel as bench_karel
+    from benchmarks import karel as bench_karel
     run = _run(task, tmp_path / "run")
     tr = run.trainer
     true_rewards = tr.rewards_of
@@ -78,7 +78,7 @@ def test_karel_bench_splits_the_step(task, tmp_path, one_thread):
 
 
 def test_karel_bench_refuses_a_bad_grammar_list(capsys):
-    from twophase.bench import karel as bench_karel
+    from benchmarks import karel as bench_karel
     with pytest.raises(SystemExit) as exit_:
         bench_karel.main(["--grammar", "on,maybe"])
     assert exit_.value.code == 2 and "--grammar" in capsys.readouterr().err
@@ -86,7 +86,7 @@ def test_karel_bench_refuses_a_bad_grammar_list(capsys):
 
 def test_karel_bench_without_grammar_measures_the_recipes(monkeypatch, capsys):
     """No --grammar: one measurement at the recipe's grammar (or the one after --), not a refusal."""
-    from twophase.bench import karel as bench_karel
+    from benchmarks import karel as bench_karel
     seen = []
     monkeypatch.setattr(bench_karel, "measure", lambda flags, steps, beams, tasks, grammars, untie:
                         seen.append((flags, grammars)) or [{"kind": "rl"}])

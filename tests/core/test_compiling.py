@@ -151,7 +151,7 @@ def test_the_flag_picks_the_backend():
 
 def test_the_command_builds_the_compiled_model_and_the_benchmark_alternates_it(tmp_path):
     from taskfiles import write_task
-    from twophase.bench import compile as bench
+    from benchmarks import compile as bench
     write_task(tmp_path / "train.tsv", "reverse", 40, seed=0)
     write_task(tmp_path / "valid.tsv", "reverse", 8, seed=1)
     flags = ["--train", str(tmp_path / "train.tsv"), "--valid", str(tmp_path / "valid.tsv"), "--hidden-size", "16",

@@ -1,20 +1,18 @@
-"""The house's layout: twophase's import graph (lazy, function-level imports included) has no circle and no import
-back up a layer, and an old module path (twophase/_moved.py) is the very module at its new place.
-
-An import of an old path counts as an import of the module it names now, so a file still written against the old
-layout is checked against the new one.
+"""The house's layout: the import graph of twophase and of the checkout's benchmarks/ and tools/ (lazy,
+function-level imports included) has no circle and no import back up a layer; the package installs no import
+hook, and what it installs is twophase/ alone.
 """
 import ast
-import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from twophase._moved import MOVED, new_name
-
-ROOT = Path(__file__).resolve().parents[2] / "twophase"
+CHECKOUT = Path(__file__).resolve().parents[2]
+ROOT = CHECKOUT / "twophase"
+OUTSIDE = ("benchmarks", "tools")  # run from a checkout, above the package; never installed
 
 # The layers, lowest first. Each entry is a group: a folder of twophase, a single module named here, or the core
 # (CORE: every other module directly in twophase/). A module may import its own group and any group of a lower
@@ -31,37 +29,38 @@ LAYERS = (
     ("twophase.models",),
     ("twophase.tasks",),
     ("twophase.train",),
-    ("twophase.bench",),
     (FRONT,),
+    ("benchmarks",),  # the benchmarks and the GPU check use the package as a user does
+    ("tools",),  # the developer's tools (tools.beforeafter times benchmarks' steps)
 )
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    parts = path.relative_to(CHECKOUT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _sources() -> dict[str, tuple[str, bool]]:
-    """Every twophase module: its source and whether it is a package's __init__."""
-    return {_module_name(p): (p.read_text(encoding="utf-8"), p.name == "__init__.py") for p in ROOT.rglob("*.py")}
+    """Every module of twophase, benchmarks and tools: its source and whether it is a package's __init__."""
+    paths = [p for top in ("twophase", *OUTSIDE) for p in (CHECKOUT / top).rglob("*.py")]
+    return {_module_name(p): (p.read_text(encoding="utf-8"), p.name == "__init__.py") for p in paths}
 
 
 def _imports(name: str, source: str, is_package: bool, modules: set[str]) -> dict[str, int]:
-    """The twophase modules `name` imports anywhere in it, each with a line that imports it (a name imported
-    from a package that is a module of its own counts as that module; an old path as the module it moved to)."""
+    """The modules of `modules` that `name` imports anywhere in it, each with a line that imports it (a name
+    imported from a package that is a module of its own counts as that module)."""
     package = name if is_package else name.rpartition(".")[0]
     found = {}
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            targets = [new_name(a.name) for a in node.names]
+            targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")
                 anchor = anchor[:len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([node.module] if node.module else []))
-            base = new_name(base)
-            targets = [new_name(f"{base}.{a.name}") for a in node.names]
+            targets = [f"{base}.{a.name}" for a in node.names]
             targets = [t if t in modules else base for t in targets]
         else:
             continue
@@ -106,6 +105,8 @@ def _group(module: str, packages: set[str]) -> str:
     if module in {g for layer in LAYERS for g in layer}:
         return module
     parts = module.split(".")
+    if parts[0] in OUTSIDE:
+        return parts[0]
     if len(parts) > 2 or module in packages:
         return ".".join(parts[:2])
     return CORE
@@ -148,9 +149,10 @@ def test_no_import_goes_back_up_a_layer():
                                                            "twophase.train)"),
     ("twophase.probe", "import torch\n\n\ndef f():\n    from .phase2.rescoring import rescore_backward\n",
      "5 imports twophase.phase2.rescoring (up: core -> twophase.phase2)"),
-    # an old path counts as the module it moved to
-    ("twophase.probe", "import twophase.rescoring\n", "1 imports twophase.phase2.rescoring (up: core -> twophase.phase2)"),
-    ("twophase.phase2.probe", "from .. import search\n",
+    ("twophase.train.probe", "from benchmarks import hostsyncs\n",
+     "1 imports benchmarks.hostsyncs (up: twophase.train -> benchmarks)"),
+    ("benchmarks.probe", "from tools import beforeafter\n", "1 imports tools.beforeafter (up: benchmarks -> tools)"),
+    ("twophase.phase2.probe", "from ..phase1 import search\n",
      "1 imports twophase.phase1.search (sideways: twophase.phase2 -> twophase.phase1)"),
     ("twophase.models.probe", "from twophase import Samples\n", "1 imports twophase (up: twophase.models -> twophase)"),
 ])
@@ -159,52 +161,55 @@ def test_an_import_the_wrong_way_is_found(module, source, expected):
     assert _wrong_way(sources) == [f"{module}:{expected}"]
 
 
-def test_a_circle_through_an_old_path_is_found():
+def test_a_circle_is_found():
     sources = _sources()
     sources["twophase.nested"] = (sources["twophase.nested"][0] + "\nfrom . import protocol\n", False)
     assert _cycle(_graph(sources)) == ["twophase.nested", "twophase.protocol", "twophase.nested"]
 
 
-def test_every_old_path_is_the_module_at_its_new_place():
-    for old, new in MOVED.items():
-        assert not (ROOT.parent / (old.replace(".", "/") + ".py")).exists(), old  # one file, one module
-        assert importlib.import_module(old) is importlib.import_module(new), old
-        module = sys.modules[old]
-        assert module.__name__ == new and module.__spec__.name == new  # its own identity, not the old path's
-    import twophase
-    from twophase.phase1 import search
-    assert twophase.search is search  # an attribute of the package too
-    from twophase.phase1.search import beam_search
-    from twophase.nested import select_rows
-    assert beam_search is search.beam_search and select_rows is twophase.nested.select_rows
-
-
-def test_a_patch_through_an_old_path_acts_on_the_module_that_runs(monkeypatch):
-    from twophase.phase1 import search
-    monkeypatch.setattr("twophase.search.COMPACT_AT", 0.125)
-    assert search.COMPACT_AT == 0.125
-
-
-def test_old_paths_work_in_a_fresh_interpreter():
-    """Imported first by an old path (nothing imported at the new one yet), each is the new module."""
+def test_the_package_installs_no_import_hook_and_the_old_paths_are_gone():
+    """`import twophase` leaves sys.meta_path as it was, and a module path of an earlier layout is an ImportError
+    (nothing answers for it), whatever was imported before."""
     code = ("import importlib, sys\n"
-            "from twophase._moved import MOVED\n"
-            "for old, new in MOVED.items():\n"
-            "    m = importlib.import_module(old)\n"
-            "    assert m is sys.modules[new] and m.__spec__.name == new, old\n"
-            "from twophase.rewardsum import WeightedSum\n"
-            "from twophase.rewards.weighted import WeightedSum as same\n"
-            "assert WeightedSum is same\n")
-    run = subprocess.run([sys.executable, "-W", "error::ImportWarning", "-c", code], capture_output=True, text=True)
+            # an editable install's finder (of this checkout or another) answers for its own files: set aside
+            "sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]\n"
+            "before = list(sys.meta_path)\n"
+            "import twophase, twophase.config, twophase.train.cli\n"
+            "assert sys.meta_path == before, sys.meta_path\n"
+            "for old in ('twophase.search', 'twophase.rescoring', 'twophase.policy', 'twophase.train.amp',\n"
+            "            'twophase.bench', 'twophase.bench.gpu'):\n"
+            "    try:\n"
+            "        importlib.import_module(old)\n"
+            "    except ImportError:\n"
+            "        continue\n"
+            "    raise AssertionError(old)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=CHECKOUT.parent,
+                         env=dict(os.environ, PYTHONPATH=str(CHECKOUT)))
     assert run.returncode == 0, run.stderr
 
 
-def test_the_layout_page_names_every_core_module_and_every_old_path():
+def test_the_package_finds_twophase_alone():
+    """setup.cfg's `packages = find:` with `include = twophase*`: the wheel and the sdist's package list carry
+    twophase and its subpackages, never benchmarks/ or tools/ (what setuptools itself finds, from setup.cfg)."""
+    import configparser
+
+    from setuptools import find_packages
+    cfg = configparser.ConfigParser()
+    cfg.read(CHECKOUT / "setup.cfg")
+    assert cfg["options"]["packages"].strip() == "find:"
+    include = cfg["options.packages.find"]["include"].split()
+    found = find_packages(str(CHECKOUT), include=include)
+    assert "twophase" in found and "twophase.phase1" in found and "twophase.models.hf" in found
+    assert not [p for p in found if not p.startswith("twophase")], found
+    assert not [p for p in found if p.startswith("twophase.bench")], found
+    for top in OUTSIDE:
+        assert (CHECKOUT / top / "__init__.py").exists()  # importable from a checkout, yet not found above
+
+
+def test_the_layout_page_names_every_core_module():
     page = (ROOT.parent / "docs" / "layout.md").read_text(encoding="utf-8")
     core = [p for p in ROOT.glob("*.py") if p.name != "__init__.py"]
     core += [p for d in ("phase1", "phase2", "objectives", "rewards") for p in (ROOT / d).glob("*.py")
              if p.name != "__init__.py"]
     for path in core:
         assert f"| `{path.relative_to(ROOT).as_posix()}` |" in page, path
-    for old, new in MOVED.items():
-        assert f"| `{old}` | `{new}` |" in page, old

@@ -8,7 +8,7 @@ import torch
 from conftest import take_grads
 from test_protocol import _all_sequences, _assert_same, _check_rows, _references
 from twophase import Samples, beam_search, objectives, protocol, rescore_backward, sample
-from twophase.bench import karel as bench_karel
+from benchmarks import karel as bench_karel
 from twophase.models.karel import KarelModel
 from twophase.models.karel_paper import PAPER_SIZES, KarelPaperModel
 from twophase.tasks import TaskError

@@ -202,7 +202,7 @@ def test_measuring_the_entropy_adds_no_host_sync(one_thread):
     from conftest import tiny_model, toy_batch
     from test_policy_rescoring import _candidates
     from twophase import rescore_backward
-    from twophase.bench.hostsyncs import count_host_syncs
+    from benchmarks.hostsyncs import count_host_syncs
     from twophase.objectives.policy import advantages, policy_loss
     model, source = tiny_model(), toy_batch()
     s = _candidates(model, source, 3, 6)

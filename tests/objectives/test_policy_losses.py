@@ -218,7 +218,7 @@ def test_token_level_objective_adds_no_host_sync_per_chunk(tree, level):
     statistics pass adds only what the model's per-token scoring reads (the LSTM's token_scores: its positions'
     count, twice)."""
     from test_host_syncs_phase2 import LSTM_READS, _lstm
-    from twophase.bench.hostsyncs import count_host_syncs
+    from benchmarks.hostsyncs import count_host_syncs
     model, source, s = _lstm()
     adv = advantages(torch.rand(len(s), generator=torch.Generator().manual_seed(0), dtype=torch.float64), s.owner, 4)
     obj = policy_loss(adv, s.token_scores, lengths=s.lengths, beta=0.04, ref_token_logps=s.token_scores - 0.1,

@@ -1,4 +1,4 @@
-"""Phase one's host syncs per decoder step (`twophase.bench.hostsyncs.count_host_syncs`): at most 2 for beam
+"""Phase one's host syncs per decoder step (`benchmarks.hostsyncs.count_host_syncs`): at most 2 for beam
 search (compacted steps included), sampling and stochastic beam search, with the built-in LSTM, both Karel
 models and the Hugging Face wrappers (seq2seq and causal). A search is counted at two max_len values it runs to
 the end; the fixed costs (encode, the end's one read of the deferred checks, `_finish`) cancel in the
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from twophase import beam_search, sample
-from twophase.bench import hostsyncs
+from benchmarks import hostsyncs
 from twophase.phase1 import search
 from twophase.phase1.sbs import stochastic_beam_search
 from twophase.vocab import EOS

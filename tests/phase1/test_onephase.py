@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from twophase import beam_search, objectives, rescore_backward, sample
-from twophase.bench.seedstyle import SeedStyleSeq2Seq
+from benchmarks.seedstyle import SeedStyleSeq2Seq
 from twophase.phase1.onephase import one_phase_backward, one_phase_beam_search, one_phase_sample
 from twophase.vocab import EOS
 
@@ -79,7 +79,7 @@ def test_seed_style_matches_one_phase(kind):
 def test_seed_style_search_runs_the_seed_code(monkeypatch):
     """Both search loops must reach `seed_style_advance` at every step (a regression once made the seed-style
     benchmark run the fused attention instead)."""
-    from twophase.bench import seedstyle as onephase
+    from benchmarks import seedstyle as onephase
 
     calls = []
     real = onephase.seed_style_advance

@@ -13,7 +13,7 @@ import foreign_models as fm
 from conftest import rnn_graph_mode, take_grads, tiny_model, toy_batch
 from test_protocol import _assert_same, _check_rows, _log_probs, _reference_grads
 from twophase import Samples, protocol, rescore_backward, stochastic_beam_search
-from twophase.bench import sbs as bench
+from benchmarks import sbs as bench
 from twophase.objectives import estimators
 from twophase.phase1 import sbs, search
 from twophase.phase1.onephase import one_phase_backward, one_phase_stochastic_beam_search
@@ -321,7 +321,7 @@ def test_without_replacement_objectives_need_sbs(capsys, tmp_path):
 
 
 def test_bench_variance_reproduces_the_documented_ordering(capsys):
-    """`python -m twophase.bench.sbs variance` on one cell with 300 draws: on the peaked model at K = 4 the
+    """`python -m benchmarks.sbs variance` on one cell with 300 draws: on the peaked model at K = 4 the
     unordered set estimator's error is well below REINFORCE-loo's (docs/sbs.md: 0.66 against 4.39 at 4,000 draws),
     and the beam's error is its bias."""
     found = bench.variance(300, 0, scales=(12.0,), ks=(4,))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from twophase import Seq2Seq, beam_search, rescore_backward
-from twophase.bench.hostsyncs import count_host_syncs
+from benchmarks.hostsyncs import count_host_syncs
 from twophase.models.karel import KarelModel
 
 from conftest import tiny_model, toy_batch

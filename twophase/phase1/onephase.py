@@ -1,6 +1,6 @@
 """The one-phase baseline: search with the autograd graph of every decoding step kept, then one backward.
 
-This is what sequence-level RL costs without twophase, kept for comparison (`--one-phase`, `twophase.bench`):
+This is what sequence-level RL costs without twophase, kept for comparison (`--one-phase`, `benchmarks`):
 `one_phase_beam_search` / `one_phase_sample` / `one_phase_stochastic_beam_search` run the very loops of
 phase one's `search` and `sbs` (same model functions, same tie-breaking, same generator draws) with gradients
 enabled, so they return the same candidates as phase one

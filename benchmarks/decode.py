@@ -1,9 +1,9 @@
 """Benchmark: twophase's phase one (`twophase.sample`) against Hugging Face `generate` on the same model, whole
 and per decode step.
 
-    python -m twophase.bench.decode                        # the HF bench's T5 and causal LM (twophase.bench.hf)
-    python -m twophase.bench.decode --config batch=4 samples=8 completion=32 --rounds 5
-    python -m twophase.bench.decode --search beam           # beam search, K beams, against generate's
+    python -m benchmarks.decode                                # the HF bench's T5 and causal LM (benchmarks.hf)
+    python -m benchmarks.decode --config batch=4 samples=8 completion=32 --rounds 5
+    python -m benchmarks.decode --search beam               # beam search, K beams, against generate's
 
 Both sample K completions per prompt from the full distribution (temperature 1, no top-k / top-p) for a fixed
 number of new tokens: random weights over V words end a row with eos about once in V draws, and both run every
@@ -31,8 +31,8 @@ import time
 
 import torch
 
-from ..compiling import compiled
-from ..phase1.search import beam_search, sample
+from twophase.compiling import compiled
+from twophase.phase1.search import beam_search, sample
 from . import hf
 
 SHORT = 4  # T0: new tokens of the short run
@@ -117,7 +117,7 @@ def table(results: list[dict], cell: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m twophase.bench.decode", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.split("\n")[0])
     p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help=f"override sizes: "
                    f"{', '.join(hf.DEFAULTS)}")
     p.add_argument("--models", default=",".join(hf.MODELS), help="comma-separated subset of t5,causal")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..models.seq2seq import Encoded, Seq2Seq
+from twophase.models.seq2seq import Encoded, Seq2Seq
 
 
 def seed_style_advance(model: Seq2Seq, beam_memory: tuple[Tensor, Tensor], prev: Tensor, state):

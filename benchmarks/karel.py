@@ -1,7 +1,7 @@
 """Step costs of a Karel model: CPU seconds of an MLE step, an RL step and a validation pass.
 
-    python -m twophase.bench.karel --steps 3 --rl-beams 16,64 --eval-tasks 100      # the recipe's model
-    python -m twophase.bench.karel --steps 3 -- --karel-model paper --hidden-size 64 --embed-dim 64
+    python -m benchmarks.karel --steps 3 --rl-beams 16,64 --eval-tasks 100          # the recipe's model
+    python -m benchmarks.karel --steps 3 -- --karel-model paper --hidden-size 64 --embed-dim 64
 
 Everything after `--` is train.py's flags for `--task karel` (its recipe's defaults apply, as in a run); the data
 is the recipe's, from the cache (generated on first use). The model keeps its initial random weights, with EOS's
@@ -9,7 +9,7 @@ output bias at -30 so that every candidate runs to --max-len (31): the worst cas
 and validation (whose candidates stop at ~15 tokens), the same for every model compared. Each measurement is
 process CPU time (immune to other jobs on the machine, but not to their contention for caches and memory
 bandwidth), after one untimed warm-up step, median over --steps; printed as one JSON line per measurement.
-An MLE or RL row also has its step's parts (the trainer's own sections, `twophase.bench.steptimes`), each the
+An MLE or RL row also has its step's parts (the trainer's own sections, `benchmarks.steptimes`), each the
 median over the steps: `phase_one_s` (the search), `rewards_s` (executing every candidate on the task's
 grids), `phase_two_s` (rescore_backward), `update_s` (clipping and the optimizer step) and `other_s` (the rest:
 batching, the objective). Random weights give every candidate of a source the same reward (most often none
@@ -19,7 +19,7 @@ all rows, as in a trained model's step where rewards differ (--keep-ties: as the
 measures the same sizes with and without the DSL's grammar, one model each (the same seed, so the same initial
 weights).
 
-    python -m twophase.bench.karel --steps 5 --grammar on,off       # the RL step split, grammar on and off, K 16
+    python -m benchmarks.karel --steps 5 --grammar on,off           # the RL step split, grammar on and off, K 16
 """
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ import time
 
 import torch
 
-from .. import rewards, tasks
-from ..constraints import Constrained
-from ..tasks.data import DataError
-from ..train import cli
-from ..config import OneLineParser
-from ..train.evaluation import validate
+from twophase import rewards, tasks
+from twophase.constraints import Constrained
+from twophase.tasks.data import DataError
+from twophase.train import cli
+from twophase.config import OneLineParser
+from twophase.train.evaluation import validate
 from .steptimes import PartTimes
 
 
@@ -119,7 +119,7 @@ def _measure_one(train_flags: list[str], steps: int, rl_beams: list[int], eval_t
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, train_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = OneLineParser(prog="python -m twophase.bench.karel", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m benchmarks.karel", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=3, help="timed steps of each kind (default: 3)")
     p.add_argument("--rl-beams", default="16", help="comma-separated K of the RL steps timed (default: 16)")
     p.add_argument("--eval-tasks", type=int, default=0, help="also time validation on this many tasks (0: no)")
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = measure(train_flags, args.steps, beams, args.eval_tasks, grammars, untie=not args.keep_ties)
     except (cli.UsageError, DataError, rewards.RewardError, tasks.TaskError) as err:
-        print(f"python -m twophase.bench.karel: error: {err}", file=sys.stderr)
+        print(f"python -m benchmarks.karel: error: {err}", file=sys.stderr)
         return 2
     for row in rows:
         print(json.dumps(row), flush=True)

@@ -1,6 +1,6 @@
 """Section (b): the seed's setting (the LSTM at hidden 512 with additive attention, B 16 sources, K 64 beams,
 S 50 source tokens, T 50 target steps, V 10,000) trained two-phase against one-phase, with `python -m
-twophase.bench`'s own model, step and synthetic reward (`twophase.bench.cell`).
+benchmarks`'s own model, step and synthetic reward (`benchmarks.cell`).
 
 For each method: one warm-up step, then timed steps (the device synchronised around each), inside a memory
 window (`max_memory_allocated`, `max_memory_reserved`, after emptying the cache and resetting the peaks); then
@@ -15,9 +15,9 @@ import statistics
 
 import torch
 
-from ...phase1.onephase import one_phase_backward, one_phase_beam_search
-from ...phase1.search import beam_search
-from ...phase2.rescoring import rescore_backward
+from twophase.phase1.onephase import one_phase_backward, one_phase_beam_search
+from twophase.phase1.search import beam_search
+from twophase.phase2.rescoring import rescore_backward
 from ..__main__ import SEED_CONFIG, SPEED_CONFIG
 from ..cell import _coefficients, train_step
 from ..hostsyncs import count_host_syncs

@@ -1,8 +1,8 @@
 """Measurements of stochastic beam search and its estimators (docs/sbs.md), one thread:
 
-    python -m twophase.bench.sbs variance     # gradient error of each estimator against the enumerated truth
-    python -m twophase.bench.sbs cost         # time of the estimators' coefficients, K = 2 .. 64
-    python -m twophase.bench.sbs prefix --checkpoint RUN/checkpoint_last.pt   # candidates and prefix tree
+    python -m benchmarks.sbs variance         # gradient error of each estimator against the enumerated truth
+    python -m benchmarks.sbs cost             # time of the estimators' coefficients, K = 2 .. 64
+    python -m benchmarks.sbs prefix --checkpoint RUN/checkpoint_last.pt       # candidates and prefix tree
 
 variance: a tiny fp64 LSTM over 3 tokens + EOS, max length 3 (40 sequences, every one enumerated), one source,
 fixed rewards r_y ~ U(0, 1); the true gradient g* = sum_y p_y r_y grad log p_y. Each of n draws gives an estimate
@@ -24,15 +24,15 @@ import time
 
 import torch
 
-from .. import objectives
-from ..models.seq2seq import Seq2Seq
-from ..objectives import estimators
-from ..phase1.sbs import stochastic_beam_search
-from ..phase1.search import beam_search, sample
-from ..phase2 import prefixtree
-from ..protocol import scoring_mode
-from ..samples import Samples
-from ..vocab import EOS, PAD
+from twophase import objectives
+from twophase.models.seq2seq import Seq2Seq
+from twophase.objectives import estimators
+from twophase.phase1.sbs import stochastic_beam_search
+from twophase.phase1.search import beam_search, sample
+from twophase.phase2 import prefixtree
+from twophase.protocol import scoring_mode
+from twophase.samples import Samples
+from twophase.vocab import EOS, PAD
 
 MAX_LEN = 3
 
@@ -156,7 +156,7 @@ def _finer(fn):
 
 
 def prefix(checkpoint: str, batches: int, K: int, seed: int) -> None:
-    from ..train.decode import load_model  # the bench may read what training wrote
+    from twophase.train.decode import load_model  # the bench may read what training wrote
     model, task, saved = load_model(checkpoint, torch.device("cpu"))
     max_len = saved["max_len"]
     task.load_data()
@@ -190,7 +190,7 @@ def _sorted(s: Samples):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m twophase.bench.sbs", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sbs", description=__doc__.split("\n")[0])
     p.add_argument("what", choices=("variance", "cost", "prefix"))
     p.add_argument("--draws", type=int, default=4000, help="variance: draws per cell")
     p.add_argument("--checkpoint", help="prefix: a train.py checkpoint")

@@ -1,9 +1,9 @@
 """The GPU check in one command: does twophase do on this accelerator what its tests show on the CPU?
 
-    python -m twophase.bench.gpu                       # every section on the GPU, within ~8 minutes; gpu_report.json
-    python -m twophase.bench.gpu --device cpu --quick  # a dry run of every section at toy sizes (CI)
-    python -m twophase.bench.gpu --sections a,c        # some sections only
-    python -m twophase.bench.gpu --fetch-wheels wheels/   # on a machine with network: what the GPU machine lacks
+    python -m benchmarks.gpu                           # every section on the GPU, within ~8 minutes; gpu_report.json
+    python -m benchmarks.gpu --device cpu --quick      # a dry run of every section at toy sizes (CI)
+    python -m benchmarks.gpu --sections a,c            # some sections only
+    python -m benchmarks.gpu --fetch-wheels wheels/       # on a machine with network: what the GPU machine lacks
 
 Sections (docs/gpu.md says what each figure means and what good values look like):
     (a) chunked = whole-batch gradient, float32, default and deterministic algorithms, repeated runs bitwise
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from ...config import parse_size
+from twophase.config import parse_size
 from .common import prepare_environment
 from .runner import SECTIONS, run_all, worker
 from .summary import summary
@@ -51,7 +51,7 @@ def _seconds(text: str) -> float:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m twophase.bench.gpu", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="auto", help="auto (cuda where available), cuda, cuda:N or cpu")
     p.add_argument("--quick", action="store_true", help="toy sizes: a dry run of every section in seconds")
     p.add_argument("--sections", type=_sections, default=tuple(SECTIONS), help="comma-separated letters (a-g)")

@@ -1,9 +1,9 @@
 """Benchmark: peak memory and step time of two-phase training against the one-phase baselines.
 
-    python -m twophase.bench --quick            # small grid: 2-4 minutes on 2 CPU cores
-    python -m twophase.bench --device cuda      # the full grid: the seed's configuration, beams 8..256
-    python -m twophase.bench --speed-only --steps 2   # only the speed target (B2 K32 T30 V10k H512)
-    python -m twophase.bench --vs-loop 5        # beam search against a bare loop of its arithmetic (bareloop.py)
+    python -m benchmarks --quick                # small grid: 2-4 minutes on 2 CPU cores
+    python -m benchmarks --device cuda          # the full grid: the seed's configuration, beams 8..256
+    python -m benchmarks --speed-only --steps 2       # only the speed target (B2 K32 T30 V10k H512)
+    python -m benchmarks --vs-loop 5            # beam search against a bare loop of its arithmetic (bareloop.py)
 
 Methods, on the same random-weight model and random sources:
     two-phase c=C  phase one in inference mode, then `rescore_backward` in chunks of C rows' worth of decoding
@@ -35,10 +35,12 @@ from pathlib import Path
 
 import torch
 
+from twophase.config import parse_size
+
+from . import checkout_env
 from .bareloop import vs_loop
 from .cell import run_cell
 from .report import NOTE, describe_sizes, fmt_cell, label, markdown, plot
-from ..config import parse_size
 
 SEED_CONFIG = dict(batch=16, beam=64, src_len=50, max_len=50, hidden=512, embed=256, vocab=10000, src_vocab=1000)
 SPEED_CONFIG = dict(SEED_CONFIG, batch=2, beam=32, max_len=30, chunk=64)
@@ -73,8 +75,8 @@ def measure(cell: dict, inline: bool, timeout: float) -> dict:
     """run_cell in a fresh subprocess (or in this one when inline); failures become an `error` field."""
     if inline:
         return run_cell(cell)
-    proc = subprocess.run([sys.executable, "-m", "twophase.bench", "--worker", json.dumps(cell)],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--worker", json.dumps(cell)],
+                          capture_output=True, text=True, timeout=timeout, env=checkout_env())
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         return dict(cell, error=tail)
@@ -158,7 +160,7 @@ def _methods(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m twophase.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="small grid and the speed target: 2-4 minutes on 2 CPU cores, depending on what else runs")
     p.add_argument("--tiny", action="store_true", help="a toy grid in seconds (tests, smoke checks)")

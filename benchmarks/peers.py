@@ -1,4 +1,4 @@
-"""The TRL peers of `twophase.bench.hf`'s two-phase step: TRL's phase-two recipe written out
+"""The TRL peers of `benchmarks.hf`'s two-phase step: TRL's phase-two recipe written out
 (`trl_backward`: per micro-batch of rows, the whole input through the model, `selective_log_softmax`, backward)
 and the real TRL 1.16 `GRPOTrainer.compute_loss` (`grpo_trainer`, `grpo_trainer_backward`), each computing the
 gradient of sum_i c_i log p(y_i | x_i) over phase one's samples.
@@ -11,7 +11,7 @@ import inspect
 
 import torch
 
-from ..protocol import target_mask, teacher_forced_inputs
+from twophase.protocol import target_mask, teacher_forced_inputs
 
 
 def selective_log_softmax(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -26,7 +26,7 @@ def selective_log_softmax(logits: torch.Tensor, tokens: torch.Tensor) -> torch.T
 
 def trl_backward(wrapper, source: dict, samples, c: torch.Tensor, micro: int) -> float:
     """TRL's `_get_per_token_logps` + loss, per micro-batch of rows: the whole input through the model."""
-    from ..models.hf import HFSeq2Seq
+    from twophase.models.hf import HFSeq2Seq
 
     model, total = wrapper.model, 0.0
     for start in range(0, len(samples), micro):

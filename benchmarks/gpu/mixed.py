@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ... import protocol
-from ...phase2.rescoring import rescore_backward
-from ...phase1.search import beam_search
-from ...system import amp
+from twophase import protocol
+from twophase.phase2.rescoring import rescore_backward
+from twophase.phase1.search import beam_search
+from twophase.system import amp
 from .common import cudnn_retry, grads, one_line, relative_error, seed_lstm
 
 FULL = dict(batch=4, beam=16, src_len=30, max_len=30, hidden=512, embed=256, vocab=10000, src_vocab=1000, chunk=32)

@@ -20,10 +20,10 @@ import re
 
 import torch
 
-from ...blocks import block_bytes
-from ...phase2.rescoring import rescore_backward
-from ...phase1.search import beam_search
-from ...system.profiling import ChunkPlanner
+from twophase.blocks import block_bytes
+from twophase.phase2.rescoring import rescore_backward
+from twophase.phase1.search import beam_search
+from twophase.system.profiling import ChunkPlanner
 from .common import cudnn_retry, grads, relative_error, seed_lstm, synchronize
 
 FULL = dict(batch=16, beam=64, src_len=50, max_len=50, hidden=512, embed=256, vocab=10000, src_vocab=1000)

@@ -1,8 +1,8 @@
 """Benchmark: a training step of Hugging Face models through twophase against the usual recipes.
 
-    python -m twophase.bench.hf                     # a T5 and a Llama-style causal LM, random weights (~15 min)
-    python -m twophase.bench.hf --config batch=8 samples=16 prompt=128 completion=64
-    python -m twophase.bench.hf --methods two-phase --vs-generate 3   # and phase one against `generate`
+    python -m benchmarks.hf                         # a T5 and a Llama-style causal LM, random weights (~15 min)
+    python -m benchmarks.hf --config batch=8 samples=16 prompt=128 completion=64
+    python -m benchmarks.hf --methods two-phase --vs-generate 3       # and phase one against `generate`
 
 A step = K samples per source (`twophase.sample`), a REINFORCE coefficient per row (random rewards, mean
 baseline, the GRPO shape), and the gradient of sum_i c_i log p(y_i | x_i). Methods:
@@ -36,11 +36,12 @@ import time
 
 import torch
 
-from .. import objectives
-from ..phase1.onephase import one_phase_backward, one_phase_sample
-from ..phase2.rescoring import rescore_backward
-from ..phase1.search import sample
-from ..system.memory import AllocationPeak, reset_rss_peak, rss_bytes
+from twophase import objectives
+from twophase.phase1.onephase import one_phase_backward, one_phase_sample
+from twophase.phase2.rescoring import rescore_backward
+from twophase.phase1.search import sample
+from twophase.system.memory import AllocationPeak, reset_rss_peak, rss_bytes
+from . import checkout_env
 from .peers import grpo_trainer, grpo_trainer_backward, trl_backward
 
 DEFAULTS = dict(batch=8, samples=16, prompt=128, completion=64, width=256, layers=4, heads=4, vocab=8000,
@@ -55,7 +56,7 @@ def build(cell: dict):
     """(wrapper, source): a random-weight model in evaluation mode and B random sources of P tokens, some
     shorter (a real batch is padded): right-padded for T5, left-padded for the causal LM (as TRL pads)."""
     import transformers as T
-    from ..models.hf import HFCausalLM, HFSeq2Seq
+    from twophase.models.hf import HFCausalLM, HFSeq2Seq
 
     torch.manual_seed(cell["seed"])
     H, L, heads, V = cell["width"], cell["layers"], cell["heads"], cell["vocab"]
@@ -139,8 +140,8 @@ def run_cell(cell: dict) -> dict:
 
 
 def measure(cell: dict, timeout: float) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "twophase.bench.hf", "--worker", json.dumps(cell)],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.hf", "--worker", json.dumps(cell)],
+                          capture_output=True, text=True, timeout=timeout, env=checkout_env())
     if proc.returncode != 0:
         return dict(cell, error=(proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -202,17 +203,17 @@ def table(cells: list[dict]) -> str:
 
 
 def vs_generate(args) -> str:
-    """`twophase.bench.decode`'s table for the same sizes and models, run in its own process."""
-    cmd = [sys.executable, "-m", "twophase.bench.decode", "--models", ",".join(args.models),
+    """`benchmarks.decode`'s table for the same sizes and models, run in its own process."""
+    cmd = [sys.executable, "-m", "benchmarks.decode", "--models", ",".join(args.models),
            "--rounds", str(args.vs_generate)] + (["--config", *args.config] if args.config else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=checkout_env())
     if proc.returncode != 0:
         return "error: " + (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
     return proc.stdout.strip()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m twophase.bench.hf", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hf", description=__doc__.split("\n")[0])
     p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE",
                    help=f"override sizes: {', '.join(DEFAULTS)}")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of t5,causal")
@@ -225,7 +226,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per method")
     p.add_argument("--out", help="also write the table (Markdown) and the cells (JSON) to OUT.md / OUT.json")
     p.add_argument("--vs-generate", type=int, default=0, metavar="ROUNDS",
-                   help="also time phase one against transformers' generate (twophase.bench.decode: whole and per "
+                   help="also time phase one against transformers' generate (benchmarks.decode: whole and per "
                         "decode step), ROUNDS alternated rounds, in a subprocess (default 0: not run)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -266,7 +267,7 @@ def main(argv=None) -> int:
             "/".join(map(str, c["extrapolated_from"])) for c in cells if "extrapolated_from" in c) + \
             "): memory extrapolated linearly in B, times in proportion to B."
     if args.vs_generate > 0:
-        text += "\n\nPhase one against `generate` (`python -m twophase.bench.decode`):\n\n" + vs_generate(args)
+        text += "\n\nPhase one against `generate` (`python -m benchmarks.decode`):\n\n" + vs_generate(args)
     print("\n" + text)
     if args.out:
         with open(args.out + ".md", "w") as f:

@@ -1,5 +1,5 @@
 """Section (e): phase one (`twophase.sample`, `twophase.beam_search`) against Hugging Face `generate` on the
-device, on `twophase.bench.decode`'s models and terms (`bench.hf`'s random-weight T5 and Llama-style causal LM;
+device, on `benchmarks.decode`'s models and terms (`bench.hf`'s random-weight T5 and Llama-style causal LM;
 a fixed number of new tokens; a decode step's cost the slope between a short and a long run).
 
 Per model and search: median wall seconds of each method at T0 and T new tokens (synchronised), ms per decode
@@ -12,7 +12,7 @@ import statistics
 
 import torch
 
-from ...phase1.search import sample
+from twophase.phase1.search import sample
 from .. import hf
 from ..decode import SHORT, generate, twophase
 from ..hostsyncs import count_host_syncs

@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...config import PRESETS
+from twophase.config import PRESETS
 
-ROOT = Path(__file__).resolve().parents[3]  # the checkout: train.py beside the twophase package
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: train.py beside the twophase package
 TRAIN = ROOT / "train.py"
 PRESET = "karel-paper"
 BASE = ["--task", "karel", "--preset", PRESET, "--valid-size", "16", "--log-every", "0", "--no-compare-mle"]

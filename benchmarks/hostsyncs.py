@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_PACKAGE = str(Path(__file__).resolve().parent.parent)
+import twophase
+
+_PACKAGE = str(Path(twophase.__file__).resolve().parent)  # the sites counted: twophase's own code
 _HERE = str(Path(__file__).resolve())
 
 _aten = torch.ops.aten

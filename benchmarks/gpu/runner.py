@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from .. import checkout_env
 from .common import one_line
 
 # letter: (module in this package, what the section checks)
@@ -87,11 +88,10 @@ def run_inline(letter: str, options: dict) -> dict:
 
 
 def run_isolated(letter: str, options: dict) -> dict:
-    """The section in a fresh `python -m twophase.bench.gpu --worker` process, killed at its time limit."""
+    """The section in a fresh `python -m benchmarks.gpu --worker` process, killed at its time limit."""
     start = time.perf_counter()
     command = [sys.executable, "-m", __package__, "--worker", json.dumps(dict(options, section=letter))]
-    root = str(Path(__file__).resolve().parents[3])  # this checkout's twophase, wherever the command runs from
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    env = checkout_env()  # this checkout's benchmarks and twophase, wherever the command runs from
     # its own process group: at the limit the worker goes with what it started (train.py, torchrun's ranks)
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=hasattr(os, "killpg"))

@@ -1,4 +1,4 @@
-"""Benchmark report: the Markdown tables and the PNG plot of `python -m twophase.bench`."""
+"""Benchmark report: the Markdown tables and the PNG plot of `python -m benchmarks`."""
 from __future__ import annotations
 
 import math

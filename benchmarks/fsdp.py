@@ -1,11 +1,11 @@
 """Measure --fsdp against DDP-style training: per-process training state, tensor peak and time of an RL step.
 
-    torchrun --standalone --nproc_per_node 2 -m twophase.bench.fsdp            # DDP-style (every rank whole)
-    torchrun --standalone --nproc_per_node 2 -m twophase.bench.fsdp --fsdp     # FSDP2 shards
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.fsdp                # DDP-style (every rank whole)
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.fsdp --fsdp         # FSDP2 shards
     ... --config width=256 layers=4 vocab=8000 batch=4 samples=4 prompt=32 completion=16 chunk=4
 
 A step is the trainer's: each process samples K completions for its share of the B prompts (the Llama-style
-causal LM of `twophase.bench.hf`, random weights), REINFORCE coefficients normalised by the global B,
+causal LM of `benchmarks.hf`, random weights), REINFORCE coefficients normalised by the global B,
 `rescore_backward` in chunks of C rows, the gradient summed over processes (DDP-style: the whole gradient
 all-reduced in place, in buckets; FSDP: inside `fsdp.gathered`, each process keeping its slice), global-norm clipping, Adam.
 Reported by rank 0 for each process: `state` = bytes of the parameters and Adam's moments it holds between steps,
@@ -29,11 +29,11 @@ import time
 
 import torch
 
-from ..phase2.rescoring import rescore_backward
-from ..phase1.search import sample
-from ..system import distributed, fsdp
-from ..system.memory import AllocationPeak
-from ..train.klreference import Reference
+from twophase.phase2.rescoring import rescore_backward
+from twophase.phase1.search import sample
+from twophase.system import distributed, fsdp
+from twophase.system.memory import AllocationPeak
+from twophase.train.klreference import Reference
 from .hf import DEFAULTS, build, coefficients
 
 SMALL = dict(DEFAULTS, batch=4, samples=4, prompt=32, completion=16, chunk=4, steps=2, model="causal",
@@ -71,7 +71,7 @@ def step(cell: dict, model, optimizer, source: dict, seed: int, reference=None) 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m twophase.bench.fsdp", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fsdp", description=__doc__.split("\n")[0])
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 (twophase.system.fsdp)")
     p.add_argument("--reference", action="store_true", help="also score with a frozen copy of the model "
                    "(--kl-beta's reference)")

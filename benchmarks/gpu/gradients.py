@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ... import protocol
-from ...phase1.search import beam_search
-from ...phase2.rescoring import rescore_backward, shares_prefixes
+from twophase import protocol
+from twophase.phase1.search import beam_search
+from twophase.phase2.rescoring import rescore_backward, shares_prefixes
 from .common import (bitwise_equal, cudnn_retry, deterministic, full_float32, grads, one_line, relative_error,
                      seed_lstm, tiny_hf, tiny_hf_source)
 
@@ -40,8 +40,8 @@ def build(name: str, sizes: dict, device: torch.device):
         model, _, source = seed_lstm(s, device)
         return model, source, s["beam"], s["max_len"]
     if name in ("karel", "karel-paper"):
-        from ...models.karel import KarelModel
-        from ...models.karel_paper import KarelPaperModel
+        from twophase.models.karel import KarelModel
+        from twophase.models.karel_paper import KarelPaperModel
         s = sizes["karel"]
         torch.manual_seed(0)
         R = C = s["grid"]

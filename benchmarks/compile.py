@@ -1,7 +1,7 @@
 """Benchmark: an RL step's phase one eager against `--compile` (the decode step through torch.compile).
 
-    python -m twophase.bench.compile -- --init-from runs/g2p/checkpoint_mle_end.pt    # the default G2P recipe
-    python -m twophase.bench.compile --eos-bias -30 -- --task karel --beam-size 16 --grammar on
+    python -m benchmarks.compile -- --init-from runs/g2p/checkpoint_mle_end.pt        # the default G2P recipe
+    python -m benchmarks.compile --eos-bias -30 -- --task karel --beam-size 16 --grammar on
 
 Everything after `--` is train.py's flags (their recipe's defaults apply, as in a run); the trainer is built as
 the run builds it, with `--compile` (default on: inductor) added. Each round takes the next RL batch, as the run
@@ -10,7 +10,7 @@ alternates round by round, timing process CPU time. The first --cold compiled ro
 apart: their wall time and the graphs compiled, and the backend's compile seconds; then the median over the
 --rounds warm rounds of phase one and of one decoding step (phase one / its candidates' length), and the graphs
 compiled over the whole run (new shapes that recompiled). `--eos-bias` sets the output bias of eos (-30: every
-candidate runs to --max-len, as `python -m twophase.bench.karel` does). One JSON line per model.
+candidate runs to --max-len, as `python -m benchmarks.karel` does). One JSON line per model.
 """
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ import time
 
 import torch
 
-from .. import rewards, tasks
-from ..compiling import Compiled
-from ..tasks.data import DataError
-from ..train import cli
-from ..config import OneLineParser
+from twophase import rewards, tasks
+from twophase.compiling import Compiled
+from twophase.tasks.data import DataError
+from twophase.train import cli
+from twophase.config import OneLineParser
 
 
 def _compiled_part(model) -> Compiled:
@@ -80,7 +80,7 @@ def measure(train_flags: list[str], rounds: int, cold: int, eos_bias: float | No
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, train_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    p = OneLineParser(prog="python -m twophase.bench.compile", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m benchmarks.compile", description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=10, help="warm rounds, each side once (default: 10)")
     p.add_argument("--cold", type=int, default=3, help="first compiled rounds reported apart (default: 3)")
     p.add_argument("--eos-bias", type=float, default=None, help="the output bias of eos (default: the model's)")
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = measure(train_flags, args.rounds, args.cold, args.eos_bias)
     except (cli.UsageError, DataError, rewards.RewardError, tasks.TaskError) as err:
-        print(f"python -m twophase.bench.compile: error: {err}", file=sys.stderr)
+        print(f"python -m benchmarks.compile: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(out), flush=True)
     return 0

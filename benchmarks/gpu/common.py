@@ -73,7 +73,7 @@ class MemoryWindow:
         self.device = device
 
     def __enter__(self):
-        from ...system.memory import reset_rss_peak, rss_bytes
+        from twophase.system.memory import reset_rss_peak, rss_bytes
         if self.device.type == "cuda":
             synchronize(self.device)
             torch.cuda.empty_cache()
@@ -85,7 +85,7 @@ class MemoryWindow:
         return self
 
     def __exit__(self, *exc):
-        from ...system.memory import rss_peak_bytes
+        from twophase.system.memory import rss_peak_bytes
         mib = 2 ** 20
         if self.device.type == "cuda":
             synchronize(self.device)
@@ -150,7 +150,7 @@ def bitwise_equal(a: list, b: list) -> bool:
 
 
 def seed_lstm(sizes: dict, device: torch.device, seed: int = 0):
-    """The bench's LSTM (`twophase.bench.cell.build`: additive attention, EOS banned so every candidate runs to T,
+    """The bench's LSTM (`benchmarks.cell.build`: additive attention, EOS banned so every candidate runs to T,
     evaluation mode) and its (src (B, S), lengths (B,)) source."""
     from ..cell import build
     cell = dict(sizes, device=str(device), dtype="float32", method="two-phase", seed=seed)
@@ -167,7 +167,7 @@ def tiny_hf(kind: str, device: torch.device, vocab: int = 32, width: int = 32, l
     evaluation mode (no dropout), its weights scaled up so distributions are peaked (tiny random models are
     nearly uniform, where every candidate ties)."""
     import transformers as T
-    from ...models.hf import HFCausalLM, HFSeq2Seq
+    from twophase.models.hf import HFCausalLM, HFSeq2Seq
 
     torch.manual_seed(seed)
     if kind == "t5":

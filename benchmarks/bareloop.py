@@ -1,4 +1,4 @@
-"""The LSTM's beam search against a bare decoding loop of the same arithmetic (`python -m twophase.bench
+"""The LSTM's beam search against a bare decoding loop of the same arithmetic (`python -m benchmarks
 --vs-loop ROUNDS`).
 
 `bare_beam_search` is what a hand-written beam search of `Seq2Seq` computes per step when no hypothesis ever
@@ -20,8 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..phase1.search import beam_search
-from ..vocab import BOS
+from twophase.phase1.search import beam_search
+from twophase.vocab import BOS
 
 
 def bare_beam_search(model, src, src_lengths, K: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:

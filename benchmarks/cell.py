@@ -1,4 +1,4 @@
-"""Benchmark worker: one configuration's peak memory, step time and gradient check (`python -m twophase.bench`
+"""Benchmark worker: one configuration's peak memory, step time and gradient check (`python -m benchmarks`
 runs each in a fresh process through `--worker JSON`).
 
 Letters: B sources, K beam size, N = B*K rows, S source length, T max length, H hidden, V vocabulary.
@@ -10,14 +10,14 @@ import time
 
 import torch
 
-from .. import objectives
-from ..system.memory import AllocationPeak, SavedTensorMeter, reset_rss_peak, rss_bytes, rss_peak_bytes
-from ..models.seq2seq import Seq2Seq
-from ..phase1.onephase import one_phase_backward, one_phase_beam_search
+from twophase import objectives
+from twophase.system.memory import AllocationPeak, SavedTensorMeter, reset_rss_peak, rss_bytes, rss_peak_bytes
+from twophase.models.seq2seq import Seq2Seq
+from twophase.phase1.onephase import one_phase_backward, one_phase_beam_search
 from .seedstyle import SeedStyleSeq2Seq
-from ..phase2.rescoring import rescore_backward
-from ..phase1.search import beam_search
-from ..vocab import EOS
+from twophase.phase2.rescoring import rescore_backward
+from twophase.phase1.search import beam_search
+from twophase.vocab import EOS
 from .seedstyle import SeedStyleSeq2Seq
 
 

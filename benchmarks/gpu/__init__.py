@@ -1,0 +1,1 @@
+"""The GPU check (`python -m benchmarks.gpu`, docs/gpu.md): one section per module, run by `runner`."""

@@ -1,1 +1,0 @@
-"""The GPU check (`python -m twophase.bench.gpu`, docs/gpu.md): one section per module, run by `runner`."""
