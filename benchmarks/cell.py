@@ -11,13 +11,13 @@ import time
 import torch
 
 from twophase import objectives
-from twophase.system.memory import AllocationPeak, SavedTensorMeter, reset_rss_peak, rss_bytes, rss_peak_bytes
 from twophase.models.seq2seq import Seq2Seq
 from twophase.phase1.onephase import one_phase_backward, one_phase_beam_search
-from .seedstyle import SeedStyleSeq2Seq
-from twophase.phase2.rescoring import rescore_backward
 from twophase.phase1.search import beam_search
+from twophase.phase2.rescoring import rescore_backward
+from twophase.system.memory import AllocationPeak, SavedTensorMeter, reset_rss_peak, rss_bytes, rss_peak_bytes
 from twophase.vocab import EOS
+
 from .seedstyle import SeedStyleSeq2Seq
 
 

@@ -1,6 +1,6 @@
 """The GPU check in one command: does twophase do on this accelerator what its tests show on the CPU?
 
-    python -m benchmarks.gpu                           # every section on the GPU, within ~8 minutes; gpu_report.json
+    python -m benchmarks.gpu                           # every section on the GPU, within 8 minutes; gpu_report.json
     python -m benchmarks.gpu --device cpu --quick      # a dry run of every section at toy sizes (CI)
     python -m benchmarks.gpu --sections a,c            # some sections only
     python -m benchmarks.gpu --fetch-wheels wheels/       # on a machine with network: what the GPU machine lacks
@@ -12,10 +12,12 @@ Sections (docs/gpu.md says what each figure means and what good values look like
     (d) a bf16 and an fp16 step: finite loss and gradients, phase one's scores against phase two's log-probs
     (e) phase one against Hugging Face `generate`
     (f) with 2+ GPUs: torchrun over NCCL, data-parallel and --fsdp, 2 processes = 1
-    (g) train.py --task karel --preset karel-paper for two minutes: steps per second, the paper's schedule sized
-Each section runs in a fresh process with a time limit; a failure is recorded with its one-line error and the
-rest go on. One JSON report is written (its path printed): --out, else $OUT/gpu_report.json where $OUT is set,
-else ./gpu_report.json.
+    (g) train.py --task karel --preset karel-paper for half a minute: steps per second, the paper's schedule sized
+    (h) the largest beam K that fits a 32 GiB card, two-phase and one-phase, at the seed's setting
+Each section runs in a fresh process with a time limit, all of them within one time budget (--budget: a section
+the budget no longer covers is skipped, saying so); a failure is recorded with its one-line error and the rest go
+on. One JSON report (its path printed: --out, else $OUT/gpu_report.json where $OUT is set, else
+./gpu_report.json) is rewritten after every section, so a run killed at any point leaves every finished section.
 """
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ from .common import prepare_environment
 from .runner import SECTIONS, run_all, worker
 from .summary import summary
 
-LIMITS = {"full": dict(a=120, b=150, c=90, d=90, e=120, f=240, g=270),  # seconds per section at most
-          "quick": dict(a=60, b=60, c=60, d=60, e=60, f=60, g=60)}
+LIMITS = {"full": dict(a=50, b=70, c=25, d=40, e=50, f=30, g=100, h=85),  # seconds per section at most
+          "quick": dict(a=60, b=60, c=60, d=60, e=60, f=60, g=60, h=60)}
+BUDGET_S = 460.0  # the whole run (its sections' limits add up to 450 s): 8 minutes with the start and the summary
 
 
 def _sections(text: str) -> tuple[str, ...]:
@@ -54,16 +57,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="auto", help="auto (cuda where available), cuda, cuda:N or cpu")
     p.add_argument("--quick", action="store_true", help="toy sizes: a dry run of every section in seconds")
-    p.add_argument("--sections", type=_sections, default=tuple(SECTIONS), help="comma-separated letters (a-g)")
+    p.add_argument("--sections", type=_sections, default=tuple(SECTIONS),
+                   help=f"comma-separated letters ({','.join(SECTIONS)})")
     p.add_argument("--out", help="the report's path (default: $OUT/gpu_report.json, else ./gpu_report.json)")
     p.add_argument("--inline", action="store_true", help="run the sections in this process (no isolation)")
     p.add_argument("--memory-budget", type=parse_size, default=None,
                    help="(c): phase two's graph budget, as train.py's --memory-budget (default 256MiB; --quick 8KiB)")
     p.add_argument("--karel-seconds", type=_seconds, default=None,
-                   help="(g): seconds train.py runs (default 120; --quick 3)")
+                   help="(g): seconds train.py runs (default 30; --quick 3)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads in each section (default: torch's own; 1 with --quick on the CPU)")
     p.add_argument("--limit", type=_seconds, default=None, help="seconds per section at most (default: per section)")
+    p.add_argument("--budget", type=_seconds, default=BUDGET_S,
+                   help=f"seconds for every section together (default {BUDGET_S:.0f}); what it no longer covers is "
+                        "skipped")
     p.add_argument("--fetch-wheels", metavar="DIR", help="download the wheels the GPU machine lacks into DIR, then "
                    "exit (needs network; see docs/gpu.md)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -120,18 +127,34 @@ def main(argv=None) -> int:
     options = {"device": device, "quick": args.quick,
                "memory_budget": args.memory_budget or (8 * 2 ** 10 if args.quick else 256 * 2 ** 20),
                "threads": args.threads or (1 if args.quick and device == "cpu" else None),
-               "karel_seconds": args.karel_seconds or (3.0 if args.quick else 120.0)}
+               "karel_seconds": args.karel_seconds or (3.0 if args.quick else 30.0)}
     path = report_path(args.out)
-    print(f"twophase GPU check on {device} ({grid} sizes), sections {','.join(args.sections)}; report: {path}")
+    print(f"twophase GPU check on {device} ({grid} sizes), sections {','.join(args.sections)}, budget "
+          f"{args.budget:.0f} s; report: {path}")
     start = time.perf_counter()
-    report = {"environment": environment(device), "options": options, "limits_s": limits}
-    report["sections"] = run_all(args.sections, options, args.inline, limits)
-    report["total_seconds"] = round(time.perf_counter() - start, 1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    report = {"environment": environment(device), "options": options, "limits_s": limits, "budget_s": args.budget,
+              "complete": False, "sections": {}, "total_seconds": 0.0}
+
+    def keep(outcomes: dict) -> None:
+        report.update(sections=outcomes, total_seconds=round(time.perf_counter() - start, 1))
+        write_report(report, path)
+
+    keep({})  # the environment first: a run killed in its first section leaves where it ran
+    run_all(args.sections, options, args.inline, limits, budget_s=args.budget, done=keep)
+    report["complete"] = True
+    keep(report["sections"])
     print("\n" + summary(report))
     print(f"\nreport written: {path}")
     return 0
+
+
+def write_report(report: dict, path: Path) -> None:
+    """The report as it stands, replacing the last one whole (written beside it, then renamed over it: a run
+    killed while writing leaves the previous report, never half of one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    os.replace(part, path)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ the RL rate, without validation and test. `--quick` shrinks the model and data s
 from __future__ import annotations
 
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -23,7 +22,8 @@ from pathlib import Path
 
 from twophase.config import PRESETS
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: train.py beside the twophase package
+from .. import ROOT, checkout_env
+
 TRAIN = ROOT / "train.py"
 PRESET = "karel-paper"
 BASE = ["--task", "karel", "--preset", PRESET, "--valid-size", "16", "--log-every", "0", "--no-compare-mle"]
@@ -52,7 +52,7 @@ def train_for(seconds: float, flags: list, save: Path, deadline: float) -> tuple
     """train.py with flags until `seconds` after its first step row, its end or the monotonic `deadline`,
     whichever comes first; its step rows and how it ended. Its stderr goes to a file (a pipe nobody reads
     while it runs could fill and stall it)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = checkout_env()
     save.mkdir(parents=True, exist_ok=True)
     log = save.parent / f"{save.name}.stderr"
     with open(log, "w") as stderr:

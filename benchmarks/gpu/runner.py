@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 from .. import checkout_env
 from .common import one_line
@@ -28,7 +27,9 @@ SECTIONS = {
     "e": ("generate", "phase one against Hugging Face generate"),
     "f": ("multi", "2 processes = 1: torchrun over NCCL, data-parallel and --fsdp"),
     "g": ("karelrate", "train.py --task karel --preset karel-paper: steps per second"),
+    "h": ("largestbeam", "the largest beam K under a 32 GiB card's memory, two-phase against one-phase"),
 }
+LEAST_S = 10.0  # a section is not started with less of the budget left than this
 MARK = "GPU-SECTION-RESULT "  # the worker's last line: MARK + JSON
 
 
@@ -119,12 +120,26 @@ def worker(options: dict) -> int:
     return 0
 
 
-def run_all(letters, options: dict, inline: bool, limits: dict, log=print) -> dict:
-    """Every section in order, each with its limit; their outcomes by letter."""
+def run_all(letters, options: dict, inline: bool, limits: dict, log=print, budget_s: float | None = None,
+            done=lambda outcomes: None) -> dict:
+    """Every section in order, each with its limit, cut to what is left of `budget_s` (seconds from this call;
+    None: no budget); a section the budget no longer covers is skipped, saying so. `done(outcomes)` after each
+    section (the report is rewritten there). Their outcomes by letter."""
+    start = time.perf_counter()
     outcomes = {}
     for letter in letters:
         log(f"({letter}) {SECTIONS[letter][1]} ...", flush=True)
-        opts = dict(options, limit_s=limits[letter])
-        outcomes[letter] = (run_inline if inline else run_isolated)(letter, opts)
+        limit = limits[letter]
+        left = None if budget_s is None else budget_s - (time.perf_counter() - start)
+        if left is not None and left < min(limit, LEAST_S):
+            outcomes[letter] = {"status": "skipped", "seconds": 0.0,
+                                "reason": f"not started: {max(left, 0):.0f} s of the {budget_s:.0f} s budget left"}
+        else:
+            cut = left is not None and left < limit
+            opts = dict(options, limit_s=min(limit, left) if cut else limit)
+            outcomes[letter] = (run_inline if inline else run_isolated)(letter, opts)
+            if cut:
+                outcomes[letter]["limit_cut_to_budget_s"] = round(opts["limit_s"], 1)
         log(f"    {outcomes[letter]['status']} in {outcomes[letter]['seconds']:.1f} s", flush=True)
+        done(outcomes)
     return outcomes

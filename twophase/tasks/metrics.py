@@ -4,8 +4,6 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from rapidfuzz.distance import Levenshtein
-
 
 def evaluate(hypotheses: list[Sequence[str]], references: list[Sequence[Sequence[str]]]) -> dict:
     """{"word_acc", "wer", "per", "n"}; a word is right if it equals any of its references.
@@ -25,6 +23,8 @@ def evaluate_sums(hypotheses: list[Sequence[str]], references: list[Sequence[Seq
     the sums of the whole set, which is how validation split over several processes is reduced."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} reference lists")
+    from rapidfuzz.distance import Levenshtein  # here: `import twophase` needs no rapidfuzz
+
     correct = errors = length = 0
     for hyp, refs in zip(hypotheses, references):
         if not refs:
