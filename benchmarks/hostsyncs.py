@@ -13,6 +13,9 @@ happen, by the operators that need a value on the host (a dispatch mode) and by 
 A tensor made from Python data (`torch.tensor(...)`) counts: on an accelerator it is a blocking copy from host
 memory. Ops the CPU build routes through the same value reads on CUDA are counted by their operator, so the
 count is what a GPU run would wait for, up to kernels that synchronise inside a library.
+
+On a CUDA device `count_cuda_syncs()` gives CUDA's own count of the same block (`torch.cuda.set_sync_debug_mode`),
+which sees what synchronises inside a library too.
 """
 from __future__ import annotations
 
@@ -126,3 +129,50 @@ def count_host_syncs():
     finally:
         for name, original in patched.items():
             setattr(torch.Tensor, name, original)
+
+
+# CUDA's own count: with torch.cuda.set_sync_debug_mode("warn"), every call that synchronises the host with the
+# device (a copy to the host, cudaStreamSynchronize behind .item(), nonzero, a blocking copy from pageable
+# memory, ...) raises this warning, from the line of Python that asked.
+CUDA_SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+class CudaSyncs:
+    """CUDA's count of the synchronising calls of a block: `total`, `by_site[file:line]`."""
+
+    def __init__(self):
+        self.total = 0
+        self.by_site: collections.Counter[str] = collections.Counter()
+
+    def add(self, caught) -> list:
+        """Count the sync warnings of `caught` (warnings.WarningMessage); return the others."""
+        others = []
+        for w in caught:
+            if CUDA_SYNC_WARNING in str(w.message):
+                self.total += 1
+                self.by_site[f"{Path(w.filename).name}:{w.lineno}"] += 1
+            else:
+                others.append(w)
+        return others
+
+
+@contextlib.contextmanager
+def count_cuda_syncs(get_mode=None, set_mode=None):
+    """CUDA's own count of the synchronising calls inside the block (torch.cuda.set_sync_debug_mode("warn"), its
+    warnings caught and counted, every one: the filter is "always"); yields the `CudaSyncs` counter, filled when
+    the block ends. The mode is restored after, and warnings of other kinds are issued again. `get_mode` and
+    `set_mode` default to torch.cuda's (a test passes its own)."""
+    import warnings
+    get_mode = get_mode or torch.cuda.get_sync_debug_mode
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+    counter = CudaSyncs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        before = get_mode()
+        set_mode("warn")
+        try:
+            yield counter
+        finally:
+            set_mode(before)
+    for w in counter.add(caught):
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)

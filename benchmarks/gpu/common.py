@@ -32,6 +32,20 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+@contextlib.contextmanager
+def syncs_counted(device: torch.device):
+    """(the dispatch count of host syncs, CUDA's own count or None off CUDA) of the block (`benchmarks.hostsyncs`);
+    CUDA's is filled when the block ends."""
+    from ..hostsyncs import count_cuda_syncs, count_host_syncs
+    with contextlib.ExitStack() as stack:
+        host = stack.enter_context(count_host_syncs())
+        cuda = stack.enter_context(count_cuda_syncs()) if device.type == "cuda" else None
+        yield host, cuda
+
+
+NO_CUDA_SYNCS = "needs a CUDA device (torch.cuda.set_sync_debug_mode counts CUDA's synchronising calls)"
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

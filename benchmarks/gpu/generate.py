@@ -3,7 +3,8 @@ device, on `benchmarks.decode`'s models and terms (`bench.hf`'s random-weight T5
 a fixed number of new tokens; a decode step's cost the slope between a short and a long run).
 
 Per model and search: median wall seconds of each method at T0 and T new tokens (synchronised), ms per decode
-step, and the host syncs per decode step of each (`count_host_syncs` over one run of T tokens). twophase's
+step, and the host syncs per decode step of each over one run of T tokens (`count_host_syncs`; on CUDA also
+CUDA's own count, `count_cuda_syncs`). twophase's
 sampler draws from a generator on the model's device.
 """
 from __future__ import annotations
@@ -15,8 +16,7 @@ import torch
 from twophase.phase1.search import sample
 from .. import hf
 from ..decode import SHORT, generate, twophase
-from ..hostsyncs import count_host_syncs
-from .common import one_line, timed
+from .common import one_line, syncs_counted, timed
 
 QUICK = dict(batch=2, samples=2, prompt=6, completion=6, width=16, layers=1, heads=2, vocab=40)
 FULL = dict(batch=8, samples=16, prompt=64, completion=32)
@@ -47,10 +47,11 @@ def compare(cell: dict, search: str, rounds: int, device: torch.device) -> dict:
                 times = {n: [timed(lambda: fn(wrapper, source, K, n, r, search), device)[1] for r in range(rounds)]
                          for n in (SHORT, T)}
                 short, whole = (statistics.median(times[n]) for n in (SHORT, T))
-                with count_host_syncs() as syncs:
+                with syncs_counted(device) as (syncs, cuda):
                     fn(wrapper, source, K, T, 0, search)
                 out[name] = {"whole_s": whole, "step_ms": 1e3 * (whole - short) / (T - SHORT),
-                             "host_syncs_per_step": syncs.total / T}
+                             "host_syncs_per_step": syncs.total / T,
+                             "cuda_syncs_per_step": None if cuda is None else cuda.total / T}
             except Exception as err:  # noqa: BLE001 (the other method still runs)
                 out[name] = {"error": one_line(err)}
     if "whole_s" in out["twophase"] and "whole_s" in out["generate"]:

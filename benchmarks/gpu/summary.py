@@ -24,6 +24,12 @@ def memory(r: dict) -> list[str]:
         s = m["host_syncs"]
         syncs = (f"syncs/decoder step {_g(s['phase_one_per_decoder_step'])}, /chunk {_g(s['phase_two_per_chunk'])}"
                  if "phase_two_per_chunk" in s else f"syncs/decoder step {_g(s['search_per_decoder_step'])}")
+        cuda = s.get("cuda", {})
+        if "phase_two_per_chunk" in cuda:
+            syncs += (f" (CUDA's count: {_g(cuda['phase_one_per_decoder_step'])}/decoder step, "
+                      f"{_g(cuda['phase_two_per_chunk'])}/chunk)")
+        elif "search_per_decoder_step" in cuda:
+            syncs += f" (CUDA's count: {_g(cuda['search_per_decoder_step'])}/decoder step)"
         off = " (cuDNN off: it refused eval-mode RNN backward)" if m.get("cudnn") == "off" else ""
         lines.append(f"{m['method']}{off}: {mem}, step {_g(m['step_s'])} s, {syncs}")
     lines += [f"{k}: {v}" for k, v in r["errors"].items()]
@@ -47,9 +53,15 @@ def mixed(r: dict) -> list[str]:
             lines.append(f"{mode}: {m.get('skipped') or m.get('error')}")
         elif m:
             lines.append(f"{mode}: loss finite {m['loss_finite']}, grads finite {m['gradients_finite']}, grad vs "
-                         f"fp32 {_g(m['grad_rel_diff_vs_float32'], '.1e')}, |score - log p| max "
+                         f"fp32 {_g(m['grad_rel_diff_vs_float32'], '.1e')}, chunked vs whole "
+                         f"{_g(m.get('chunked_vs_whole_rel_diff'), '.1e')}, |score - log p| max "
                          f"{_g(m['score_max_abs_diff_nats'], '.1e')} nats (phase two "
                          f"{_g(m['rescore_max_abs_diff_nats'], '.1e')})")
+        seen = m.get("recurrent_dtypes")
+        if seen:
+            lines.append(f"    {mode} recurrent layers: " + "; ".join(
+                f"{label} {seen[label].get('error') or seen[label]['operators'] or seen[label]['layers']}"
+                for label in ("torch_autocast", "twophase")) + f"; twophase's in float32: {seen['rnns_in_float32']}")
     return lines
 
 
@@ -63,7 +75,9 @@ def generate(r: dict) -> list[str]:
         for name in ("twophase", "generate"):
             m = x[name]
             parts.append(f"{name} {m['error']}" if "error" in m else
-                         f"{name} {_g(m['step_ms'])} ms/step, {_g(m['host_syncs_per_step'])} syncs/step")
+                         f"{name} {_g(m['step_ms'])} ms/step, {_g(m['host_syncs_per_step'])} syncs/step"
+                         + (f" (CUDA's {_g(m['cuda_syncs_per_step'])})" if m.get("cuda_syncs_per_step") is not None
+                            else ""))
         ratio = x.get("ratio_twophase_over_generate", {}).get("whole_s")
         lines.append(f"{x['model']} {x['search']}: " + "; ".join(parts) + f"; whole ratio {_g(ratio)}")
     return lines
@@ -78,7 +92,26 @@ def karelrate(r: dict) -> list[str]:
             f"{r['paper_steps']['mle']} + {r['paper_steps']['rl']} steps: {_g(r.get('paper_schedule_hours'))} h"]
 
 
-LINES = {"a": gradients, "b": memory, "c": oom, "d": mixed, "e": generate, "f": multi, "g": karelrate}
+def largestbeam(r: dict) -> list[str]:
+    lines = []
+    for method, found in r["methods"].items():
+        if "error" in found:
+            lines.append(f"{method}: {found['error']}")
+            continue
+        at = found.get("at_k") or {}
+        memory = at.get("max_memory_reserved_mib")
+        lines.append(f"{method}: largest K {found['largest_k']} (first failing {found['first_failing_k']}, "
+                     f"{found['stopped']}); at K {r['at_k']}: "
+                     + (f"reserved {_g(memory, '.0f')} MiB, step {_g(at.get('step_s'))} s" if memory is not None
+                        else f"fits {at.get('fits')}"))
+    card = r["card"]
+    lines.append("card: simulated on the CPU" if card.get("simulated") else
+                 f"card: {card['card_gib']} GiB of {card['device_gib']} GiB (fraction {card['fraction']})")
+    return lines
+
+
+LINES = {"a": gradients, "b": memory, "c": oom, "d": mixed, "e": generate, "f": multi, "g": karelrate,
+         "h": largestbeam}
 
 
 def summary(report: dict) -> str:
