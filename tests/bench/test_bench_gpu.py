@@ -22,11 +22,11 @@ def test_quick_dry_run_runs_every_section_or_skips_it_with_a_reason(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), TWOPHASE_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     env.pop("OUT", None)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--device", "cpu", "--quick", "--inline",
-                           "--out", str(out)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+                           "--out", str(out)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"report written: {out}" in proc.stdout
     report = json.loads(out.read_text())
-    assert report["environment"]["device"] == "cpu" and report["environment"]["torch"]
+    assert report["environment"]["device"] == "cpu" and report["environment"]["torch"] and report["complete"]
     sections = report["sections"]
     assert list(sections) == list(runner.SECTIONS)
     for letter, outcome in sections.items():
@@ -49,6 +49,7 @@ def test_quick_dry_run_runs_every_section_or_skips_it_with_a_reason(tmp_path):
     two, one = b["methods"]
     assert two["host_syncs"]["phase_two_chunks"] >= 1 and two["host_syncs"]["phase_one_per_decoder_step"] > 0
     assert one["step_s"] > 0 and "rss_peak_above_start_mib" in one
+    assert "needs a CUDA device" in two["host_syncs"]["cuda"]["skipped"]  # CUDA's own count: CUDA only
 
     c = sections["c"]["result"]
     assert c["simulated"] and c["budget_chunk"] < c["rows"] == c["asked_chunk"]
@@ -61,6 +62,11 @@ def test_quick_dry_run_runs_every_section_or_skips_it_with_a_reason(tmp_path):
     assert d["bf16"]["loss_finite"] and d["bf16"]["gradients_finite"]
     assert d["float32"]["score_max_abs_diff_nats"] < 1e-4
     assert "needs a CUDA device" in d["fp16"]["skipped"]
+    assert d["float32"]["chunked_vs_whole_rel_diff"] < 1e-5 and d["bf16"]["chunked_vs_whole_rel_diff"] < 3e-2
+    dtypes = d["bf16"]["recurrent_dtypes"]
+    assert dtypes["twophase"]["layers"]["LSTM"]  # the hook saw the encoder's LSTM
+    if dtypes["rnns_in_float32"]:  # no bf16 LSTM kernel here (oneDNN without AVX-512): twophase runs it in float32
+        assert dtypes["twophase"]["layers"]["LSTM"] == ["float32"]
 
     e = sections["e"]["result"]
     assert {(r["model"], r["search"]) for r in e["results"]} == {(m, s) for m in ("t5", "causal")
@@ -70,6 +76,10 @@ def test_quick_dry_run_runs_every_section_or_skips_it_with_a_reason(tmp_path):
     g = sections["g"]["result"]
     assert g["preset"] == "karel-paper" and g["mle"]["steps_per_s"] > 0 and g["rl"]["steps_per_s"] > 0
     assert g["paper_schedule_hours"] > 0
+
+    h = sections["h"]["result"]
+    assert h["card"]["simulated"] and set(h["methods"]) == {"one-phase", "two-phase"}
+    assert h["methods"]["one-phase"]["largest_k"] < h["methods"]["two-phase"]["largest_k"]
 
 
 def _sections(monkeypatch, functions: dict):
