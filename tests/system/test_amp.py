@@ -6,6 +6,10 @@ stated against u, or against float32 where both sides run the very same bf16 pro
 import contextlib
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +27,7 @@ from conftest import rnn_graph_mode, tiny_model, toy_batch
 from taskfiles import task_dir
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _model():
@@ -239,3 +244,71 @@ def test_sixteen_bit_boundary_gradients_are_summed_in_float32():
         _bank_boundary_grads(boundary, sums)
     assert leaf.grad is None and sums[0].dtype == torch.float32
     assert sums[0].tolist() == [1 + 300 * 2.0**-9] * 3
+
+
+# ---- a CPU whose oneDNN has no bf16 LSTM primitive (no AVX-512: an AVX2-only EPYC; ONEDNN_MAX_CPU_ISA=AVX2 makes
+# any x86 CPU one)
+def test_under_float32_rnns_a_recurrent_layer_computes_in_float32_and_autocast_stays_on_around_it():
+    lstm, cell = torch.nn.LSTM(4, 3, batch_first=True), torch.nn.Linear(3, 2)
+    x = torch.randn(2, 5, 4)
+    hooks = (dict(torch.nn.modules.module._global_forward_pre_hooks),
+             dict(torch.nn.modules.module._global_forward_hooks))
+    hx = (torch.zeros(1, 2, 3, dtype=torch.bfloat16), torch.zeros(1, 2, 3, dtype=torch.bfloat16))
+    packed = torch.nn.utils.rnn.pack_padded_sequence(x.bfloat16(), [5, 3], batch_first=True)
+    with amp._float32_rnns("cpu", torch.bfloat16):
+        out, (h, c) = lstm(x[:1].bfloat16())  # one row, unpacked: the case oneDNN refuses in bf16
+        assert out.dtype == h.dtype == c.dtype == torch.float32
+        assert lstm(packed, hx)[0].data.dtype == torch.float32
+        assert torch.is_autocast_enabled("cpu") and cell(out).dtype == torch.bfloat16  # bf16 around it
+        with pytest.raises(RuntimeError):
+            lstm(torch.randn(1, 5, 7))  # a forward that raises still leaves autocast as it was
+        assert torch.is_autocast_enabled("cpu")
+        want, _ = lstm(x[:1].bfloat16().float())  # the same rounded input, in float32
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.equal(out, want)  # float32 through and through: the float32 layer's own output
+    assert (torch.nn.modules.module._global_forward_pre_hooks, torch.nn.modules.module._global_forward_hooks) == hooks
+    double = torch.nn.LSTM(4, 3).double()
+    with amp._float32_rnns("cpu", torch.bfloat16):
+        assert double(torch.randn(5, 1, 4, dtype=torch.float64))[0].dtype == torch.float64  # left alone
+
+
+def _bf16_lstm_probe(env: dict) -> str:
+    code = ("import torch\n"
+            "from twophase.system import amp\n"
+            "lstm = torch.nn.LSTM(4, 3, batch_first=True)\n"
+            "try:\n"
+            "    with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+            "        lstm(torch.randn(1, 5, 4))\n"
+            "    plain = 'runs'\n"
+            "except RuntimeError as err:\n"
+            "    plain = 'refused' if 'primitive' in str(err) else repr(err)\n"
+            "with amp.autocast('bf16', torch.device('cpu')):\n"
+            "    out = lstm(torch.randn(1, 5, 4))[0]\n"
+            "print(plain, amp.rnns_in_float32('bf16', torch.device('cpu')), out.dtype)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.split()
+
+
+def test_amp_bf16_finds_whether_onednn_has_a_bf16_lstm_and_runs_it_in_float32_where_not():
+    """With oneDNN limited to AVX2 the plain bf16 LSTM is refused ("could not create a primitive descriptor");
+    twophase's autocast finds that and runs the layer in float32. Where the limit does not reproduce the refusal
+    (another oneDNN), the probe says so and the layer runs in bf16."""
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", PYTHONPATH=str(ROOT))
+    plain, in_float32, dtype = _bf16_lstm_probe(env)
+    assert plain in ("refused", "runs")
+    assert in_float32 == str(plain == "refused") and dtype == ("torch.float32" if plain == "refused" else dtype)
+
+
+def test_train_with_amp_bf16_batch_size_1_on_a_cpu_without_a_bf16_lstm(task, tmp_path):
+    """A batch of one source (the unpacked LSTM path) at every step under --amp bf16 with oneDNN limited to
+    AVX2: the run trains (the LSTM in float32), never a oneDNN traceback."""
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    argv = ["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--save-dir", str(tmp_path),
+            "--hidden-size", "8", "--embed-dim", "4", "--batch-size", "1", "--mle-batch-size", "1",
+            "--beam-size", "2", "--rescore-chunk", "3", "--max-len", "8", "--mle-steps", "2", "--rl-steps", "2",
+            "--eval-beam", "1", "--no-compare-mle", "--amp", "bf16"]
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert load(tmp_path / "checkpoint_last.pt")["step"] == 4
