@@ -135,7 +135,7 @@ def plot(cells: list[dict], config: dict, path: Path) -> bool:
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib not installed (pip install twophase[bench]): no plot", file=sys.stderr)
+        print("matplotlib not installed (pip install matplotlib): no plot", file=sys.stderr)
         return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

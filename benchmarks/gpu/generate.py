@@ -1,5 +1,5 @@
 """Section (e): phase one (`twophase.sample`, `twophase.beam_search`) against Hugging Face `generate` on the
-device, on `benchmarks.decode`'s models and terms (`bench.hf`'s random-weight T5 and Llama-style causal LM;
+device, on `benchmarks.decode`'s models and terms (`benchmarks.hf`'s random-weight T5 and Llama-style causal LM;
 a fixed number of new tokens; a decode step's cost the slope between a short and a long run).
 
 Per model and search: median wall seconds of each method at T0 and T new tokens (synchronised), ms per decode

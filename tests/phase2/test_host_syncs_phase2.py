@@ -1,7 +1,7 @@
 """Phase two waits for the device at most 8 times per chunk: every chunk's sizes come from a plan read back once
 per batch (`twophase.phase2.chunkplan.ChunkPlan`), the tree's per-depth owner layouts are declared on the host
 (`twophase.owners`),
-and the chunks' losses are summed on the device. Counted on the CPU by `bench.hostsyncs.count_host_syncs`
+and the chunks' losses are summed on the device. Counted on the CPU by `benchmarks.hostsyncs.count_host_syncs`
 (what a GPU run would wait for), at two chunk sizes, so that the per-batch reads cancel out of the per-chunk
 figure. The counts are printed (pytest -s) and in every assertion's message."""
 import importlib.util
