@@ -12,8 +12,8 @@ Sections (docs/gpu.md says what each figure means and what good values look like
     (d) a bf16 and an fp16 step: finite loss and gradients, phase one's scores against phase two's log-probs
     (e) phase one against Hugging Face `generate`
     (f) with 2+ GPUs: torchrun over NCCL, data-parallel and --fsdp, 2 processes = 1
-    (g) train.py --task karel --preset karel-paper for half a minute: steps per second, the paper's schedule sized
-    (h) the largest beam K that fits a 32 GiB card, two-phase and one-phase, at the seed's setting
+    (g) the largest beam K that fits a 32 GiB card, two-phase and one-phase, at the seed's setting
+    (h) train.py --task karel --preset karel-paper for half a minute: steps per second, the paper's schedule sized
 Each section runs in a fresh process with a time limit, all of them within one time budget (--budget: a section
 the budget no longer covers is skipped, saying so); a failure is recorded with its one-line error and the rest go
 on. One JSON report (its path printed: --out, else $OUT/gpu_report.json where $OUT is set, else
@@ -34,9 +34,11 @@ from .common import prepare_environment
 from .runner import SECTIONS, run_all, worker
 from .summary import summary
 
-LIMITS = {"full": dict(a=50, b=70, c=25, d=40, e=50, f=30, g=100, h=85),  # seconds per section at most
+# seconds per section at most; the Karel run last, its limit cut to what the budget leaves (its own data, ~45 s
+# to generate on first use, before its steps)
+LIMITS = {"full": dict(a=50, b=70, c=25, d=40, e=50, f=30, g=85, h=150),
           "quick": dict(a=150, b=90, c=60, d=90, e=90, f=60, g=90, h=90)}  # a loaded CI core
-BUDGET_S = 460.0  # the whole run (its sections' limits add up to 450 s): 8 minutes with the start and the summary
+BUDGET_S = 460.0  # the whole run: 8 minutes with the start and the summary
 
 
 def _sections(text: str) -> tuple[str, ...]:
@@ -64,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-budget", type=parse_size, default=None,
                    help="(c): phase two's graph budget, as train.py's --memory-budget (default 256MiB; --quick 8KiB)")
     p.add_argument("--karel-seconds", type=_seconds, default=None,
-                   help="(g): seconds train.py runs (default 30; --quick 3)")
+                   help="(h): seconds train.py runs at most (default 30; --quick 60, though its run ends by itself)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads in each section (default: torch's own; 1 with --quick on the CPU)")
     p.add_argument("--limit", type=_seconds, default=None, help="seconds per section at most (default: per section)")
@@ -128,7 +130,7 @@ def main(argv=None) -> int:
     options = {"device": device, "quick": args.quick,
                "memory_budget": args.memory_budget or (8 * 2 ** 10 if args.quick else 256 * 2 ** 20),
                "threads": args.threads or (1 if args.quick and device == "cpu" else None),
-               "karel_seconds": args.karel_seconds or (3.0 if args.quick else 30.0)}
+               "karel_seconds": args.karel_seconds or (60.0 if args.quick else 30.0)}
     path = report_path(args.out)
     print(f"twophase GPU check on {device} ({grid} sizes), sections {','.join(args.sections)}, budget "
           f"{f'{budget:.0f} s' if budget else 'none'}; report: {path}")

@@ -1,10 +1,10 @@
-"""Section (g): `train.py --task karel --preset karel-paper` on the device, its steps per second, to size the paper's
+"""Section (h): `train.py --task karel --preset karel-paper` on the device, its steps per second, to size the paper's
 whole schedule (PRESETS["karel-paper"]: its MLE steps, then its RL steps).
 
 Two runs of the command, each stopped (SIGINT: the trainer's graceful stop) after half of --karel-seconds of
 training, counted from its first step's row in metrics.jsonl (so the data's generation and the start are not
 counted): the preset as it is (MLE steps), then with --mle-steps 1 (one MLE step, the end-of-MLE validation, then RL
-steps; `--quick`: one run, --mle-steps 4, for both). Only flags train.py has had all along are used; --valid-size
+steps; `--quick`: one run of both, --mle-steps 4 --rl-steps 4, to its end). Only flags train.py has had all along are used; --valid-size
 keeps the validations short. A phase's rate is 1 / the median seconds between its consecutive step rows (a
 validation's pause does not count); `paper_schedule_hours` is the preset's MLE steps / the MLE rate + its RL steps /
 the RL rate, without validation and test. `--quick` shrinks the model and data so each run takes seconds.
@@ -31,7 +31,7 @@ TINY = ["--train-size", "8", "--valid-size", "2", "--hidden-size", "8", "--embed
         "--karel-blocks", "1", "--karel-pair-dim", "8", "--karel-layers", "1", "--mle-batch-size", "4",
         "--batch-size", "2", "--beam-size", "2", "--eval-beam", "2", "--threads", "1"]
 RUNS = {"mle": [], "rl": ["--mle-steps", "1"]}  # the phase a run measures: its extra flags
-QUICK_RUNS = {"mle+rl": ["--mle-steps", "4"]}  # --quick: one run measures both (a few MLE steps, then RL)
+QUICK_RUNS = {"mle+rl": ["--mle-steps", "4", "--rl-steps", "4"]}  # --quick: one run of both, to its end
 
 
 def step_rows(metrics: Path) -> list[dict]:

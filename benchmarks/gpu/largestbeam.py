@@ -1,4 +1,4 @@
-"""Section (h): the largest beam K that fits a 32 GiB card, two-phase against one-phase, at the seed's setting (the
+"""Section (g): the largest beam K that fits a 32 GiB card, two-phase against one-phase, at the seed's setting (the
 LSTM at hidden 512 with additive attention, B 16 sources, S 50, T 50 steps, V 10,000; phase two in chunks of 64
 rows), and both methods' `max_memory_reserved` at K 64.
 

@@ -110,8 +110,8 @@ def largestbeam(r: dict) -> list[str]:
     return lines
 
 
-LINES = {"a": gradients, "b": memory, "c": oom, "d": mixed, "e": generate, "f": multi, "g": karelrate,
-         "h": largestbeam}
+LINES = {"a": gradients, "b": memory, "c": oom, "d": mixed, "e": generate, "f": multi, "g": largestbeam,
+         "h": karelrate}
 
 
 def summary(report: dict) -> str:

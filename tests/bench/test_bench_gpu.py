@@ -73,11 +73,11 @@ def test_quick_dry_run_runs_every_section_or_skips_it_with_a_reason(tmp_path):
                                                                  for s in ("sample", "beam")}
     assert all("step_ms" in r["twophase"] and "step_ms" in r["generate"] for r in e["results"])
 
-    g = sections["g"]["result"]
+    g = sections["h"]["result"]
     assert g["preset"] == "karel-paper" and g["mle"]["steps_per_s"] > 0 and g["rl"]["steps_per_s"] > 0
     assert g["paper_schedule_hours"] > 0
 
-    h = sections["h"]["result"]
+    h = sections["g"]["result"]
     assert h["card"]["simulated"] and set(h["methods"]) == {"one-phase", "two-phase"}
     assert h["methods"]["one-phase"]["largest_k"] < h["methods"]["two-phase"]["largest_k"]
 
