@@ -10,11 +10,11 @@ are not counted. Reported: the median over the steps of the step's process CPU s
 seconds and steps per second (wall), and after / before.
 
 Jobs (their sizes and flags in JOBS):
-    hf-t5, hf-causal   bench.hf's two-phase step on its T5 / Llama-style model, default sizes (B 8, K 16, P 128,
+    hf-t5, hf-causal   benchmarks.hf's two-phase step on its T5 / Llama-style model, default sizes (B 8, K 16, P 128,
                        T 64, width 256, 4 layers, one thread): sampling, coefficients, phase two, no optimizer
     karel              the Karel recipe's RL step (`train.py --task karel`, K 16) with the grammar off (the
                        older checkouts have no --grammar), random weights, EOS's output bias at -30 and
-                       rewards untied, as bench.karel
+                       rewards untied, as benchmarks.karel
     g2p                the default G2P run's RL step (B 32, K 8, beam objective, chunk 128) from a checkpoint
                        of its end of MLE (--g2p-checkpoint)
 Every worker runs torch on one thread, under the niceness the driver itself was started with.

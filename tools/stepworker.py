@@ -11,15 +11,15 @@ Jobs (JOB_JSON's "kind"):
     rl   a `train.py` run's RL step (`Run.train_step("rl")`) built from "flags" as the command would
          (the task's recipe under them; "flags_if_known": [flag, value] pairs given only where the checkout's
          command has the flag), optionally with a checkpoint's model weights ("checkpoint"), EOS's
-         output bias set ("eos_bias": every candidate runs to --max-len, as bench.karel) and each reward
-         offset by a random [0, 1e-3) ("untie": see bench.karel); parts: phase one, rewards and update
+         output bias set ("eos_bias": every candidate runs to --max-len, as benchmarks.karel) and each reward
+         offset by a random [0, 1e-3) ("untie": see benchmarks.karel); parts: phase one, rewards and update
          (clipping and the optimizer step) by the trainer's own sections (`Trainer.section`), phase two
          (`Trainer.phase_two`); in a checkout from before `Run`, the trainer is what cli.build returns
     hf   `benchmarks.hf`'s two-phase step on its model "model" (t5, causal) at its default sizes; parts:
          phase one (`sample`), phase two (the step's `phase2_cpu`)
 The parts are timed by wrapping those functions from outside, so that a checkout without the trainer's timer
 hook (`benchmarks.steptimes`) is timed the same way as one with it. Only what both
-checkouts compared have is used, hence bench.karel's tie-breaking written again here.
+checkouts compared have is used, hence benchmarks.karel's tie-breaking written again here.
 """
 import contextlib
 import json
@@ -98,7 +98,7 @@ def rl_job(job: dict, parts: dict):
 
 
 def hf_job(job: dict, parts: dict):
-    """The step function of an `hf` job: bench.hf's two-phase step (sampling, coefficients, phase two)."""
+    """The step function of an `hf` job: benchmarks.hf's two-phase step (sampling, coefficients, phase two)."""
     try:
         from benchmarks import hf
     except ImportError:  # a checkout from before the benchmarks left the package
