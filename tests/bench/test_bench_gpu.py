@@ -116,7 +116,7 @@ def test_an_isolated_section_reports_from_its_own_process_and_is_killed_at_its_l
 
 
 @pytest.mark.parametrize("argv, flag", [(["--sections", "a,z"], "--sections"), (["--device", "tpu:x"], "--device"),
-                                        (["--karel-seconds", "0"], "--karel-seconds")])
+                                        (["--karel-seconds", "0"], "--karel-seconds"), (["--budget", "-5"], "--budget")])
 def test_bad_flags_are_refused_in_one_line(argv, flag, capsys):
     from benchmarks.gpu.__main__ import main
     with pytest.raises(SystemExit) as stop:
