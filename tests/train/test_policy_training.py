@@ -148,7 +148,8 @@ def test_a_generation_saved_before_grad_accum_loads_as_one_batch():
     from twophase.train.policy_step import FIELDS, PolicyStep
     part = {"idx": [0, 1], **{k: torch.arange(2) + i for i, k in enumerate(FIELDS)}, "advantages": torch.ones(2),
             "ref": None}
-    step = PolicyStep(SimpleNamespace(device=torch.device("cpu"), model=None))
+    step = PolicyStep(SimpleNamespace(), None, None, torch.device("cpu"), None, None, None, None, sources=None,
+                      search=None, rewards_of=None, phase_two=None, update=None, section=None, autocast=None)
     step.load_state_dict({"generation": {"num_sources": 2, "used": 1, "metrics": {"reward_mean": 0.5}, **part},
                           "reference": None})
     gen = step.generation
