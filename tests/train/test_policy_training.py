@@ -129,6 +129,7 @@ def test_grad_accum_equals_one_big_batch_over_several_updates(data, tmp_path, on
         for _ in range(2):
             tr.mle_step()
         tr.cfg.grad_accum, tr.rl_batches = accum, iter(plan)
+        tr.policy.batches = tr.rl_batches  # the policy step draws its batches from what it was given
         tr.optimizer.param_groups[0]["lr"] = 0.05
         rows.append([tr.rl_step() for _ in range(3)])
         params.append([p.detach().clone() for p in tr.model.parameters()])
