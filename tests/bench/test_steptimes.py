@@ -70,7 +70,7 @@ def test_karel_bench_splits_the_step(task, tmp_path, one_thread):
     assert set(row) == {"cpu_s", "phase_one_s", "rewards_s", "phase_two_s", "update_s", "other_s"}
     assert tr.timer is None and row["phase_two_s"] > 0 and row["phase_one_s"] > 0
     cand = tr.search(tr._sources([0, 1]))
-    examples = [tr.trainer.train[0], tr.trainer.train[1]]
+    examples = [tr.train[0], tr.train[1]]
     exact = true_rewards(cand.tokens, cand.owner.tolist(), examples)
     untied = tr.rewards_of(cand.tokens, cand.owner.tolist(), examples)
     assert ((untied - exact) >= 0).all() and ((untied - exact) < 1e-3).all()
