@@ -53,7 +53,7 @@ class Run:
         self.metrics = MetricsLog(self.save_dir / "metrics.jsonl", enabled=self.is_main)
         self.comparison = MleContinued(trainer, self.state, self.save_dir, step=self.train_step,
                                        validate=self.validate, save=self.save, log=self.log, speaks=self.is_main)
-        self.base_model = None  # the frozen base the saved parameters need (--lora-r: resume.record's)
+        self.base_model: dict | None = None  # the frozen base the saved parameters need (--lora-r: resume.record's)
 
     @classmethod
     def assemble(cls, cfg, task, model, reward, device: torch.device) -> "Run":
