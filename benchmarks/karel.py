@@ -94,23 +94,25 @@ def _measure_one(train_flags: list[str], steps: int, rl_beams: list[int], eval_t
                  untie: bool) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         training = cli.build_from_flags(["--task", "karel", *train_flags, "--save-dir", folder, "--overwrite"])
-        cfg = training.cfg
+        cfg = training.trainer.cfg
         with torch.no_grad():  # no candidate stops early (see the module docstring)
-            inner = training.model.model if isinstance(training.model, Constrained) else training.model  # grammar on
+            model = training.trainer.model
+            inner = model.model if isinstance(model, Constrained) else model  # grammar on
             inner.out.bias[inner.eos_id] = -30.0
         if untie:
             training.trainer.rewards_of = untied(training.trainer.rewards_of)
-        params = sum(p.numel() for p in training.model.parameters())
+        params = sum(p.numel() for p in training.trainer.model.parameters())
         head = {"model": cfg.karel_model, "grammar": cfg.grammar, "ties": "broken" if untie else "kept",
                 "parameters": params, "threads": torch.get_num_threads()}
         rows = [{**head, "kind": "mle", "batch": cfg.mle_batch_size, **_step_seconds(training, "mle", steps)}]
         for k in rl_beams:
-            training.cfg.beam_size = k
+            training.trainer.cfg.beam_size = k
             rows.append({**head, "kind": "rl", "batch": cfg.batch_size, "beam": k,
                          **_step_seconds(training, "rl", steps)})
         if eval_tasks:
-            run = lambda: validate(training.model, training.task, training.valid, training.reward, cfg.eval_beam,  # noqa
-                                   cfg.max_len, training.device, limit=eval_tasks)
+            t = training.trainer
+            run = lambda: validate(t.model, t.task, t.valid, t.reward, cfg.eval_beam, cfg.max_len, t.device,  # noqa
+                                   limit=eval_tasks)
             rows.append({**head, "kind": "eval", "tasks": eval_tasks, "beam": cfg.eval_beam,
                          "cpu_s": _cpu_seconds(run, 1)})
         return rows

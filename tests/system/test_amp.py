@@ -193,22 +193,22 @@ def test_loss_scaling_in_the_trainer(task, tmp_path, monkeypatch, one_thread):
     assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-6)
     assert rows[1]["grad_norm"] == pytest.approx(rows[0]["grad_norm"], rel=1e-5)
     assert scaled.trainer.scaler.get_scale() == 2.0**11  # a good step with growth_interval 1
-    before = {k: v.clone() for k, v in scaled.model.state_dict().items()}
+    before = {k: v.clone() for k, v in scaled.trainer.model.state_dict().items()}
     real = trainer_module.rescore_backward
 
     def overflowing(*args, **kwargs):
         loss = real(*args, **kwargs)
-        next(scaled.model.parameters()).grad.view(-1)[0] = math.inf
+        next(scaled.trainer.model.parameters()).grad.view(-1)[0] = math.inf
         return loss
 
     monkeypatch.setattr(trainer_module, "rescore_backward", overflowing)
     assert scaled.train_step("mle")["skipped"] == 1
     assert scaled.trainer.scaler.get_scale() == 2.0**10 and scaled.state.bad_in_a_row == 0
-    assert all(torch.equal(v, before[k]) for k, v in scaled.model.state_dict().items())
+    assert all(torch.equal(v, before[k]) for k, v in scaled.trainer.model.state_dict().items())
     save_atomic(scaled.state_dict(), tmp_path / "ck.pt")
     resumed = _trainer(task, tmp_path / "c")
     resumed.trainer.scaler = torch.amp.GradScaler("cpu")
-    resumed.load_state(load(tmp_path / "ck.pt"))  # weights_only=True
+    resumed.load_state_dict(load(tmp_path / "ck.pt"))  # weights_only=True
     assert resumed.trainer.scaler.get_scale() == 2.0**10
 
 

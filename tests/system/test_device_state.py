@@ -28,7 +28,7 @@ def trainer(task, tmp_path):
                  batch_size=3, mle_batch_size=4, beam_size=2, rescore_chunk=5, max_len=8, save_dir=str(tmp_path),
                  mle_steps=2, rl_steps=0, eval_every=1, log_every=0, compare_mle=False)
     tr = cli.build(cfg)
-    tr.run()
+    tr.train()
     tr.save(path=tr.comparison.branch_path)
     tr.save(path=tr.comparison.continued_path)
     return tr
@@ -68,16 +68,16 @@ def _cpu_bytes_only(monkeypatch):
 @pytest.mark.parametrize("how", ["resume", "compare"])
 def test_rng_states_are_set_from_the_cpu(trainer, monkeypatch, how):
     _cpu_bytes_only(monkeypatch)
-    state = trainer.state_dict() if how == "resume" else runstate.snapshot(trainer.trainer)
+    state = trainer.state_dict() if how == "resume" else trainer.trainer.snapshot()
     sampling = state["sampling_rng"].clone()
     state["sampling_rng"] = OnDevice(state["sampling_rng"])
     state["rng"]["torch"] = OnDevice(state["rng"]["torch"])
     trainer.trainer.device = torch.device("cuda")  # what the trainer believes: a GPU run (nothing here touches it)
     trainer.trainer.sampling = Generator()
     if how == "resume":
-        trainer.load_state(state)
+        trainer.load_state_dict(state)
     else:
-        runstate.restore(trainer.trainer, state)
+        trainer.trainer.restore(state)
     assert torch.equal(trainer.trainer.sampling.got, sampling)
 
 
@@ -96,12 +96,11 @@ def loads(monkeypatch):
 
 def test_checkpoints_are_read_onto_the_cpu(trainer, loads, tmp_path):
     trainer.trainer.device = torch.device("meta")  # stands for an accelerator: a load there would be recorded as such
-    trainer.cfg.export = "best"
-    resume.export_model(trainer)
+    resume.export_model(trainer.trainer.model, "best", trainer.checkpoints.best_path)
     assert trainer.comparison.load_branch() is not None
     trainer.state.compared, trainer.comparison.test_models = True, None
     assert set(trainer.comparison.compared_models()) == {"mle", "mle-continued"}
-    Reference.of(trainer.model, str(trainer.checkpoints.best_path), trainer.device)
+    Reference.of(trainer.trainer.model, str(trainer.checkpoints.best_path), trainer.trainer.device)
     model, _, _ = decode.load_model(str(trainer.checkpoints.last_path), torch.device("meta"))
     assert next(model.parameters()).device.type == "meta"
     assert len(loads) == 6 and all(where == "cpu" for where in loads), loads
@@ -113,7 +112,8 @@ def test_rl_from_best_reads_the_best_checkpoint_onto_the_cpu(trainer, loads):
             pass
     trainer.trainer.device = torch.device("meta")
     trainer.state.best_step, trainer.state.step = 1, 2
-    mlephase.start_from_best(trainer, {}, Bar())
+    mlephase.start_from_best(trainer.trainer, trainer.state, trainer.checkpoints, trainer.best_key, {}, trainer.log,
+                             Bar().write)
     assert loads == ["cpu"]
 
 
@@ -121,20 +121,19 @@ def test_the_compare_snapshot_is_held_in_host_memory(trainer, monkeypatch):
     """The snapshot goes to host memory, not to the model's device: with host memory standing on another
     device (meta) than the model's (cpu), every tensor of the snapshot is there."""
     monkeypatch.setattr(checkpoint, "HOST", torch.device("meta"))
-    snap = runstate.snapshot(trainer.trainer)
+    snap = trainer.trainer.snapshot()
     tensors = [t for part in ("model", "optimizer") for t in _tensors(snap[part])]
     assert tensors and all(t.device.type == "meta" for t in tensors)
-    assert next(trainer.model.parameters()).device.type == "cpu"
+    assert next(trainer.trainer.model.parameters()).device.type == "cpu"
 
 
 def test_export_best_is_a_copy_in_host_memory(trainer, monkeypatch):
     """--export best's copy of the model: its trainable parameters in host memory (standing on meta), not a
     second model on the model's device."""
     monkeypatch.setattr(checkpoint, "HOST", torch.device("meta"))
-    trainer.cfg.export = "best"
-    model = resume.export_model(trainer)
+    model = resume.export_model(trainer.trainer.model, "best", trainer.checkpoints.best_path)
     assert all(p.device.type == "meta" for p in model.parameters())
-    assert all(p.device.type == "cpu" for p in trainer.model.parameters())
+    assert all(p.device.type == "cpu" for p in trainer.trainer.model.parameters())
 
 
 def _tensors(obj):

@@ -15,7 +15,7 @@ from twophase.train import cli, report
 from twophase.config import Config
 from twophase.train.runstate import Interrupted
 from twophase.train.report import summary_table
-from twophase.train.mlephase import Plateau
+from twophase.train.mlephase import Plateau, budget_clock
 
 from taskfiles import task_dir
 
@@ -60,7 +60,7 @@ def test_continued_mle_starts_from_the_end_of_mle_for_the_rl_time(task, tmp_path
 
     def step(phase):
         if phase == "mle-continued" and "start" not in seen:
-            seen["start"] = copy.deepcopy(tr.model.state_dict())
+            seen["start"] = copy.deepcopy(tr.trainer.model.state_dict())
             seen["rl_end"] = copy.deepcopy(tr.comparison.final["model"])
         before = tr.state.stats[phase].get("cpu_seconds", 0.0)
         row = real_step(phase)
@@ -68,18 +68,18 @@ def test_continued_mle_starts_from_the_end_of_mle_for_the_rl_time(task, tmp_path
         seen.setdefault(phase, []).append(tr.state.stats[phase]["cpu_seconds"] - before)
         return row
 
-    tr.train_step = step
-    summary = tr.run()
+    tr.train_step = tr.comparison.step = step  # the run's steps and the comparison's
+    summary = tr.train()
     branch = torch.load(tmp_path / "checkpoint_mle_end.pt", weights_only=True)
     assert branch["step"] == 6
     assert _close(seen["start"], branch["model"])  # continued from the end of MLE ...
     assert not _close(seen["start"], seen["rl_end"])  # ... not from RL's parameters
-    assert _close(tr.model.state_dict(), seen["rl_end"])  # and the run ends with the RL model
+    assert _close(tr.trainer.model.state_dict(), seen["rl_end"])  # and the run ends with the RL model
     last = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
     assert _close(last["model"], seen["rl_end"]) and last["compared"]
     continued = torch.load(tmp_path / "checkpoint_mle_continued.pt", weights_only=True)
     assert continued["phase"] == "mle-continued" and not _close(continued["model"], branch["model"])
-    assert tr.budget_clock() == "cpu_seconds"  # on CPU: the process's CPU time, whatever else the machine runs
+    assert budget_clock(tr.trainer.device) == "cpu_seconds"  # on CPU: the process's CPU time, whatever else the machine runs
     budget, spent = tr.state.stats["rl"]["cpu_seconds"], tr.state.stats["mle-continued"]["cpu_seconds"]
     assert spent >= budget > spent - max(seen["mle-continued"])  # stops at the first step past RL's time
     rows = _rows(tmp_path)
@@ -88,7 +88,7 @@ def test_continued_mle_starts_from_the_end_of_mle_for_the_rl_time(task, tmp_path
     assert all(r["lr"] == 2e-4 for r in steps) and len(steps) == summary["mle-continued"]["steps"]
     evals = [r for r in rows if r.get("after") == "mle-continued"]
     assert evals[-1]["continued"] == len(steps) and evals[-1]["word_acc"] == summary["mle-continued"]["word_acc"]
-    table = summary_table(summary, tr.task.metrics)
+    table = summary_table(summary, tr.trainer.task.metrics)
     assert table.splitlines()[0].split() == ["end", "of", "MLE", "MLE", "continued", "RL"]
     assert len(next(line for line in table.splitlines() if line.startswith("valid reward")).split()) == 5
 
@@ -107,7 +107,7 @@ def test_plateau_decays_then_stops():
 def _scripted(tr, scores):
     """Validation scores by step from `scores` (word_acc only), so the schedule's decisions are known."""
     def validate():
-        acc = scores.get(tr.step, 0.0)
+        acc = scores.get(tr.state.step, 0.0)
         return {"word_acc": acc, "per": 1 - acc, "reward": acc, "n": 12}
     tr.validate = validate
 
@@ -119,13 +119,13 @@ def test_lr_decay_and_early_stop_then_rl(task, tmp_path):
     tr = _trainer(task, tmp_path, mle_steps=40, rl_steps=3, lr_decay=0.5, patience=1, min_lr=1e-3,
                   best_metric="word_acc", compare_mle=False)
     _scripted(tr, SCORES)
-    summary = tr.run()
+    summary = tr.train()
     rows = _rows(tmp_path)
     lrs = [(r["step"], r["lr"]) for r in rows if r["phase"] == "mle"]
     assert lrs == [(s, 2e-3) for s in range(1, 9)] + [(s, 1e-3) for s in range(9, 17)]
     assert [(r["step"], r["action"]) for r in rows if r["phase"] == "schedule"] == [(8, "decay"), (16, "stop")]
     assert [r["step"] for r in rows if r["phase"] == "rl"] == [17, 18, 19]  # RL's steps follow at once
-    assert summary["mle"]["steps"] == 16 and tr.mle_end == 16
+    assert summary["mle"]["steps"] == 16 and tr.state.mle_end == 16
     assert torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)["mle_end"] == 16
 
 
@@ -133,18 +133,18 @@ def test_schedule_survives_resume(task, tmp_path):
     full = _trainer(task, tmp_path / "full", mle_steps=40, rl_steps=2, lr_decay=0.5, patience=1, min_lr=1e-3,
                     compare_mle=False)
     _scripted(full, SCORES)
-    full.run()
+    full.train()
     part = _trainer(task, tmp_path / "part", mle_steps=12, rl_steps=0, lr_decay=0.5, patience=1, min_lr=1e-3,
                     compare_mle=False)
     _scripted(part, SCORES)
-    part.run()  # stopped after the decay at step 8, before the plateau at 16
+    part.train()  # stopped after the decay at step 8, before the plateau at 16
     assert torch.load(tmp_path / "part" / "checkpoint_last.pt", weights_only=True)["schedule"]["lr"] == 1e-3
     part = _trainer(task, tmp_path / "part", mle_steps=40, rl_steps=2, lr_decay=0.5, patience=1, min_lr=1e-3,
                     compare_mle=False, resume=True)
     _scripted(part, SCORES)
-    part.run()
-    assert part.mle_end == 16 and part.step == 18
-    assert _close(part.model.state_dict(), full.model.state_dict())
+    part.train()
+    assert part.state.mle_end == 16 and part.state.step == 18
+    assert _close(part.trainer.model.state_dict(), full.trainer.model.state_dict())
 
 
 def test_resume_during_the_comparison_redoes_it(task, tmp_path):
@@ -159,19 +159,19 @@ def test_resume_during_the_comparison_redoes_it(task, tmp_path):
                 os.kill(os.getpid(), signal.SIGINT)  # caught by the run: it stops after this step
         return real_step(phase)
 
-    tr.train_step = step
+    tr.comparison.step = step
     with pytest.raises(Interrupted) as stop:
-        tr.run()
+        tr.train()
     assert "comparison" in str(stop.value) and stop.value.code == 130
     last = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
     assert last["step"] == 7 and not last["compared"]
     resumed = _trainer(task, tmp_path, mle_steps=4, rl_steps=3, resume=True)
-    assert resumed.step == 7 and not resumed.compared
-    summary = resumed.run()
-    assert "mle-continued" in summary and resumed.compared
+    assert resumed.state.step == 7 and not resumed.state.compared
+    summary = resumed.train()
+    assert "mle-continued" in summary and resumed.state.compared
     steps = [r["continued"] for r in _rows(tmp_path) if r["phase"] == "mle-continued"]
     assert steps == list(range(1, len(steps) + 1))  # the stopped comparison's rows went; no step twice
-    assert _close(resumed.model.state_dict(), last["model"])  # the final model is still RL's
+    assert _close(resumed.trainer.model.state_dict(), last["model"])  # the final model is still RL's
 
 
 def test_plot_writes_a_png(tmp_path, capsys):
@@ -243,11 +243,11 @@ def test_preset_sets_defaults_the_flags_still_win(task, tmp_path, capsys):
 
 
 def test_an_mle_only_run_resumed_with_rl_compares(task, tmp_path):
-    _trainer(task, tmp_path, mle_steps=4, rl_steps=0).run()
+    _trainer(task, tmp_path, mle_steps=4, rl_steps=0).train()
     assert not (tmp_path / "checkpoint_mle_end.pt").exists()  # nothing to compare without RL
     tr = _trainer(task, tmp_path, mle_steps=4, rl_steps=2, resume=True)
-    summary = tr.run()
-    assert "mle-continued" in summary and tr.compared
+    summary = tr.train()
+    assert "mle-continued" in summary and tr.state.compared
     assert torch.load(tmp_path / "checkpoint_mle_end.pt", weights_only=True)["step"] == 4
 
 
@@ -256,7 +256,7 @@ def test_rows_carry_their_models_steps(task, tmp_path):
     model it tested: the end of MLE, the end of the continuation, the end of RL."""
     tr = _trainer(task, tmp_path, mle_steps=4, rl_steps=2, test=str(task / "valid.tsv"))
     _slow_rl(tr, 0.05)
-    summary = tr.run()
+    summary = tr.train()
     rows = _rows(tmp_path)
     continued = [r for r in rows if r["phase"] == "mle-continued"]
     assert [r["step"] for r in continued] == [4 + r["continued"] for r in continued]

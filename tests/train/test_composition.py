@@ -72,9 +72,77 @@ def test_the_run_gives_the_trainer_its_gradient(tmp_path):
         assert type(run.trainer.gradient) is part
 
 
-def test_train_holds_at_most_eighteen_modules_each_a_page_or_so():
-    """A newcomer reads train/ module by module: few of them (subfolders counted too), none much over a page."""
-    modules = sorted((ROOT / "train").rglob("*.py"))
-    assert len(modules) <= 18, [m.name for m in modules]
-    long = {m.name: n for m in modules if (n := len(m.read_text(encoding="utf-8").splitlines())) > 330}
-    assert not long, long
+# The run itself, and the command-line front that builds one and reports on it: the modules that may hold a Run.
+FRONT = {"run.py", "cli.py", "fit.py", "build.py", "start.py"}
+RUN_NAMES = {"run", "training"}  # what the package calls a Run where it holds one
+
+
+def _names_the_run(node: ast.expr) -> bool:
+    """`run` / `training`, or `self.run` / `self.training`."""
+    if isinstance(node, ast.Name):
+        return node.id in RUN_NAMES
+    return isinstance(node, ast.Attribute) and node.attr in RUN_NAMES and isinstance(node.value, ast.Name) \
+        and node.value.id == "self"
+
+
+def run_uses(path: Path) -> list[str]:
+    """Where the module at `path` is given a Run or calls back into one: a parameter named run / training or
+    annotated `Run`, an attribute of run / training / self.run, an import of the Run."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args
+            for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+                if a is None:
+                    continue
+                annotation = ast.unparse(a.annotation) if a.annotation is not None else ""
+                if a.arg in RUN_NAMES or "Run" in annotation.replace("'", "").replace('"', "").split("."):
+                    found.append(f"{path.name}:{a.lineno}: parameter {a.arg}")
+        elif isinstance(node, ast.Attribute) and (_names_the_run(node.value) or _names_the_run(node)):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "run" \
+                and any(a.name == "Run" for a in node.names):
+            found.append(f"{path.name}:{node.lineno}: imports Run")
+    return sorted(set(found), key=lambda use: (int(use.split(":")[1]), use))
+
+
+def test_the_run_check_sees_a_part_given_the_run(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from .run import Run\n\n\ndef part(run, x: 'Run'):\n    return run.trainer\n\n\n"
+                      "class Part:\n    def __init__(self, r: Run):\n        self.run = r\n\n"
+                      "    def step(self):\n        return self.run.train_step('mle')\n\n\n"
+                      "def fine(trainer, running):\n    return trainer.run_count + running.step\n")
+    assert run_uses(module) == ["m.py:1: imports Run", "m.py:4: parameter run", "m.py:4: parameter x",
+                                "m.py:5: run.trainer", "m.py:9: parameter r", "m.py:10: self.run", "m.py:13: self.run",
+                                "m.py:13: self.run.train_step"]
+
+
+def test_no_part_of_train_is_given_the_run():
+    """The run gives each part what it uses (the trainer, the state, the calls it makes); no part of train/ but
+    the run itself and the command-line front holds the Run or calls back into it."""
+    parts = sorted(p for p in (ROOT / "train").rglob("*.py") if p.name not in FRONT)
+    assert len(parts) >= 8
+    uses = [use for path in parts for use in run_uses(path)]
+    assert not uses, uses
+
+
+def test_the_parts_hold_neither_the_run_nor_the_policy_step_the_trainer(tmp_path):
+    """Built for a run: no part the Run holds keeps the Run, and --objective policy's step keeps what it uses of
+    the trainer (its model, batches, optimizer and calls), not the trainer."""
+    from twophase.train import cli
+    from twophase.config import Config
+    from twophase.train.run import Run
+    from twophase.train.trainer import Trainer
+    from taskfiles import write_task
+    write_task(tmp_path / "train.tsv", "reverse", 8, seed=0)
+    run = cli.build(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
+                           embed_dim=4, batch_size=2, mle_batch_size=2, objective="policy",
+                           save_dir=str(tmp_path / "run")))
+    parts = [run.trainer, run.state, run.checkpoints, run.metrics, run.plateau, run.comparison, run.trainer.policy]
+    held = {type(part).__name__: [name for name, value in vars(part).items() if isinstance(value, Run)]
+            for part in parts}
+    assert not any(held.values()), held
+    policy = vars(run.trainer.policy)
+    assert not [name for name, value in policy.items() if isinstance(value, Trainer)]
+    assert policy["model"] is run.trainer.model and policy["batches"] is run.trainer.rl_batches

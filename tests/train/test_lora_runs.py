@@ -71,14 +71,14 @@ def test_init_from_a_lora_checkpoint_continues_its_adapters(folder, capsys):
                             str(folder / "init"), "--mle-steps", "1"])
     assert cfg.lora_r == 4  # taken from the checkpoint, as --hf-model
     tr = cli.build(cfg, start)
-    own = {k: v for k, v in tr.model.state_dict().items() if "lora_" in k}
+    own = {k: v for k, v in tr.trainer.model.state_dict().items() if "lora_" in k}
     assert _close(own, _adapters(folder / "run" / "checkpoint_best.pt"), 0)
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(folder / "base", dtype=torch.float32).state_dict()
-    frozen = {k.removeprefix("model.").replace(".base_layer", ""): v for k, v in tr.model.state_dict().items()
+    frozen = {k.removeprefix("model.").replace(".base_layer", ""): v for k, v in tr.trainer.model.state_dict().items()
               if "lora_" not in k}  # the rest: the folder's model
     assert base.keys() <= frozen.keys() and all(torch.equal(frozen[k], base[k]) for k in base)
-    assert tr.step == 0
+    assert tr.state.step == 0
     _fails_with_one_line(["--init-from", str(folder / "run" / "checkpoint_best.pt"), "--save-dir",
                           str(folder / "init8"), "--lora-r", "8"], capsys,
                          "its model was built with --lora-r 4, not 8", "--merge-lora", "hf_final")
@@ -153,10 +153,10 @@ def test_the_compare_snapshot_of_a_lora_model_holds_the_adapters_alone(folder):
     state), in host memory; the frozen base does not change, so it is not copied."""
     cfg, start = cli.parse(["--save-dir", str(folder / "run"), "--resume"])
     tr = cli.build(cfg, start)
-    snap = runstate.snapshot(tr.trainer)
+    snap = tr.trainer.snapshot()
     assert snap["model"] and all("lora_" in k for k in snap["model"])
-    runstate.restore(tr.trainer, snap)
-    assert _close({k: v for k, v in tr.model.state_dict().items() if "lora_" in k}, snap["model"], 0)
+    tr.trainer.restore(snap)
+    assert _close({k: v for k, v in tr.trainer.model.state_dict().items() if "lora_" in k}, snap["model"], 0)
 
 
 def test_the_fingerprint_samples_within_any_tensor_and_sees_a_changed_value():

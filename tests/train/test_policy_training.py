@@ -129,6 +129,7 @@ def test_grad_accum_equals_one_big_batch_over_several_updates(data, tmp_path, on
         for _ in range(2):
             tr.mle_step()
         tr.cfg.grad_accum, tr.rl_batches = accum, iter(plan)
+        tr.policy.batches = tr.rl_batches  # the policy step draws its batches from what it was given
         tr.optimizer.param_groups[0]["lr"] = 0.05
         rows.append([tr.rl_step() for _ in range(3)])
         params.append([p.detach().clone() for p in tr.model.parameters()])
@@ -148,7 +149,8 @@ def test_a_generation_saved_before_grad_accum_loads_as_one_batch():
     from twophase.train.policy_step import FIELDS, PolicyStep
     part = {"idx": [0, 1], **{k: torch.arange(2) + i for i, k in enumerate(FIELDS)}, "advantages": torch.ones(2),
             "ref": None}
-    step = PolicyStep(SimpleNamespace(device=torch.device("cpu"), model=None))
+    step = PolicyStep(SimpleNamespace(), None, None, torch.device("cpu"), None, None, None, None, sources=None,
+                      search=None, rewards_of=None, phase_two=None, update=None, section=None, autocast=None)
     step.load_state_dict({"generation": {"num_sources": 2, "used": 1, "metrics": {"reward_mean": 0.5}, **part},
                           "reference": None})
     gen = step.generation

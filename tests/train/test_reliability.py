@@ -105,19 +105,19 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(task, tmp_path, monkeypa
     def rescore(*args, **kwargs):
         loss = real(*args, **kwargs)
         if poisoned["on"]:
-            next(tr.model.parameters()).grad.view(-1)[0] = float("inf")
+            next(tr.trainer.model.parameters()).grad.view(-1)[0] = float("inf")
         return loss
 
     monkeypatch.setattr(trainer_module, "rescore_backward", rescore)
     tr.train_step("mle")
     tr.state.step += 1
-    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    before = {k: v.clone() for k, v in tr.trainer.model.state_dict().items()}
     poisoned["on"] = True
     for _ in range(2):
         row = tr.train_step("mle")
         tr.state.step += 1
         assert row["skipped"] == 1
-    _assert_identical(tr.model.state_dict(), before)  # skipped steps leave the parameters alone
+    _assert_identical(tr.trainer.model.state_dict(), before)  # skipped steps leave the parameters alone
     with pytest.raises(Interrupted) as stop:
         tr.train_step("mle")
     assert stop.value.code == 3 and "checkpoint_crash.pt" in str(stop.value)
@@ -194,7 +194,7 @@ def test_out_of_memory_outside_phase_two_skips_the_batch(task, tmp_path, monkeyp
         return real()
 
     monkeypatch.setattr(tr.trainer, "rl_step", rl_step)
-    summary = tr.run()
+    summary = tr.train()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["phase"] == "rl"]
     assert [r.get("out_of_memory", 0) for r in rl] == [0, 1, 0] and rl[1]["skipped"] == 1 and rl[1]["loss"] is None

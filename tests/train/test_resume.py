@@ -245,7 +245,7 @@ def test_export_best_hands_the_best_checkpoint_to_the_task(finished, tmp_path, m
     for export in ("best", "last"):
         cfg, start = cli.parse(["--save-dir", str(save), "--resume", "--export", export])
         tr = cli.build(cfg, start)
-        monkeypatch.setattr(tr.task, "save_final", lambda model, d: exported.update({export: model.state_dict()}))
+        monkeypatch.setattr(tr.trainer.task, "save_final", lambda model, d: exported.update({export: model.state_dict()}))
         cli.save_final(tr)
     assert all(torch.equal(exported["best"][k], best["model"][k]) for k in best["model"])
     last = load(save / "checkpoint_last.pt")["model"]

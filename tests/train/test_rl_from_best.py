@@ -28,10 +28,10 @@ def run(task, save, **overrides):
     real = tr.save_best
 
     def save_best(scores):  # the parameters of each validation, to compare with what RL starts from
-        seen[tr.step] = {k: v.clone() for k, v in tr.model.state_dict().items()}
+        seen[tr.state.step] = {k: v.clone() for k, v in tr.trainer.model.state_dict().items()}
         real(scores)
     tr.save_best = save_best
-    summary = tr.run()
+    summary = tr.train()
     return summary, seen, load(save / "checkpoint_mle_end.pt")["model"]
 
 

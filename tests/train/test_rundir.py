@@ -96,7 +96,7 @@ def test_best_checkpoint_follows_the_best_metric_at_every_validation(task, tmp_p
 
     tr = cli.build(cli.config_from_args(cli.build_parser().parse_args(
         _argv(task, save, "--mle-steps", "8", "--rl-steps", "0", "--lr", "0.02", *flags, "--resume"))))
-    assert (tr.checkpoints.best, tr.best_step) == (best["reward"], best["step"])  # kept across --resume
+    assert (tr.checkpoints.best, tr.state.best_step) == (best["reward"], best["step"])  # kept across --resume
     assert tr.checkpoints.higher_is_better and tr.best_key == "reward"
     assert cli.main(_argv(task, save, "--mle-steps", "8", "--rl-steps", "0", *flags, "--resume",
                           "--best-metric", "per")) == 2  # another criterion would make the kept best meaningless

@@ -90,7 +90,7 @@ def test_nan_log_probabilities_mid_run_name_the_model_and_the_step(tmp_path):
     cfg = Config(task="verifier_task:Verifier", hidden_size=8, batch_size=4, beam_size=2, max_len=5, mle_steps=0,
                  rl_steps=3, eval_every=10, log_every=0, save_dir=str(tmp_path))
     trainer = cli.build(cfg)
-    model, real, calls = trainer.model, trainer.model.log_probs, []
+    model, real, calls = trainer.trainer.model, trainer.trainer.model.log_probs, []
 
     def log_probs(state):
         calls.append(1)
@@ -98,4 +98,4 @@ def test_nan_log_probabilities_mid_run_name_the_model_and_the_step(tmp_path):
         return out if len(calls) < 8 else out.index_fill(0, torch.tensor([0]), float("nan"))
     model.log_probs = log_probs
     with pytest.raises(ModelError, match=r"^step \d \[rl\]: Seq2Seq returned NaN log-probabilities"):
-        trainer.run()
+        trainer.train()

@@ -1,4 +1,6 @@
 """A run: the trainer's steps (`trainer`, `policy_step`), the run that owns them (`run`, `runstate`, `mlephase`),
 validation and the KL reference (`evaluation`, `klreference`), the run's directory and checkpoints (`rundir`,
 `checkpoint`, `resume`, `report`), and the commands that assemble a run from a `twophase.config.Config`
-(`build`, `start`, `cli`, `fit`, `decode`)."""
+(`build`, `start`, `cli`, `fit`, `decode`). Only the run and those commands hold a `run.Run`: every other part
+is given what it uses (the trainer, the run's state, the calls it makes) and writes its own part of a
+checkpoint."""

@@ -180,9 +180,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if distributed.rank() == 0:
         rundir.remove(stale)  # --overwrite's old run; the residue of writes a killed process left
     training = Run.assemble(cfg, task, model, reward, device)
-    training.base_model = base  # recorded in every checkpoint (runstate)
-    if state is not None:
-        training.load_state(state)
+    training.setup(state, base_model=base)  # --resume's checkpoint; the frozen base every checkpoint records
     if training.is_main and not cfg.eval_only:
         start_run_dir(training, state, recipe_defaults(cfg))
     if cfg.tensorboard and training.is_main and not cfg.eval_only:
@@ -224,8 +222,8 @@ def open_tensorboard(training: Run, resumed: bool) -> None:
     if not resumed and folder.is_dir():
         for old in folder.glob("events.out.tfevents.*"):
             old.unlink()
-    writer = report.writer_class()(log_dir=str(folder), purge_step=training.log_step + 1 if resumed else None)
-    training.metrics.mirror = report.TensorBoardLog(writer, lambda: training.mle_end)
+    writer = report.writer_class()(log_dir=str(folder), purge_step=training.state.log_step + 1 if resumed else None)
+    training.metrics.mirror = report.TensorBoardLog(writer, lambda: training.state.mle_end)
 
 
 # ---- --grammar on: the task's grammar around the model, for every search, score and gradient

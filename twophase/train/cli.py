@@ -156,40 +156,39 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     training = build(cfg, start, given, model=model, task=task, reward=reward)
     if cfg.eval_only:
         scores = evaluate(training)
-        table = report.evaluation_table(training.task, scores)
+        table = report.evaluation_table(training.trainer.task, scores)
         if training.is_main:
-            step = (start or {}).get("step", training.step)
+            step = (start or {}).get("step", training.state.step)
             print(f"{resume.resume_path(cfg) or cfg.init_from} (step {step}):\n" + table)
         return Result(cfg, training.save_dir.absolute(), scores, table)
+    t = training.trainer
     if training.is_main:
-        test = f" / {len(training.test)} test" if training.test is not None else ""
+        test = f" / {len(t.test)} test" if t.test is not None else ""
         threads = torch.get_num_threads()
-        print(f"task {training.task.spec}: {len(training.train)} train / {len(training.valid)} valid{test} sources; "
-              f"reward {training.reward.name}; "
-              f"{sum(p.numel() for p in training.model.parameters()):,} parameters{trainable(training.model)} on "
-              f"{training.device}"
-              + (f", {threads} CPU thread{'s' * (threads > 1)}" if training.device.type == "cpu" else "")
+        print(f"task {t.task.spec}: {len(t.train)} train / {len(t.valid)} valid{test} sources; "
+              f"reward {t.reward.name}; "
+              f"{sum(p.numel() for p in t.model.parameters()):,} parameters{trainable(t.model)} on "
+              f"{t.device}"
+              + (f", {threads} CPU thread{'s' * (threads > 1)}" if t.device.type == "cpu" else "")
               + (f" (x {distributed.world()} processes)" if distributed.world() > 1 else ""), flush=True)
     try:
-        summary = training.run()
+        summary = training.train()
         exported = save_final(training)
     finally:
-        if training.metrics.mirror is not None:
-            training.metrics.mirror.close()
+        training.cleanup()
     best, folder = training.checkpoints, training.save_dir.absolute()  # the Result's paths: from anywhere
-    result = Result(cfg, folder, summary, summary_table(summary, with_beams(training.task.metrics,
-                                                                            test_beams(training.cfg))),
-                    model=training.model, best_metric=training.best_key, best=best.best, best_step=training.best_step,
+    result = Result(cfg, folder, summary, summary_table(summary, with_beams(t.task.metrics, test_beams(t.cfg))),
+                    model=t.model, best_metric=training.best_key, best=best.best, best_step=training.state.best_step,
                     best_checkpoint=if_written(folder / best.best_path.name) if best.best is not None else None,
                     last_checkpoint=if_written(folder / best.last_path.name),
                     metrics=if_written(folder / "metrics.jsonl"), final_model=exported)
     if not training.is_main:
         return result
     print(result.table)
-    for line in training.task.closing_lines():  # Karel: its baselines, beside the table
+    for line in t.task.closing_lines():  # Karel: its baselines, beside the table
         print(line)
     if best.best is not None:
-        print(f"best {training.best_key}: {best.best:.4f} at step {training.best_step}: {best.best_path}")
+        print(f"best {training.best_key}: {best.best:.4f} at step {training.state.best_step}: {best.best_path}")
     print(closing_paths(training, exported))
     result.picture = draw_picture(training)
     if result.picture is not None:
@@ -219,11 +218,13 @@ def trainable(model) -> str:
 def save_final(training: Run):
     """The task's own export of the final model (--hf-model: save_pretrained into <save-dir>/hf_final), once,
     by the main process; None where the task has none."""
-    plain = fsdp.plain_copy(training.model, training.task.build_model) if fsdp.is_sharded(training.model) else None
+    t = training.trainer
+    plain = fsdp.plain_copy(t.model, t.task.build_model) if fsdp.is_sharded(t.model) else None
     if not training.is_main:
         return None
     try:
-        return training.task.save_final(plain or resume.export_model(training), training.save_dir)
+        return t.task.save_final(plain or resume.export_model(t.model, t.cfg.export, training.checkpoints.best_path),
+                                 training.save_dir)
     except ValueError as err:  # --export best: a checkpoint_best.pt that does not fit
         raise UsageError(str(err)) from None
     except OSError as err:
@@ -234,7 +235,7 @@ def save_final(training: Run):
 def draw_picture(training: Run):
     """--picture: <save-dir>/curves.png from the run's metrics.jsonl (twophase.plot), or None: turned off, no
     matplotlib, or nothing to draw. A picture that cannot be drawn costs the run nothing but a warning line."""
-    if not training.cfg.picture or os.environ.get("TWOPHASE_PICTURE", "on").lower() in ("off", "0", "no"):
+    if not training.trainer.cfg.picture or os.environ.get("TWOPHASE_PICTURE", "on").lower() in ("off", "0", "no"):
         return None
     out = training.save_dir / rundir.PICTURE
     try:

@@ -1,5 +1,6 @@
-"""The MLE phase's controls, parts a `run.Run` holds: when the phase ends (`Plateau`, --lr-decay), where RL
-starts (`start_from_best`, --rl-from-best), and the control RL has to beat (`MleContinued`, --compare-mle).
+"""The MLE phase's controls, parts a `run.Run` holds, each given what it uses: when the phase ends (`Plateau`,
+--lr-decay), where RL starts (`start_from_best`, --rl-from-best), and the control RL has to beat
+(`MleContinued`, --compare-mle).
 
 --compare-mle: after the RL phase, the run goes back to the end of the MLE phase (parameters, optimizer, data
 order, random streams) and continues MLE at --rl-lr for as long as the RL phase's training steps took
@@ -21,7 +22,6 @@ from ..system import distributed, fsdp
 from .checkpoint import CheckpointError, host_copy, load
 from .evaluation import test_beams, test_scores
 from ..system.fsdp import saved_state
-from .runstate import load_weights, restore, snapshot
 from .report import fmt_scores
 
 CONTINUED = "mle-continued"
@@ -77,47 +77,59 @@ class Plateau:
         self.decays, self.stopped = int(state["decays"]), bool(state["stopped"])
 
 
-def start_from_best(run, scores: dict, bar) -> dict:
+def start_from_best(trainer, state, checkpoints, best_key: str, scores: dict, log, write) -> dict:
     """--rl-from-best, at the end of MLE: the best MLE validation's parameters and optimizer state (those of
-    checkpoint_best.pt, written at that validation) back in place; returns its scores (the latest validation's,
-    `scores`, where the latest is the best). With --lr-decay the phase ends after validations that did not
-    improve, so its last parameters are, by construction, not its best (Bunel et al. start RL from the best
-    validation epoch). The data order and random streams go on from the last step; checkpoint_last.pt,
-    checkpoint_mle_end.pt and the "end of MLE" column then hold that model and its validation scores. Under
-    torchrun every process reads checkpoint_best.pt, so the save directory must be shared by them."""
-    state = run.state
+    checkpoint_best.pt, written at that validation: `checkpoints.best_path`) back in `trainer`; returns its scores
+    (the latest validation's, `scores`, where the latest is the best). With --lr-decay the phase ends after
+    validations that did not improve, so its last parameters are, by construction, not its best (Bunel et al.
+    start RL from the best validation epoch). The data order and random streams go on from the last step;
+    checkpoint_last.pt, checkpoint_mle_end.pt and the "end of MLE" column then hold that model and its validation
+    scores. `log`: the metrics row's writer; `write`: the progress line's (None: a process that prints nothing).
+    Under torchrun every process reads checkpoint_best.pt, so the save directory must be shared by them."""
     if state.best_step is None or state.best_step >= state.step:
         return scores
-    load_weights(run.trainer, load(run.checkpoints.best_path))  # on the CPU; loading copies it onto the device
-    run.log({"step": state.step, "phase": "schedule", "action": "restore_best", "from_step": state.best_step})
-    if run.is_main:
-        bar.write(f"step {state.step} [mle] RL starts from the best MLE validation (step {state.best_step}, "
-                  f"{run.best_key} {run.checkpoints.best:.4f})")
+    trainer.load_weights(load(checkpoints.best_path))  # on the CPU; loading copies it onto the device
+    log({"step": state.step, "phase": "schedule", "action": "restore_best", "from_step": state.best_step})
+    if write is not None:
+        write(f"step {state.step} [mle] RL starts from the best MLE validation (step {state.best_step}, "
+              f"{best_key} {checkpoints.best:.4f})")
     return dict(state.best_scores) if state.best_scores is not None else scores
 
 
-class MleContinued:
-    """--compare-mle's branch (see the module docstring) for `run`: its branch point, the RL model kept aside
-    while it runs, and the models it tested."""
+def budget_clock(device) -> str:
+    """The stats field --compare-mle's budget is counted in: on CPU this process's CPU time (a shared machine's
+    other processes slow RL's steps and the continuation's unequally in wall time), else wall time (a GPU's work
+    is not the process's CPU time)."""
+    return "cpu_seconds" if device.type == "cpu" else "seconds"
 
-    def __init__(self, run):
-        self.run = run
+
+class MleContinued:
+    """--compare-mle's branch (see the module docstring): its branch point, the RL model kept aside while it
+    runs, and the models it tested. It is given what it runs: the `trainer` it winds back and forth, the run's
+    `state` (its steps, statistics and summary), the folder of its checkpoints, and the run's calls it makes:
+    `step(phase)` (one training step, its row), `validate()` (the validation scores), `save(path=None,
+    phase=None)` (a checkpoint of the run: checkpoint_last.pt, or that file) and `log(row)` (a metrics row);
+    `speaks`: whether this process prints (the main one)."""
+
+    def __init__(self, trainer, state, save_dir, *, step, validate, save, log, speaks: bool):
+        self.trainer, self.state, self.save_dir = trainer, state, save_dir
+        self.step, self.validate, self.save, self.log, self.speaks = step, validate, save, log, speaks
         self.branch: dict | None = None  # the end-of-MLE snapshot
         self.final: dict | None = None  # the RL model, set aside during the comparison
         self.test_models: dict | None = None  # name -> parameters of the compared models
 
     @property
     def branch_path(self):
-        return self.run.save_dir / "checkpoint_mle_end.pt"
+        return self.save_dir / "checkpoint_mle_end.pt"
 
     @property
     def continued_path(self):
-        return self.run.save_dir / "checkpoint_mle_continued.pt"
+        return self.save_dir / "checkpoint_mle_continued.pt"
 
     def save_branch(self) -> None:
         """At the end of the MLE phase: keep the branch point in memory and in checkpoint_mle_end.pt."""
-        self.branch = snapshot(self.run.trainer)
-        self.run.save(path=self.branch_path)
+        self.branch = self.trainer.snapshot()
+        self.save(path=self.branch_path)
 
     def load_branch(self) -> dict | None:
         """The branch point saved by an earlier process of this run (resumed after it), this process's streams."""
@@ -132,23 +144,23 @@ class MleContinued:
     def compare(self, stop) -> int | None:
         """Run the continued-MLE branch, then return to the RL model; the signal (its number) every process
         agreed to stop on during it, where one came (then the RL model stays aside, and nothing is saved)."""
-        run, trainer, state = self.run, self.run.trainer, self.run.state
+        trainer, state = self.trainer, self.state
         branch = self.branch if self.branch is not None else self.load_branch()
         if branch is None:
-            if run.is_main:
+            if self.speaks:
                 print(f"note: no {self.branch_path.name} (the run began before it was saved): MLE continued is "
                       "not compared", flush=True)
             return None
-        clock = run.budget_clock()
+        clock = budget_clock(trainer.device)
         budget = distributed.reduce_max(state.stats["rl"].get(clock, 0.0))  # the slowest process's RL time
-        self.final = snapshot(trainer)
-        restore(trainer, branch)
+        self.final = trainer.snapshot()
+        trainer.restore(branch)
         state.stats[CONTINUED] = {"steps": 0, "seconds": 0.0, "cpu_seconds": 0.0, "skipped": 0, "out_of_memory": 0,
                                   "reward_sum": 0.0, "reward_steps": 0}
-        if run.is_main:
-            print(f"comparison: MLE continued from step {state.mle_end} at lr {run.cfg.rl_lr:g} for {budget:.1f} s "
-                  f"of training steps ({'CPU' if clock == 'cpu_seconds' else 'wall'} time, the RL phase's)",
-                  flush=True)
+        if self.speaks:
+            print(f"comparison: MLE continued from step {state.mle_end} at lr {trainer.cfg.rl_lr:g} for "
+                  f"{budget:.1f} s of training steps ({'CPU' if clock == 'cpu_seconds' else 'wall'} time, the RL "
+                  "phase's)", flush=True)
         scores, signum = self._continue(budget, clock, stop)
         if signum is not None:
             return signum
@@ -157,45 +169,45 @@ class MleContinued:
                                     "skipped": st["skipped"], "steps": st["steps"], "seconds": st["seconds"],
                                     "cpu_seconds": st["cpu_seconds"]}
         self.test_models = {"mle": branch["model"], CONTINUED: host_copy(saved_state(trainer.model))}
-        run.save(path=self.continued_path, phase=CONTINUED)
-        restore(trainer, self.final)
+        self.save(path=self.continued_path, phase=CONTINUED)
+        trainer.restore(self.final)
         self.final, state.compared = None, True
         state.log_step = state.step + st["steps"]
-        run.save()  # checkpoint_last.pt: the RL model again, the comparison done
+        self.save()  # checkpoint_last.pt: the RL model again, the comparison done
         return None
 
     def _continue(self, budget: float, clock: str, stop) -> tuple[dict | None, int | None]:
         """MLE steps at --rl-lr while any process has budget left; validation every --eval-every and at the end.
         Returns the last validation's scores, or the signal that stopped it."""
-        run, start, k, scores = self.run, time.monotonic(), 0, None
+        state, start, k, scores = self.state, time.monotonic(), 0, None
         while True:
             signum = distributed.agree_to_stop(stop.received)
             if signum is not None:
                 return None, signum
-            if distributed.reduce_max(float(run.state.stats[CONTINUED][clock] < budget)) == 0:
+            if distributed.reduce_max(float(state.stats[CONTINUED][clock] < budget)) == 0:
                 break
-            row = run.train_step(CONTINUED)
+            row = self.step(CONTINUED)
             k += 1
-            run.log({"step": run.state.mle_end + k, "phase": CONTINUED, "continued": k,  # numbered from the branch
-                     "since_branch_s": round(time.monotonic() - start, 3), **row})
+            self.log({"step": state.mle_end + k, "phase": CONTINUED, "continued": k,  # numbered from the branch
+                      "since_branch_s": round(time.monotonic() - start, 3), **row})
             scores = None
-            if k % run.cfg.eval_every == 0:
+            if k % self.trainer.cfg.eval_every == 0:
                 scores = self._validate(k, start)
         return (scores if scores is not None else self._validate(k, start)), None
 
     def _validate(self, k: int, start: float) -> dict:
-        run = self.run
-        scores = run.validate()
-        run.log({"step": run.state.mle_end + k, "phase": "eval", "after": CONTINUED, "continued": k,
-                 "since_branch_s": round(time.monotonic() - start, 3), **scores,
-                 "train_s": round(run.state.stats[CONTINUED].get(run.budget_clock(), 0.0), 3)})
-        if run.is_main:
+        state = self.state
+        scores = self.validate()
+        self.log({"step": state.mle_end + k, "phase": "eval", "after": CONTINUED, "continued": k,
+                  "since_branch_s": round(time.monotonic() - start, 3), **scores,
+                  "train_s": round(state.stats[CONTINUED].get(budget_clock(self.trainer.device), 0.0), 3)})
+        if self.speaks:
             print(f"MLE continued +{k} steps valid " + fmt_scores(scores), flush=True)
         return scores
 
     def test_model(self, name: str, state_dict) -> dict:
         """Test scores of a compared model (its parameters loaded for the evaluation, then the final ones back)."""
-        trainer = self.run.trainer
+        trainer = self.trainer
         final = host_copy(saved_state(trainer.model))
         fsdp.load_model(trainer.model, state_dict)
         try:
@@ -208,7 +220,7 @@ class MleContinued:
     def compared_models(self) -> dict:
         """name -> parameters of the models compared with the final one (none without a finished comparison);
         read back from their checkpoints when this process did not run the comparison (a resumed finished run)."""
-        if not self.run.state.compared:
+        if not self.state.compared:
             return {}
         if self.test_models is None:
             try:
@@ -221,5 +233,5 @@ class MleContinued:
     def restore_final(self) -> None:
         """Before saving after a failure mid-comparison: the RL model goes back in place first."""
         if self.final is not None:
-            restore(self.run.trainer, self.final)
+            self.trainer.restore(self.final)
             self.final = None

@@ -36,13 +36,20 @@ FIELDS = ("tokens", "lengths", "owner", "scores", "token_scores")  # a batch's c
 
 
 class PolicyStep:
-    """The policy objective's RL step for a `Trainer` (its model, task, batches, phase_two and update)."""
+    """The policy objective's RL step, given what it runs of its trainer: the model, task and device, the RL batch
+    sampler, the optimizer, the reward and its log, and the trainer's parts of a step (`sources`: training
+    examples as the model reads them; `search`: phase one; `rewards_of`: a batch's rewards; `phase_two`: the
+    chunked re-decoding with gradients; `update`: clip and step; `section` and `autocast`: the step's profiling
+    sections and --amp's autocast)."""
 
-    def __init__(self, trainer):
-        self.t = trainer
+    def __init__(self, cfg, model, task, device, batches, optimizer, reward, reward_log, *, sources, search,
+                 rewards_of, phase_two, update, section, autocast):
+        self.cfg, self.model, self.task, self.device = cfg, model, task, device
+        self.batches, self.optimizer, self.reward, self.reward_log = batches, optimizer, reward, reward_log
+        self.sources, self.search_rows, self.rewards_of = sources, search, rewards_of
+        self.phase_two, self.update, self.section, self.autocast = phase_two, update, section, autocast
         self.generation: dict | None = None  # the current generation (see the module docstring)
         self.reference: Reference | None = None  # the frozen reference, made at the first RL step (or loaded)
-        cfg = getattr(trainer, "cfg", None)
         # --use-adaptive-entropy: the entropy bonus's coefficient, moved after every update (its state checkpointed)
         self.entropy_control = AdaptiveEntropy(cfg.entropy_coef, cfg.entropy_coef_min, cfg.entropy_coef_max,
                                                cfg.entropy_coef_delta, cfg.entropy_target) \
@@ -50,39 +57,38 @@ class PolicyStep:
 
     # ------------------------------------------------------------------ reference
     def ensure_reference(self) -> None:
-        cfg = self.t.cfg
+        cfg = self.cfg
         if cfg.kl_beta != 0 and self.reference is None:  # this is the first RL step: the end-of-MLE model
-            self.reference = Reference.of(self.t.model, cfg.ref_checkpoint, self.t.device, self.t.task.build_model)
+            self.reference = Reference.of(self.model, cfg.ref_checkpoint, self.device, self.task.build_model)
 
     def reference_log_probs(self, source, cand: Samples) -> torch.Tensor:
         """(N, T) the reference's per-token log-probabilities of the candidates, a chunk of rows at a time."""
-        chunk = self.t.cfg.rescore_chunk if self.t.cfg.rescore_chunk != "auto" else REF_CHUNK
-        return self.reference.log_probs(self.t.model, source, cand, chunk, self.t.autocast)
+        chunk = self.cfg.rescore_chunk if self.cfg.rescore_chunk != "auto" else REF_CHUNK
+        return self.reference.log_probs(self.model, source, cand, chunk, self.autocast)
 
     # ------------------------------------------------------------------ generation
     def search(self, batch: list[int]) -> dict:
         """Phase one and rewards of one batch (this process's share of it)."""
-        t = self.t
         idx = distributed.shard(batch)
-        source, examples = t._sources(idx), [t.train[i] for i in idx]
-        t.model.eval()
-        with fsdp.gathered(t.model), t.section("phase 1: search"), t.autocast():  # --fsdp: gathered for the search
-            cand = t.search(source)
-        with t.section("rewards"):
-            rewards = t.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,), NaN: no reward
-            parts = getattr(t.reward, "last", None)  # several rewards: each one's values, for the log
+        source, examples = self.sources(idx), [self.task.train[i] for i in idx]
+        self.model.eval()
+        with fsdp.gathered(self.model), self.section("phase 1: search"), self.autocast():  # --fsdp: gathered
+            cand = self.search_rows(source)
+        with self.section("rewards"):
+            rewards = self.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,), NaN: no reward
+            parts = getattr(self.reward, "last", None)  # several rewards: each one's values, for the log
         return {"idx": idx, "source": source, "cand": cand, "rewards": rewards, "parts": parts or {},
                 "zero": zero_std_groups(rewards, cand.owner, len(idx))}  # (B_local,)
 
-    def new_generation(self) -> dict:
+    def new_generation(self, number: int) -> dict:
         """Phase one and rewards of every batch, then advantages (and dropped groups) and the reference's
-        log-probs with the whole generation's statistics: one generation."""
-        t, cfg = self.t, self.t.cfg
-        batches = [next(t.rl_batches) for _ in range(cfg.grad_accum)]
+        log-probs with the whole generation's statistics: one generation, drawn at step `number` (1-based)."""
+        cfg = self.cfg
+        batches = [next(self.batches) for _ in range(cfg.grad_accum)]
         found = [self.search(batch) for batch in batches]
         cands, rewards = [f["cand"] for f in found], torch.cat([f["rewards"] for f in found])  # (N,) all batches
         lengths = torch.cat([c.lengths for c in cands])
-        ended = sum(int((c.tokens == t.model.eos_id).any(dim=1).sum()) for c in cands)  # rows that produced eos
+        ended = sum(int((c.tokens == self.model.eos_id).any(dim=1).sum()) for c in cands)  # rows that produced eos
         B = sum(len(batch) for batch in batches)
         scored, total, squares = scored_moments(rewards)  # the rewards' moments, None (NaN) left out as TRL's nanstd
         sums = distributed.reduce_sums({"scored": scored, "reward": total, "reward_sq": squares, "rows": len(rewards),
@@ -94,7 +100,7 @@ class PolicyStep:
         for f in found:  # several rewards: each one's values over the generation's batches
             for name, values in f["parts"].items():
                 parts.setdefault(name, []).extend(values)
-        metrics = {**t.reward_log.row(rewards, parts, t.number), "frac_reward_zero_std": sums["zero_std"] / B,
+        metrics = {**self.reward_log.row(rewards, parts, number), "frac_reward_zero_std": sums["zero_std"] / B,
                    "completion_length_mean": sums["length"] / n, "terminated": sums["ended"] / n,
                    "completion_length_min": -distributed.reduce_max(-float(lengths.min())),
                    "completion_length_max": distributed.reduce_max(float(lengths.max()))}
@@ -106,7 +112,7 @@ class PolicyStep:
 
     def part(self, found: dict, batch_std: float) -> dict:
         """One batch of the generation: its candidates, advantages and reference log-probs."""
-        cfg, cand, idx = self.t.cfg, found["cand"], found["idx"]
+        cfg, cand, idx = self.cfg, found["cand"], found["idx"]
         adv = advantages(found["rewards"], cand.owner, len(idx), cfg.baseline or "mean", cfg.advantage_scale,
                          batch_std=batch_std)
         scored = ~torch.isnan(found["rewards"])  # (N,) rows with a reward
@@ -118,11 +124,11 @@ class PolicyStep:
 
     def entropy_coef(self) -> float:
         """The entropy bonus's coefficient of this update: --entropy-coef, or the adaptive controller's."""
-        return self.t.cfg.entropy_coef if self.entropy_control is None else self.entropy_control.applied()
+        return self.cfg.entropy_coef if self.entropy_control is None else self.entropy_control.applied()
 
     def objective(self, gen: dict, part: dict, counts: dict):
         """The token-level objective of one batch, normalised by the whole generation's counts."""
-        cfg = self.t.cfg
+        cfg = self.cfg
         return policy_loss(part["advantages"], part["token_scores"].to(torch.float64), lengths=part["lengths"],
                            loss_type=cfg.loss_type, epsilon=cfg.clip_epsilon, epsilon_high=cfg.clip_epsilon_high,
                            beta=cfg.kl_beta, ref_token_logps=part["ref"],
@@ -144,30 +150,31 @@ class PolicyStep:
 
     def truncated(self, part: dict):
         """(N,) the batch's candidates that end without EOS, with --mask-truncated-completions (else None)."""
-        if not self.t.cfg.mask_truncated_completions:
+        if not self.cfg.mask_truncated_completions:
             return None
-        return truncated_rows(part["tokens"], part["lengths"], self.t.model.eos_id)
+        return truncated_rows(part["tokens"], part["lengths"], self.model.eos_id)
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> dict:
-        """One update (a phase two per batch of the generation, gradients accumulated); a new generation first
-        when the last one has had its --updates-per-generation."""
-        t, cfg = self.t, self.t.cfg
+    def step(self, number: int) -> dict:
+        """Update `number` (1-based; a phase two per batch of the generation, gradients accumulated); a new
+        generation first when the last one has had its --updates-per-generation."""
+        cfg = self.cfg
         self.ensure_reference()
         if self.generation is None or self.generation["used"] >= cfg.updates_per_generation:
-            self.generation = self.new_generation()
+            self.generation = self.new_generation(number)
         gen = self.generation
         counts = distributed.reduce_sums({"rows": sum(len(p["lengths"]) for p in gen["parts"]),
                                           "tokens": sum(int(self.counted_tokens(p)) for p in gen["parts"])})
-        t.model.eval()
-        t.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        self.optimizer.zero_grad(set_to_none=True)
         loss, stats = 0.0, {}
-        with fsdp.gathered(t.model, reduce=True):  # --fsdp: whole parameters for the update, one reduction after
+        with fsdp.gathered(self.model, reduce=True):  # --fsdp: whole parameters for the update, one reduction after
             for part in gen["parts"]:
                 rows = Samples(*(part[k] for k in FIELDS))
                 if len(rows):
                     got = {}  # phase_two counts this call's positions: its own dict
-                    loss += t.phase_two(t._sources(part["idx"]), rows, self.objective(gen, part, counts), stats=got)
+                    loss += self.phase_two(self.sources(part["idx"]), rows, self.objective(gen, part, counts),
+                                           stats=got)
                     for key in ("tokens", "clip_low", "clip_high", "kl", "entropy", "entropy_tokens"):
                         stats[key] = stats.get(key, 0) + got.get(key, 0)
         gen["used"] += 1
@@ -184,7 +191,7 @@ class PolicyStep:
             entropy = total["entropy"] / max(total["entropy_tokens"], 1.0)  # the window's token-weighted mean
             row.update(entropy=entropy, entropy_coef_applied=self.entropy_control.applied(),
                        entropy_coef=self.entropy_control.update(entropy))
-        return {**row, **t.update(total["loss"])}
+        return {**row, **self.update(total["loss"])}
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
@@ -206,11 +213,11 @@ class PolicyStep:
         if gen is not None and "parts" not in gen:  # saved before --grad-accum: one batch, its fields at the top
             gen = {"num_sources": gen["num_sources"], "used": gen["used"], "metrics": gen["metrics"],
                    "parts": [{k: gen[k] for k in ("idx", *FIELDS, "advantages", "ref")}]}
-        self.generation = _moved(gen, self.t.device)
+        self.generation = _moved(gen, self.device)
         if self.entropy_control is not None and "entropy_control" in state:  # its coefficient and last entropy
             self.entropy_control.load_state_dict(state["entropy_control"])
         ref = state.get("reference")
-        self.reference = None if ref is None else Reference.from_state(ref, self.t.model, self.t.task.build_model)
+        self.reference = None if ref is None else Reference.from_state(ref, self.model, self.task.build_model)
 
 
 def _moved(gen: dict | None, device) -> dict | None:

@@ -74,7 +74,7 @@ def summary_table(summary: dict, metrics=()) -> str:
                 cells.append(f"{'-' if v is None or v != v else compact(fmt, v):>16}")
             if any(cell.strip() != "-" for cell in cells):
                 lines.append(f"{prefix + label:{width}}" + "".join(cells))
-    # CUDA's allocated and reserved, or the CPU's resident set (Run.run's summary)
+    # CUDA's allocated and reserved, or the CPU's resident set (Run.train's summary)
     for key, label in [row for row in PEAK_ROWS if row[0] in summary] or [("peak_memory_mb", "peak memory")]:
         lines.append(f"{label:{width}}{summary.get(key, float('nan')):>15.0f}M")
     return "\n".join(lines)

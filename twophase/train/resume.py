@@ -99,31 +99,30 @@ def load_init(model, state: dict, path) -> None:
                          f"({str(err).strip().splitlines()[-1].strip()})") from None
 
 
-def export_model(training):
-    """--export: the model the task's own export writes: the run's last, or checkpoint_best.pt's parameters
-    (where the run has none, the last, with a note). The best is a copy of the model sharing its frozen
-    parameters (a LoRA base: the checkpoint holds the adapters alone), its trainable ones in host memory with the
-    file's values: no second model on the device."""
-    if training.cfg.export != "best":
-        return training.model
-    path = training.checkpoints.best_path
+def export_model(model, export: str, path):
+    """--export (`export`): the model the task's own export writes: the run's last, `model`, or the parameters
+    of its checkpoint_best.pt, `path` (where the run has none, the last, with a note). The best is a copy of the
+    model sharing its frozen parameters (a LoRA base: the checkpoint holds the adapters alone), its trainable ones
+    in host memory with the file's values: no second model on the device."""
+    if export != "best":
+        return model
     if not path.exists():
         print(f"note: --export best: no {path} (no validation improved on the start): exporting the last model",
               file=sys.stderr, flush=True)
-        return training.model
+        return model
     try:
         state = load(path, mmap=True)
     except CheckpointError as err:
         raise ValueError(f"--export best: {err}") from None
     memo = {id(p): p if not p.requires_grad else torch.nn.Parameter(p.detach().to(checkpoint.HOST, copy=True))
-            for p in training.model.parameters()}
-    model = copy.deepcopy(training.model, memo)
+            for p in model.parameters()}
+    best = copy.deepcopy(model, memo)
     try:
-        load_saved(model, state["model"])
+        load_saved(best, state["model"])
     except RuntimeError as err:
         raise ValueError(f"--export best: {path}: its parameters do not fit this run's model "
                          f"({str(err).strip().splitlines()[-1].strip()})") from None
-    return model
+    return best
 
 
 # ------------------------------------------------------------------ the frozen base model

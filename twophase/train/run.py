@@ -3,8 +3,10 @@ progress lines when each is due, the test split at the end, and a clean stop on 
 
 `Run` owns the `Trainer` (the steps, model, optimizer and data streams), one `RunState` (what the run has done)
 and the parts it holds: the checkpoints, the metrics log, the MLE plateau schedule, --rl-from-best and the
---compare-mle control (`mlephase`). A checkpoint is the model, the optimizer and the trainer's streams, plus
-that state (`runstate`).
+--compare-mle control (`mlephase`). It gives each part what it uses, never itself: no part calls back into the
+run. Its interface is a recipe's: `setup` (what the run continues from), `train`, `save` and `cleanup`. A
+checkpoint is the trainer's `state_dict` (the model, the optimizer and its streams), the state's, the plateau
+schedule's and the run's own few fields, composed by `save` in one fixed order (`runstate.KEYS`).
 """
 from __future__ import annotations
 
@@ -23,9 +25,9 @@ from ..rewards import RewardError
 from ..system import distributed, fsdp, memory
 from ..system.profiling import StepProfiler
 from . import runstate
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointManager, save_atomic
 from .evaluation import test_beams, test_scores
-from .mlephase import CONTINUED, MleContinued, Plateau, start_from_best
+from .mlephase import CONTINUED, MleContinued, Plateau, budget_clock, start_from_best
 from .report import ProgressLines, fmt_scores, peak_memory_mb
 from .rundir import MetricsLog
 from .runstate import GracefulStop, Interrupted, RunState
@@ -47,31 +49,28 @@ class Run:
         self.state = RunState(mle_end=cfg.mle_steps)
         self.plateau = Plateau(cfg.lr, cfg.lr_decay, cfg.patience, cfg.min_lr, self.checkpoints.higher_is_better)
         self.comparing = cfg.compare_mle and cfg.rl_steps > 0
-        self.comparison = MleContinued(self)
         self.is_main = distributed.rank() == 0  # the one process that logs, draws the bar and saves
         self.metrics = MetricsLog(self.save_dir / "metrics.jsonl", enabled=self.is_main)
-        self.base_model = None  # the frozen base the saved parameters need (--lora-r: resume.record's)
+        self.comparison = MleContinued(trainer, self.state, self.save_dir, step=self.train_step,
+                                       validate=self.validate, save=self.save, log=self.log, speaks=self.is_main)
+        self.base_model: dict | None = None  # the frozen base the saved parameters need (--lora-r: resume.record's)
 
     @classmethod
     def assemble(cls, cfg, task, model, reward, device: torch.device) -> "Run":
         """The run of this configuration; its RL step's gradient is phase two's, or --one-phase's baseline."""
         return cls(Trainer(cfg, task, model, reward, device, OnePhase() if cfg.one_phase else PhaseTwo()))
 
-    # what callers read of the trainer and the state (read-only: a caller changes the state through `state`)
-    cfg = property(lambda self: self.trainer.cfg)
-    model = property(lambda self: self.trainer.model)
-    task = property(lambda self: self.trainer.task)
-    reward = property(lambda self: self.trainer.reward)
-    device = property(lambda self: self.trainer.device)
-    train = property(lambda self: self.trainer.train)
-    valid = property(lambda self: self.trainer.valid)
-    test = property(lambda self: self.trainer.test)
-    step = property(lambda self: self.state.step)
-    mle_end = property(lambda self: self.state.mle_end)
-    log_step = property(lambda self: self.state.log_step)
-    compared = property(lambda self: self.state.compared)
-    best_step = property(lambda self: self.state.best_step)
-    summary = property(lambda self: self.state.summary)
+    def setup(self, saved: dict | None = None, base_model: dict | None = None) -> None:
+        """Before the first step: the frozen base the saved parameters need (--lora-r: resume.record's), recorded
+        in every checkpoint, and the checkpoint the run continues from (--resume), where there is one."""
+        self.base_model = base_model
+        if saved is not None:
+            self.load_state_dict(saved)
+
+    def cleanup(self) -> None:
+        """After the run, whether it ended or failed: the metrics log's mirror (--tensorboard) closed."""
+        if self.metrics.mirror is not None:
+            self.metrics.mirror.close()
 
     def log(self, row: dict) -> None:
         self.metrics.write(row)  # only the main process's log writes
@@ -83,7 +82,7 @@ class Run:
     @property
     def total(self) -> int:
         """The run's last step: the end of MLE (--mle-steps, or earlier where --lr-decay stopped it) plus RL's."""
-        return self.state.mle_end + self.cfg.rl_steps
+        return self.state.mle_end + self.trainer.cfg.rl_steps
 
     def validate(self) -> dict:
         try:
@@ -91,20 +90,15 @@ class Run:
         except ModelError as err:
             raise ModelError(f"validation after step {self.state.step}: {err}") from None
 
-    def budget_clock(self) -> str:
-        """The stats field --compare-mle's budget is counted in: on CPU this process's CPU time (a shared
-        machine's other processes slow RL's steps and the continuation's unequally in wall time), else wall time
-        (a GPU's work is not the process's CPU time)."""
-        return "cpu_seconds" if self.device.type == "cpu" else "seconds"
-
     # ------------------------------------------------------------------ one step
     def train_step(self, phase: str) -> dict:
         """One step of the phase (mle, rl or mle-continued, the comparison's); a non-finite loss or gradient skips
         the update (counted; too many in a row stop the run with a crash checkpoint)."""
-        cfg, trainer, state = self.cfg, self.trainer, self.state
+        trainer, state = self.trainer, self.state
+        cfg = trainer.cfg
         profiled = cfg.profile_memory and phase != CONTINUED  # the profile is of the run's own steps
         trainer.start_step(state.step + 1, self.plateau.lr if phase == "mle" else cfg.rl_lr,
-                           StepProfiler(self.device) if profiled else None)
+                           StepProfiler(trainer.device) if profiled else None)
         start, cpu_start = time.perf_counter(), time.process_time()
         row = None  # None after an out-of-memory error
         try:
@@ -142,7 +136,7 @@ class Run:
             state.bad_in_a_row = 0
         elif outcome is not None:
             state.bad_in_a_row += outcome == "bad"
-            if state.bad_in_a_row > self.cfg.max_bad_steps:
+            if state.bad_in_a_row > self.trainer.cfg.max_bad_steps:
                 self.save(crash=True)
                 raise Interrupted(3, f"{state.bad_in_a_row} non-finite steps in a row at step {state.step + 1}; "
                                      f"saved {self.save_dir / 'checkpoint_crash.pt'} (parameters from before them)")
@@ -150,12 +144,13 @@ class Run:
     def skip_out_of_memory(self, phase: str) -> dict:
         """Out of memory outside phase two's chunks (those halve themselves and retry): drop this batch with a
         memory summary on stderr, count it, and go on with the next."""
+        device = self.trainer.device
         self.trainer.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            summary = torch.cuda.memory_summary(self.device, abbreviated=True)
+        if device.type == "cuda":
+            summary = torch.cuda.memory_summary(device, abbreviated=True)
             oom.release()
         else:
-            summary = f"peak memory {peak_memory_mb(self.device):.0f} MB"
+            summary = f"peak memory {peak_memory_mb(device):.0f} MB"
         stats = self.state.stats[phase]
         stats["out_of_memory"] += 1
         print(f"step {self.state.step + 1} [{phase}]: out of memory, batch skipped ({stats['out_of_memory']} so "
@@ -163,8 +158,10 @@ class Run:
         return {"loss": None, "skipped": 1, "out_of_memory": 1}  # None: metrics.jsonl stays strict JSON
 
     # ------------------------------------------------------------------ the run
-    def run(self) -> dict:
-        cfg, state = self.cfg, self.state
+    def train(self) -> dict:
+        """The run's steps from where it stands to the end (then the comparison and the test split, each when
+        asked for); the closing table's summary."""
+        cfg, state = self.trainer.cfg, self.state
         total = self.total
         # disable=None: a bar on a terminal, nothing in log files; only the main process draws one.
         bar = tqdm(total=total, initial=state.step, desc="train", dynamic_ncols=True, mininterval=1.0,
@@ -208,8 +205,9 @@ class Run:
             self.save()
             raise Interrupted(128 + signum, f"stopped by signal {signum} after step {state.step}; "
                                             f"saved {self.save_dir / 'checkpoint_last.pt'} (--resume continues)")
-        state.summary["peak_memory_mb"] = peak_memory_mb(self.device)  # CUDA's allocated, or the RSS
-        state.summary.update(memory.overall_mb(self.device))  # and on CUDA the reserved: the closing table's rows
+        device = self.trainer.device
+        state.summary["peak_memory_mb"] = peak_memory_mb(device)  # CUDA's allocated, or the RSS
+        state.summary.update(memory.overall_mb(device))  # and on CUDA the reserved: the closing table's rows
         return state.summary
 
     def saved_after(self, err: RewardError) -> RewardError:
@@ -227,15 +225,15 @@ class Run:
     def evaluate_test(self) -> None:
         """The test split, once per model: the final one (the summary's "test"), and after --compare-mle the
         end-of-MLE and continued-MLE models too; one "test" metrics row each, naming the model."""
-        if self.test is None:
+        t, state = self.trainer, self.state
+        if t.test is None:
             return
-        cfg, state = self.cfg, self.state
+        cfg = t.cfg
         final = "rl" if cfg.rl_steps > 0 else "mle"
         tests = {name: self.comparison.test_model(name, params)
                  for name, params in self.comparison.compared_models().items()}
-        with fsdp.gathered(self.model):
-            tests[final] = test_scores(self.model, self.task, self.test, self.reward, test_beams(cfg), cfg.max_len,
-                                       self.device)
+        with fsdp.gathered(t.model):
+            tests[final] = test_scores(t.model, t.task, t.test, t.reward, test_beams(cfg), cfg.max_len, t.device)
         state.summary["test"], state.summary["tests"] = tests[final], tests
         steps = {"mle": state.mle_end, final: state.step,  # each row carries its model's step
                  CONTINUED: state.mle_end + state.summary.get(CONTINUED, {}).get("steps", 0)}
@@ -247,19 +245,20 @@ class Run:
     def after_step(self, phase: str, bar) -> None:
         """Validation (and checkpoint_best.pt when it improves, and the --lr-decay schedule during MLE), phase
         summary and checkpoints, each when due."""
-        cfg, state = self.cfg, self.state
+        cfg, state = self.trainer.cfg, self.state
         scores = None
         if state.step % cfg.eval_every == 0 or state.step in (state.mle_end, self.total):
             scores = self.validate()
             self.log({"step": state.step, "phase": "eval", "after": phase, **scores,
-                      "train_s": round(state.stats[phase].get(self.budget_clock(), 0.0), 3)})
+                      "train_s": round(state.stats[phase].get(budget_clock(self.trainer.device), 0.0), 3)})
             if self.is_main:
                 bar.write(f"step {state.step} [{phase}] valid " + fmt_scores(scores))
             self.save_best(scores)
             if phase == "mle":
                 self.schedule(scores, bar)
         if state.step == state.mle_end and phase == "mle" and cfg.rl_from_best:
-            scores = start_from_best(self, scores, bar)
+            scores = start_from_best(self.trainer, state, self.checkpoints, self.best_key, scores, self.log,
+                                     bar.write if self.is_main else None)
         phase_end = state.step in (state.mle_end, self.total)
         if phase_end:
             st = state.stats[phase]
@@ -284,19 +283,63 @@ class Run:
             self.state.mle_end = step
         self.log({"step": step, "phase": "schedule", "action": action, "lr": self.plateau.lr})
         if self.is_main:
-            bar.write(f"step {step} [mle] " + (f"no better {self.best_key} in {self.cfg.patience} validations: lr "
+            patience = self.trainer.cfg.patience
+            bar.write(f"step {step} [mle] " + (f"no better {self.best_key} in {patience} validations: lr "
                                                f"{self.plateau.lr:g}" if action == "decay" else
                                                f"MLE phase ends ({self.best_key} no better at the lowest rate)"))
 
-    # ------------------------------------------------------------------ checkpoints (runstate)
-    def state_dict(self, whole: tuple | None = None, policy: dict | None = None) -> dict:
-        return runstate.state_dict(self, whole, policy)
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """The run's checkpoint: the trainer's part, the state's, the plateau schedule's and the run's own (the
+        phase, the elapsed time, the frozen base), in the order of `runstate.KEYS`. A collective (the trainer's
+        part): every process calls it."""
+        s = self.state
+        own = {"phase": self.phase_at(s.step - 1) if s.step else "mle", "elapsed_s": self.metrics.elapsed,
+               "schedule": self.plateau.state_dict(),
+               **({"base_model": self.base_model} if self.base_model else {})}
+        return runstate.layout(self.trainer.state_dict(), s.state_dict(), own)
 
     def save(self, best: bool = False, crash: bool = False, path=None, phase: str | None = None) -> None:
-        runstate.save(self, best, crash, path, phase)
+        """checkpoint_last.pt and a step checkpoint (best: checkpoint_best.pt instead; crash: checkpoint_crash.pt;
+        path: that file alone, e.g. --compare-mle's branch point; phase: what the state says it is the end of).
+        Every process calls this at the same step: rank 0's checkpoint gathers every process's RNG streams, so a
+        resumed multi-process run continues exactly too."""
+        state = self.state_dict()  # a collective
+        if not self.is_main:
+            return
+        if phase is not None:
+            state["phase"] = phase
+        if path is not None:
+            save_atomic({**state, "best_metric": self.checkpoints.best}, path)
+        elif crash:
+            save_atomic(state, self.save_dir / "checkpoint_crash.pt")
+        elif best:
+            self.checkpoints.write_best(state)
+        else:
+            self.checkpoints.save(state, self.state.step)
 
     def save_best(self, scores: dict) -> None:
-        runstate.save_best(self, scores)
+        """checkpoint_best.pt at every validation that improves the --best-metric score. Every process calls this
+        (the scores are reduced, so all take the same decision) and keeps `best` for the next comparison."""
+        metric = scores.get(self.best_key)
+        if self.checkpoints.improves(metric):
+            self.checkpoints.best, self.state.best_step = float(metric), self.state.step
+            self.state.best_scores = dict(scores)  # --rl-from-best reports them for the model it restores
+            self.save(best=True)
 
-    def load_state(self, saved: dict) -> None:
-        runstate.load_state(self, saved)
+    def load_state_dict(self, saved: dict) -> None:
+        """Continue exactly where `saved` was saved: the run's state, and the trainer's parameters, optimizer,
+        data order and every random stream."""
+        s, cfg = self.state, self.trainer.cfg
+        s.load_state_dict(saved)
+        self.checkpoints.best = saved.get("best_metric")
+        self.metrics.resume_at(saved.get("elapsed_s", 0.0))
+        if "schedule" in saved:  # saved by a version without --lr-decay: the rate starts afresh
+            self.plateau.load_state_dict(saved["schedule"])
+        if cfg.lr_decay >= 1:  # a constant rate: this run's --lr, as before the schedule existed
+            self.plateau.lr = cfg.lr
+        if not self.plateau.stopped:  # an MLE phase the schedule ended early stays ended; else --mle-steps decides
+            s.mle_end = cfg.mle_steps
+        if s.step < self.total:  # more steps asked for: a comparison after the shorter run no longer applies
+            s.compared, s.log_step = False, s.step
+        self.trainer.load_state_dict(saved)

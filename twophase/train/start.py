@@ -219,22 +219,22 @@ def refuse_against_checkpoint(cfg, start: dict | None) -> None:
 def start_run_dir(training, state: dict | None, recipe: dict) -> None:
     """A resumed run sets aside the checkpoints of later steps (never deleted) and cuts its logs back to the
     checkpoint (one run, one log: rows of steps after it were lost with it); every run writes config.json."""
-    cfg = training.cfg
+    cfg = training.trainer.cfg
     if state is not None:
-        aside = rundir.set_aside(training.save_dir, training.step)
+        aside = rundir.set_aside(training.save_dir, training.state.step)
         if aside is not None:
-            print(f"note: continuing from step {training.step}: the checkpoints of later steps were moved to {aside} "
+            print(f"note: continuing from step {training.state.step}: the checkpoints of later steps were moved to "
+                  f"{aside} "
                   "(with a copy of metrics.jsonl); nothing was deleted", flush=True)
         for log in rundir.LOGS:
-            rundir.cut_back(training.save_dir / log, training.step, training.compared)
+            rundir.cut_back(training.save_dir / log, training.state.step, training.state.compared)
     rundir.write_config(training.save_dir, cfg, recipe, resume.resume_path(cfg) or cfg.init_from)
 
 
 def evaluate(training) -> dict:
     """--eval-only: the checkpoint's model on the validation data (--valid-size's share) and the test data."""
-    cfg = training.cfg
+    t = training.trainer
     scores = {"valid": training.validate()}
-    if training.test is not None:
-        scores["test"] = validate(training.model, training.task, training.test, training.reward, cfg.eval_beam,
-                                  cfg.max_len, training.device)
+    if t.test is not None:
+        scores["test"] = validate(t.model, t.task, t.test, t.reward, t.cfg.eval_beam, t.cfg.max_len, t.device)
     return scores

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import math
 import random
+from dataclasses import asdict
 
 import torch
 
@@ -33,6 +34,8 @@ from ..system.profiling import ChunkPlanner
 from ..tasks.base import Example, Task
 from ..tasks.data import BatchSampler
 from ..vocab import pad_targets
+from .checkpoint import (host_copy, python_rng_state, rng_state, set_generator_state, set_python_rng_state,
+                         set_rng_state)
 from .evaluation import completion_ids, score, validate, with_references
 from .policy_step import PolicyStep
 from .report import RewardLog
@@ -74,13 +77,17 @@ class Trainer:
         self.scaler = amp.grad_scaler(cfg.amp, device)
         self.chunk_planner = ChunkPlanner(parse_size(cfg.memory_budget)) if cfg.rescore_chunk == "auto" else None
         self.last_chunk = cfg.rescore_chunk
-        self.policy = PolicyStep(self) if cfg.objective == "policy" else None  # --objective policy's generations
         self.reward_log = RewardLog(reward)  # the RL rows' reward figures, and the warning of a step scoring nothing
         # What start_step sets for each step: its number (1-based, for messages), learning rate, --profile-memory's
         # profiler, phase two's counts (decoded prefix-tree nodes, candidate positions) and the update's outcome.
         self.number, self.lr, self.profiler, self.step_counts, self.update_outcome = 1, cfg.lr, None, {}, None
         # A caller's hook around each timed part of a step: timer(part) -> a context manager (bench.steptimes)
         self.timer = None
+        # --objective policy's generations: given the trainer's parts its step runs, not the trainer
+        self.policy = PolicyStep(cfg, model, task, device, self.rl_batches, self.optimizer, reward, self.reward_log,
+                                 sources=self._sources, search=self.search, rewards_of=self.rewards_of,
+                                 phase_two=self.phase_two, update=self.update, section=self.section,
+                                 autocast=self.autocast) if cfg.objective == "policy" else None
 
     def start_step(self, number: int, lr: float, profiler=None) -> None:
         """Before step `number`: its learning rate, --profile-memory's profiler (None: not profiled), fresh counts."""
@@ -140,7 +147,7 @@ class Trainer:
     def rl_step(self) -> dict:
         """One update from --grad-accum batches of B sources, every loss averaged over all N*B of them."""
         if self.policy is not None:  # token-level objective, several updates per generation (policy_step)
-            return self.policy.step()
+            return self.policy.step(self.number)
         self.optimizer.zero_grad(set_to_none=True)
         loss, rewards, parts = 0.0, [], {}
         with fsdp.gathered(self.model, reduce=True):  # --fsdp: whole parameters for the step, one reduction after
@@ -281,6 +288,74 @@ class Trainer:
         self.update_outcome = "bad" if amp.counts_as_bad(loss, scale) else "skipped"
         return {"grad_norm": norm, "skipped": 1}
 
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """The trainer's part of a checkpoint: the parameters (LoRA: the adapters alone), the optimizer, the
+        configuration and task it trains, the data order of both phases, every random stream (several processes:
+        each one's, in "rank_rngs"), --objective policy's generation and fp16's loss scale. A collective: every
+        process calls it (--fsdp gathers whole tensors, the policy and the streams are gathered too)."""
+        rank_rngs = distributed.gather_objects({"rng": rng_state(), "sampling_rng": self.sampling.get_state()})
+        if fsdp.is_sharded(self.model):  # a single process's layout, gathered by every process
+            model, optimizer = fsdp.full_model_state(self.model), fsdp.full_optimizer_state(self.optimizer)
+        else:
+            model, optimizer = fsdp.saved_state(self.model), self.optimizer.state_dict()
+        policy = self.policy.state_dict() if self.policy is not None else None
+        task = self.task
+        return {"model": model, "optimizer": optimizer, "config": asdict(self.cfg),
+                "task": {"spec": task.spec, "state": task.state_dict(),
+                         "origin": getattr(task, "origin", None)},  # where a plug-in was imported from
+                "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
+                "mle_batches": self.mle_batches.state_dict() if self.mle_batches else None,
+                "rl_batches": self.rl_batches.state_dict(), "presenting": python_rng_state(self.presenting),
+                **({"policy": policy} if policy is not None else {}),
+                **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {}),  # floats and ints
+                **({"world_size": len(rank_rngs), "rank_rngs": rank_rngs} if len(rank_rngs) > 1 else {})}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's parameters, optimizer, data order, --objective policy's generation and every random
+        stream (rank r's where the checkpoint has as many processes' as run now)."""
+        self.load_weights(state)
+        if self.mle_batches is not None and state["mle_batches"] is not None:
+            self.mle_batches.load_state_dict(state["mle_batches"])
+        self.rl_batches.load_state_dict(state["rl_batches"])
+        if self.policy is not None and "policy" in state:  # mid-generation: its candidates
+            self.policy.load_state_dict(state["policy"])
+        if "presenting" in state:  # the same on every process (Task.present's stream)
+            set_python_rng_state(state["presenting"], self.presenting)
+        saved = state.get("rank_rngs") or [{"rng": state["rng"], "sampling_rng": state["sampling_rng"]}]
+        if len(saved) != distributed.world() and distributed.rank() > 0:
+            return  # resumed on another number of processes: continues, though not bit-identically
+        mine = saved[distributed.rank()] if len(saved) == distributed.world() else saved[0]
+        set_rng_state(mine["rng"])
+        set_generator_state(self.sampling, mine["sampling_rng"])
+
+    def load_weights(self, state: dict) -> None:
+        """Parameters (LoRA: the adapters alone; --fsdp: into each process's shards), optimizer and fp16's scale."""
+        fsdp.load_model(self.model, state["model"])
+        fsdp.load_optimizer(self.model, self.optimizer, state["optimizer"])
+        if self.scaler is not None and "scaler" in state:  # a run saved without --amp fp16 starts a fresh scale
+            self.scaler.load_state_dict(state["scaler"])
+
+    def snapshot(self) -> dict:
+        """What the next step depends on, copied into CPU memory (this process's random streams only): held for
+        a whole phase (--compare-mle's branch point), a copy on the device would cost it a second model and
+        optimizer. Of the model, what a checkpoint holds (with LoRA the adapters alone: the base does not
+        change)."""
+        state = {"model": fsdp.saved_state(self.model), "optimizer": self.optimizer.state_dict(),
+                 "mle_batches": self.mle_batches.state_dict(), "rl_batches": self.rl_batches.state_dict(),
+                 "rng": rng_state(), "sampling_rng": self.sampling.get_state(),
+                 **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}
+        return host_copy(state)
+
+    def restore(self, snap: dict) -> None:
+        """Back to a snapshot (or a checkpoint's fields of the same names, this process's streams)."""
+        self.load_weights(snap)
+        self.mle_batches.load_state_dict(snap["mle_batches"])
+        self.rl_batches.load_state_dict(snap["rl_batches"])
+        set_rng_state(snap["rng"])
+        set_generator_state(self.sampling, snap["sampling_rng"])
+
+    # ------------------------------------------------------------------ validation
     def validate(self) -> dict:
         cfg = self.cfg
         with fsdp.gathered(self.model):
