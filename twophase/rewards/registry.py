@@ -12,11 +12,12 @@ whatever the caller knows.
 
 ``get(name)`` resolves a name to a reward, in this order:
 
-* ``"hf:FOLDER"``, or a folder holding a config.json, is a Hugging Face reward model (``twophase.rewards.hfmodel``);
+* ``"hf:FOLDER"`` is a Hugging Face reward model (``twophase.rewards.hfmodel``);
 * ``"package.module:callable"`` is imported directly (from ``sys.path``, then the working directory: see
   ``twophase.plugins``), so a one-off reward needs no packaging;
 * otherwise the ``twophase.rewards`` entry-point group, so installed third-party plug-ins are found by name;
-* otherwise the built-ins below, so a plain checkout works without ``pip install``.
+* otherwise the built-ins below, so a plain checkout works without ``pip install``;
+* otherwise a folder holding a config.json, a reward model as with ``hf:``.
 
 Whatever it returns is wrapped by ``validated``, so a faulty plug-in fails with a one-line ``RewardError``
 naming it instead of corrupting a training run with a wrong-length or NaN reward vector.
@@ -129,7 +130,7 @@ def get(name: str, device: Any = None, causal: bool = False) -> Reward:
     (source, hypothesis) pair; other rewards ignore both."""
     from . import hfmodel  # no transformers until a reward model is built
 
-    if hfmodel.is_folder_spec(name):
+    if name.startswith(hfmodel.PREFIX):
         fn = hfmodel.RewardModel(name, device, causal)
     elif ":" in name:
         try:
@@ -140,6 +141,8 @@ def get(name: str, device: Any = None, causal: bool = False) -> Reward:
         fn = _load_entry_point(name)
         if fn is None:
             fn = BUILTINS.get(name)
+        if fn is None and hfmodel.is_folder_spec(name):  # a folder never hides a reward of that name
+            fn = hfmodel.RewardModel(name, device, causal)
         if fn is None:
             raise RewardError(f"unknown reward '{name}'; available: {', '.join(available())}")
     if not callable(fn):
