@@ -159,6 +159,7 @@ def test_weighted_with_another_reward_named_by_the_folder_as_trl_names_reward_mo
     (lambda d: _save(d / "two", "gpt2", num_labels=2), "num_labels=2"),
     (lambda d: _lm(d / "lm"), "not a sequence-classification model (GPT2LMHeadModel)"),
     (lambda d: _without_tokenizer(d / "no_tok"), "no tokenizer"),
+    (lambda d: _headless(d / "headless"), "the folder's weights lack score.weight"),
 ])
 def test_a_folder_that_is_not_a_reward_model_is_refused_in_one_line(make, match, folders, capsys, tmp_path):
     folder = make(tmp_path)
@@ -170,6 +171,17 @@ def test_a_folder_that_is_not_a_reward_model_is_refused_in_one_line(make, match,
 
 def _lm(folder):
     hf_tiny.save(folder, "gpt2")
+    return folder
+
+
+def _headless(folder):
+    """A classifier's folder whose weights lack its head (a base model's saved under a classifier's config)."""
+    from safetensors.torch import load_file, save_file
+
+    _save(folder, "gpt2")
+    weights = load_file(folder / "model.safetensors")
+    del weights["score.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
 
 
