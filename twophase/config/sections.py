@@ -187,7 +187,8 @@ class RLConfig:
                                   "to the run; the final model stays RL's (--no-compare-mle: skip it)", resume=FREE)
     mle_weight: float = arg(0.0, "lambda of the mixed objective lambda*MLE + (1-lambda)*RL", minimum=0.0)
     reward: str | None = arg(None, "registered reward plug-in (bleu, chrf, exact, edit, ...) or "
-                                   "package.module:callable (TRL's reward signature works too), or a comma-separated "
+                                   "package.module:callable (TRL's reward signature works too) or hf:FOLDER (a sequence-"
+                                   "classification reward model, docs/plugins.md), or a comma-separated "
                                    "list of them, summed (--reward-weights); default: the task's (edit for g2p "
                                    "and tsv)")
     reward_weights: str | None = arg(None, "the weights of several rewards summed (--reward a,b,c), e.g. "

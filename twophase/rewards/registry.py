@@ -12,10 +12,12 @@ whatever the caller knows.
 
 ``get(name)`` resolves a name to a reward, in this order:
 
+* ``"hf:FOLDER"`` is a Hugging Face reward model (``twophase.rewards.hfmodel``);
 * ``"package.module:callable"`` is imported directly (from ``sys.path``, then the working directory: see
   ``twophase.plugins``), so a one-off reward needs no packaging;
 * otherwise the ``twophase.rewards`` entry-point group, so installed third-party plug-ins are found by name;
-* otherwise the built-ins below, so a plain checkout works without ``pip install``.
+* otherwise the built-ins below, so a plain checkout works without ``pip install``;
+* otherwise a folder holding a config.json, a reward model as with ``hf:``.
 
 Whatever it returns is wrapped by ``validated``, so a faulty plug-in fails with a one-line ``RewardError``
 naming it instead of corrupting a training run with a wrong-length or NaN reward vector.
@@ -33,13 +35,10 @@ from typing import Any, Callable
 
 from ..plugins import PluginError, brief, load_spec
 from .trlstyle import Call, is_trl_style
+from .errors import RewardError
 
 Reward = Callable[..., list[float]]  # (hypotheses, references, **context) -> one float per hypothesis
 GROUP = "twophase.rewards"
-
-
-class RewardError(ValueError):
-    """A reward could not be found, loaded or run; the message is one line naming the plug-in."""
 
 
 @functools.cache
@@ -124,9 +123,16 @@ def _load_entry_point(name: str) -> Any | None:
         raise RewardError(f"reward '{name}': cannot load entry point '{ep.value}' ({brief(exc)})") from exc
 
 
-def get(name: str) -> Reward:
-    """Resolve ``name`` (a ``module:callable`` spec, an entry point or a built-in) to a validated reward."""
-    if ":" in name:
+def get(name: str, device: Any = None, causal: bool = False) -> Reward:
+    """Resolve ``name`` (a reward model's folder, a ``module:callable`` spec, an entry point or a built-in) to a
+    validated reward. A reward model (``hf:FOLDER``, or a folder holding a config.json: ``rewards.hfmodel``) runs
+    on ``device`` and scores prompt + completion where ``causal`` (the task's model is a causal LM), else the
+    (source, hypothesis) pair; other rewards ignore both."""
+    from . import hfmodel  # no transformers until a reward model is built
+
+    if name.startswith(hfmodel.PREFIX):
+        fn = hfmodel.RewardModel(name, device, causal)
+    elif ":" in name:
         try:
             fn = load_spec(name, "reward")
         except PluginError as err:
@@ -135,6 +141,8 @@ def get(name: str) -> Reward:
         fn = _load_entry_point(name)
         if fn is None:
             fn = BUILTINS.get(name)
+        if fn is None and hfmodel.is_folder_spec(name):  # a folder never hides a reward of that name
+            fn = hfmodel.RewardModel(name, device, causal)
         if fn is None:
             raise RewardError(f"unknown reward '{name}'; available: {', '.join(available())}")
     if not callable(fn):

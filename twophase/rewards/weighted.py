@@ -16,10 +16,13 @@ from typing import Any, Callable
 
 def display_names(specs: list[str], rewards: list[Callable]) -> list[str]:
     """Each reward's name in the logs: the function's name for `module:callable` (as TRL names its reward
-    functions), else the registered name; a repeated name gets a suffix _2, _3, ..."""
+    functions), a reward model's folder name (as TRL's), else the registered name; a repeated name gets a suffix
+    _2, _3, ..."""
+    from .hfmodel import is_folder_spec
+
     names, seen = [], {}
     for spec, fn in zip(specs, rewards):
-        name = getattr(fn, "__name__", spec) if ":" in spec else spec
+        name = getattr(fn, "__name__", spec) if ":" in spec or is_folder_spec(spec) else spec
         seen[name] = seen.get(name, 0) + 1
         names.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
     return names
@@ -71,18 +74,19 @@ def mean_std(sums: dict[str, float], names: list[str]) -> dict[str, float | None
     return out
 
 
-def from_flags(spec: str, weights: str | None):
+def from_flags(spec: str, weights: str | None, device: Any = None, causal: bool = False):
     """The reward `--reward spec [--reward-weights weights]` names: one plug-in, or a WeightedSum of the
-    comma-separated plug-ins (weights 1 unless given, one per reward). RewardError (one line) on bad input."""
+    comma-separated plug-ins (weights 1 unless given, one per reward); a reward model among them on `device`,
+    scoring prompt + completion where `causal` (see `registry.get`). RewardError (one line) on bad input."""
     from .registry import RewardError, get
 
     specs = [s.strip() for s in spec.split(",")]
     if not all(specs):
         raise RewardError(f"--reward {spec}: an empty reward name in the list")
     if weights is None and len(specs) == 1:
-        return get(specs[0])
+        return get(specs[0], device, causal)
     values = parse_weights(weights, len(specs), "--reward-weights", f"reward of --reward {spec}")
-    rewards = [get(s) for s in specs]
+    rewards = [get(s, device, causal) for s in specs]
     return WeightedSum(rewards, values, display_names(specs, rewards))
 
 

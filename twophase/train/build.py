@@ -130,7 +130,8 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     check_task_flags(task, given)
     cfg.save_dir = cfg.save_dir or default_save_dir(task)
     cfg.reward = cfg.reward or task.default_reward
-    reward = weighted.from_flags(cfg.reward, cfg.reward_weights) if reward is None else \
+    causal = getattr(task, "causal", False)  # a reward model scores prompt + completion, else (source, hypothesis)
+    reward = weighted.from_flags(cfg.reward, cfg.reward_weights, device, causal) if reward is None else \
         reward_of(reward, cfg.reward, cfg.reward_weights)  # before loading data: a typo fails in a second
     cfg.best_metric = resolve_best_metric(cfg, task)
     if cfg.tensorboard:
