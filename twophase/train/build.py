@@ -13,7 +13,7 @@ import sys
 import torch
 
 from ..system import amp, devices, distributed, fsdp
-from . import report, resume, rundir
+from . import report, resume, rundir, teacher
 from .start import (batch_warnings, changed_fields, check_model_on_a_batch, check_references, check_reward_references,
                     check_task_flags, init_state, recipe_defaults, refuse_against_checkpoint, resume_state,
                     start_run_dir)
@@ -180,6 +180,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if distributed.rank() == 0:
         rundir.remove(stale)  # --overwrite's old run; the residue of writes a killed process left
     training = Run.assemble(cfg, task, model, reward, device)
+    training.trainer.teacher = teacher.load(cfg, task, model, device)  # --objective distill's, else None
     training.base_model = base  # recorded in every checkpoint (runstate)
     if state is not None:
         training.load_state(state)

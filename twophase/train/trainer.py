@@ -33,6 +33,7 @@ from ..system.profiling import ChunkPlanner
 from ..tasks.base import Example, Task
 from ..tasks.data import BatchSampler
 from ..vocab import pad_targets
+from . import teacher
 from .evaluation import completion_ids, score, validate, with_references
 from .policy_step import PolicyStep
 from .report import RewardLog
@@ -75,6 +76,7 @@ class Trainer:
         self.chunk_planner = ChunkPlanner(parse_size(cfg.memory_budget)) if cfg.rescore_chunk == "auto" else None
         self.last_chunk = cfg.rescore_chunk
         self.policy = PolicyStep(self) if cfg.objective == "policy" else None  # --objective policy's generations
+        self.teacher = None  # --objective distill's frozen teacher (`teacher.load`, set by build)
         self.reward_log = RewardLog(reward)  # the RL rows' reward figures, and the warning of a step scoring nothing
         # What start_step sets for each step: its number (1-based, for messages), learning rate, --profile-memory's
         # profiler, phase two's counts (decoded prefix-tree nodes, candidate positions) and the update's outcome.
@@ -232,6 +234,8 @@ class Trainer:
     def coefficients(self, cand: Samples, rewards, source, examples: list[Example], num_sources: int) -> torch.Tensor:
         """num_sources: the global batch size, which every loss is averaged over (cand.owner indexes src)."""
         cfg, B = self.cfg, num_sources
+        if cfg.objective == "distill":  # the teacher's distributions are the signal, not the rewards
+            return teacher.objective(self.teacher, cfg, cand)
         if cfg.objective == "beam":
             return objectives.beam(rewards, cand.scores, cand.owner, B, tokens=cand.tokens)
         if cfg.objective == "mrt":
