@@ -82,3 +82,24 @@ def test_teacher_of_another_vocabulary_is_refused(data, tmp_path, capsys, one_th
     capsys.readouterr()
     _fails_with_one_line([*flags, *TINY, *DISTILL, "--teacher", str(other / "checkpoint_last.pt"), "--mle-steps",
                           "1", "--rl-steps", "1", "--save-dir", str(tmp_path / "x")], capsys, "vocabulary")
+
+
+def test_a_hugging_face_folder_teaches_a_t5_student(tmp_path, one_thread, monkeypatch):
+    """--hf-model student, --teacher a wider T5 folder of the same tokenizer: one MLE and two RL steps."""
+    pytest.importorskip("transformers")
+    import hf_tiny
+
+    hf_tiny.save(tmp_path / "student", "t5", seed=1)
+    teacher = hf_tiny.seq2seq("t5", seed=2, width=24)
+    teacher.save_pretrained(tmp_path / "teacher")
+    lines = [("a b c", "c b a"), ("d e", "e d"), ("f g h", "h g f"), ("b d", "d b"), ("g a", "a g")]
+    for name in ("train.tsv", "valid.tsv"):
+        (tmp_path / name).write_text("".join(f"{s}\t{t}\n" for s, t in lines))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--train", "train.tsv", "--valid", "valid.tsv", "--hf-model", "student", "--teacher",
+                     "teacher", "--objective", "distill", "--sampler", "sample", "--distill-beta", "0",
+                     "--batch-size", "3", "--mle-batch-size", "5", "--beam-size", "2", "--max-len", "6",
+                     "--mle-steps", "1", "--rl-steps", "2", "--no-compare-mle", "--eval-every", "100",
+                     "--save-dir", "run"]) == 0
+    rl = _rl_rows(tmp_path / "run")
+    assert len(rl) == 2 and all(r["loss"] > 0 for r in rl)
