@@ -101,7 +101,7 @@ REFUSALS = [
      "--sapo-temperature-neg applies to --loss-type sapo only, not dapo"),
     (dict(objective="policy", entropy_target=0.5), "--entropy-target applies with --use-adaptive-entropy only"),
     (dict(include_reference=True, objective="mrt"),
-     "--include-reference applies to --objective beam only, not --objective mrt"),
+     "--include-reference applies to --objective beam or distill only, not --objective mrt"),
     (dict(temperature=0.5), "--temperature applies to --sampler sample only, not --sampler beam"),
     (dict(mrt_alpha=0.2), "--mrt-alpha applies to --objective mrt only, not --objective beam"),
 ]

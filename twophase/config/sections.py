@@ -202,11 +202,11 @@ class RLConfig:
                                          "holds counted once), as Bunel et al.'s RL_beam; with --objective distill "
                                          "the references are distilled beside the candidates (GKD's mixed data)",
                                   only=Only("objective", ("beam", "distill")))
-    teacher: str | None = arg(None, "--objective distill's teacher: a twophase checkpoint (.pt, the built-in "
+    teacher: str | None = arg(None, "the teacher to distil: a twophase checkpoint (.pt, the built-in "
                                     "LSTM or an --hf-model run) or a Hugging Face model folder, sharing this run's "
                                     "vocabularies; frozen, in evaluation mode", path=True,
                               only=Only("objective", "distill"))
-    distill_beta: float = arg(1.0, "--objective distill's divergence (TRL's beta): 0 forward KL(teacher || "
+    distill_beta: float = arg(1.0, "the distillation divergence (TRL's beta): 0 forward KL(teacher || "
                                    "student), 1 reverse KL(student || teacher), between the generalized "
                                    "Jensen-Shannon divergence; --temperature (with --sampler sample) divides both "
                                    "models' logits", minimum=0.0, only=Only("objective", "distill"))
