@@ -155,25 +155,35 @@ def divergence_value(z: Tensor, zt: Tensor, beta: float, temperature: float) -> 
 
 def divergence_and_gradient(z: Tensor, zt: Tensor, beta: float, temperature: float) -> tuple[Tensor, Tensor]:
     """((m,) D, (m, V) dD/dz) at the student's logits z (m, V) and the teacher's zt (m, V), without a graph:
-    the closed forms of the module docstring, a few (m, V) temporaries."""
+    the closed forms of the module docstring, in place where it can (a handful of (m, V) blocks at once)."""
     with torch.no_grad():
         dtype = torch.promote_types(z.dtype, torch.float32)
-        s, t = _log_softmax(z.to(dtype), temperature), _log_softmax(zt.to(dtype), temperature)
-        p, q = s.exp(), t.exp()
+        s, t = _log_softmax(z.to(dtype), temperature), _log_softmax(zt.to(dtype), temperature)  # (m, V) each
+        p = s.exp()
+        zero = p == 0  # (m, V): no gradient there (a banned token, whose logit is a constant)
         if beta == 0.0:
-            D = _xlogy_gap(q, t, s)
-            grad = p - q
+            q = t.exp()
+            D = _gap(q, t, s)
+            grad = p.sub_(q)
         elif beta == 1.0:
-            D = _xlogy_gap(p, s, t)
-            grad = torch.where(p > 0, p * (s - t - D[:, None]), torch.zeros_like(p))
+            D = _gap(p, s, t)
+            grad = s.sub_(t).sub_(D[:, None]).mul_(p)  # p (s - t - D)
         else:
-            m = torch.logaddexp(s + math.log(1 - beta), t + math.log(beta))
-            kl_student = _xlogy_gap(p, s, m)
-            D = beta * _xlogy_gap(q, t, m) + (1 - beta) * kl_student
-            grad = torch.where(p > 0, (1 - beta) * p * (s - m - kl_student[:, None]), torch.zeros_like(p))
+            m = s + math.log(1 - beta)
+            torch.logaddexp(m, t + math.log(beta), out=m)  # (m, V) the mixture's log-probabilities
+            kl_student = _gap(p, s, m)
+            D = beta * _gap(t.exp(), t, m) + (1 - beta) * kl_student
+            grad = s.sub_(m).sub_(kl_student[:, None]).mul_(p).mul_(1 - beta)  # (1 - beta) p (s - m - KL)
+        grad.masked_fill_(zero, 0.0)  # (and 0 * -inf above)
         if temperature != 1.0:
-            grad = grad.div_(temperature)
+            grad.div_(temperature)
         return D, grad
+
+
+def _gap(p: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """(m,) sum_v p (a - b), 0 where p is 0, without a graph: one (m, V) temporary."""
+    d = (a - b).mul_(p)
+    return d.masked_fill_(p == 0, 0.0).sum(-1)
 
 
 def head_states(model, enc, tokens: Tensor, owner: Tensor):
