@@ -116,3 +116,31 @@ def test_bad_beta_and_temperature():
         distillation(None, beta=1.5)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         distillation(None, temperature=0)
+
+
+def test_out_of_memory_halving_stays_exact(lstm_pair, monkeypatch):
+    """A chunk that runs out of memory half-way through its backward is redone at half the size: nothing of the
+    failed attempt (gradient, loss) is kept, and the teacher decodes the smaller chunks afresh."""
+    student, teacher, source, s = lstm_pair
+    want_loss, want = _reference(student, teacher, source, s, 0.5, 0.7, ~student.banned)
+    sizes, real = [], student.decoder_states
+
+    def counted(enc, tokens, owner):
+        sizes.append(len(tokens))
+        return real(enc, tokens, owner)
+
+    def fail(grad):
+        if sizes[-1] > 3:
+            raise torch.cuda.OutOfMemoryError("injected")
+        return grad
+
+    monkeypatch.setattr(student, "decoder_states", counted)
+    handle = student.cell.weight_ih.register_hook(fail)
+    try:
+        value = rescore_backward(student, source, s, distillation(teacher, 0.5, 0.7), chunk_size=8, oom_retry=True,
+                                 prefix_sharing=False)
+    finally:
+        handle.remove()
+    assert sizes[:3] == [8, 4, 2]
+    assert value == pytest.approx(want_loss, rel=1e-9)
+    _close(take_grads(student), want, rtol=1e-9, atol=1e-12)
