@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from twophase import protocol, rescore_backward, sample  # noqa: E402
 from twophase.models.hf import HFCausalLM  # noqa: E402
-from twophase.objectives.distillation import distillation  # noqa: E402
+from twophase.objectives import distillation  # noqa: E402
 from twophase.system.memory import AllocationPeak  # noqa: E402
 
 PAD, EOS, BOS = 0, 1, 2

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from conftest import take_grads, tiny_model, toy_batch
 from twophase import beam_search, protocol, rescore_backward, sample
-from twophase.objectives.distillation import distillation
+from twophase.objectives import distillation
 from twophase.samples import Samples
 
 pytestmark = pytest.mark.usefixtures("one_thread")

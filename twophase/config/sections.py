@@ -145,7 +145,8 @@ class SearchConfig:
                                "samples without replacement, docs/sbs.md)", choices=("beam", "sample", "sbs"))
     beam_size: int = arg(8, "candidates per source (beam width or number of samples), K", minimum=1)
     temperature: float = arg(1.0, "sampling temperature of --sampler sample (scores stay the model's own); "
-                                  "not with --objective reinforce, whose gradient it would bias", minimum=1e-6,
+                                  "not with --objective reinforce, whose gradient it would bias; with --objective "
+                                  "distill also the divergence's (both models' logits / T, TRL's)", minimum=1e-6,
                              only=Only("sampler", "sample"))
     max_len: int = arg(32, "longest candidate phase one may produce, EOS included (with --hf-model: in the "
                            "tokenizer's tokens)", minimum=1)

@@ -133,7 +133,7 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
     objective), called once per block with the block's rows and log p; where it has an `entropy(rows)` (an
     entropy bonus's weights), the gradient of those weights times each row's entropy joins in the same block pass
     (one more block-sized tensor), its value handed to `w.add_loss`; where it has a `logit_gradient(rows, z)` (a
-    divergence from another model's distributions, `twophase.objectives.distillation`), the (m, V) gradient it
+    divergence from another model's distributions, `twophase.objectives.distill`), the (m, V) gradient it
     returns for the block's logits z joins the block's, its value added by w itself."""
     M, V = h.shape[0], weight.shape[0]
     # Under autocast the three matmuls run in its dtype; logsumexp, softmax, log p and dw / db in float32.

@@ -175,7 +175,7 @@ class Seq2Seq(nn.Module):
 
     def head_states(self, enc: Encoded, tgt: Tensor, owner: Tensor) -> outputlayer.HeadStates:
         """The output layer and its inputs at every position of rows tgt (N, T), 0 at PAD positions: what another
-        model's divergence from this one's distributions reads (`twophase.objectives.distillation`)."""
+        model's divergence from this one's distributions reads (`twophase.objectives.distill`)."""
         N, T = tgt.shape
         h, _, _ = self.decoder_states(enc, tgt, owner)  # (M, H)
         valid = (tgt != PAD).reshape(-1).nonzero().squeeze(1)  # (M,) as decoder_states picks them

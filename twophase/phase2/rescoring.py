@@ -56,7 +56,7 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     """Accumulate into .grad the gradient of sum_i coefficients[i] * log p(samples.tokens[i] | source[owner[i]]),
     decoding a chunk at a time. Returns the value of that sum. `coefficients` may instead be a token-level
     objective over the rows (`twophase.objectives.policy.policy_loss`): the gradient and value are then its loss's;
-    or a teacher's divergence (`twophase.objectives.distillation.distillation`), bound to the batch here: the
+    or a teacher's divergence (`twophase.objectives.distillation`), bound to the batch here: the
     teacher encodes the sources once and decodes each chunk's rows, in evaluation mode and without a graph.
 
     With prefix_sharing (where the model decodes through a prefix tree, see `shares_prefixes`), the rows are

@@ -54,7 +54,7 @@ class ChunkLoss:
 
     def has_divergence(self) -> bool:
         """Whether the objective is a divergence from another model's next-token distributions (`divergence`,
-        `twophase.objectives.distillation`)."""
+        `twophase.objectives.distill`)."""
         return callable(getattr(self.objective, "divergence", None))
 
     def entropy_weights(self, row: Tensor, col: Tensor) -> Tensor:

@@ -4,8 +4,8 @@
 config describes, with the checkpoint's parameters) or a Hugging Face model folder (loaded as the run's
 --hf-model is, of the same kind). Either way the teacher must read this run's sources and write its targets: a
 checkpoint's vocabularies must be the run's, a folder's vocabulary size the model's (checked again on the first
-batch by `objectives.distillation.check_compatible`). The teacher is in evaluation mode, its parameters
-frozen, on the run's device; the divergence (`objectives.distillation`) is TRL's DistillationTrainer loss with
+batch by `objectives.distill.check_compatible`). The teacher is in evaluation mode, its parameters
+frozen, on the run's device; the divergence (`objectives.distill`) is TRL's DistillationTrainer loss with
 --distill-beta as its beta and --temperature (with --sampler sample, else 1) as its temperature.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import torch
 
 from ..models.seq2seq import Seq2Seq
-from ..objectives.distillation import check_compatible, distillation
+from ..objectives.distill import check_compatible, distillation
 from ..system import distributed
 from .start import StartupError
 

@@ -174,7 +174,7 @@ def weighted_backward(head: Head, model, hidden: Tensor, tokens: Tensor, mask: T
 
 def states(head: Head | None, model, hidden: Tensor, first: tuple | None = None) -> outputlayer.HeadStates:
     """The output layer and its inputs hidden (N, T, H), scaled as the head scales them, for another model's
-    divergence from these distributions (`twophase.objectives.distillation`); `first` as `HeadStates.first`."""
+    divergence from these distributions (`twophase.objectives.distill`); `first` as `HeadStates.first`."""
     if head is None:
         raise ValueError(f"{type(model).__name__}'s output layer is not known (twophase.models.hf.heads): its "
                          "distributions cannot be read a block at a time")
