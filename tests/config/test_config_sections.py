@@ -26,7 +26,7 @@ FROZEN_KEYS = (
     "top_p min_len lora_r lora_alpha lora_dropout lora_target_modules merge_lora rl_from_best include_reference "
     "karel_reward_pairs test_beam clip_norm eval_every eval_beam best_metric tensorboard picture log_every seed "
     "device deterministic tf32 save_dir save_every keep_last resume overwrite max_bad_steps threads resume_from "
-    "init_from eval_only export grad_accum fsdp amp compile").split()
+    "init_from eval_only export grad_accum fsdp amp compile teacher distill_beta").split()
 FROZEN_DEFAULTS = dict(hidden_size=256, embed_dim=64, beam_size=8, rescore_chunk=128, eval_beam=5, mrt_alpha=0.5,
                        objective="beam", loss_type="dapo", sapo_temperature_neg=1.05, picture=True, compile="off")
 
@@ -101,7 +101,7 @@ REFUSALS = [
      "--sapo-temperature-neg applies to --loss-type sapo only, not dapo"),
     (dict(objective="policy", entropy_target=0.5), "--entropy-target applies with --use-adaptive-entropy only"),
     (dict(include_reference=True, objective="mrt"),
-     "--include-reference applies to --objective beam only, not --objective mrt"),
+     "--include-reference applies to --objective beam or distill only, not --objective mrt"),
     (dict(temperature=0.5), "--temperature applies to --sampler sample only, not --sampler beam"),
     (dict(mrt_alpha=0.2), "--mrt-alpha applies to --objective mrt only, not --objective beam"),
 ]

@@ -136,7 +136,7 @@ def _fails_with_one_line(argv, capsys, match, entry=cli.main):
     (["--baseline", "none", "--objective", "mrt"], "--baseline applies to --objective reinforce only"),
     (["--memory-budget", "2GiB"], "--memory-budget applies to --rescore-chunk auto only, not --rescore-chunk 128"),
     (["--memory-budget", "2GiB", "--rl-steps", "0"], "--memory-budget applies to --rescore-chunk auto only"),
-    (["--include-reference", "--objective", "mrt"], "--include-reference applies to --objective beam only"),
+    (["--include-reference", "--objective", "mrt"], "--include-reference applies to --objective beam or distill only"),
     (["--karel-reward-pairs", "shown"], "--karel-reward-pairs applies to --task karel only"),
     (["--compile", "fast"], "--compile"),
     (["--compile", "on", "--fsdp"], "--compile on does not combine with --fsdp"),

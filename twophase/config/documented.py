@@ -53,10 +53,11 @@ class Only:
         actual = getattr(cfg, self.switch)
         if self.value is SET:
             return bool(actual) if not isinstance(actual, str) else True
-        return actual == self.value
+        return actual in self.value if isinstance(self.value, tuple) else actual == self.value
 
     def message(self, name: str, cfg) -> str:
-        return self.refusal.format(flag=_flag(name), switch=_flag(self.switch), value=self.value,
+        value = " or ".join(self.value) if isinstance(self.value, tuple) else self.value
+        return self.refusal.format(flag=_flag(name), switch=_flag(self.switch), value=value,
                                    actual=getattr(cfg, self.switch))
 
     def described(self) -> str:
@@ -64,7 +65,8 @@ class Only:
             return f"with {_flag(self.switch)}"
         if self.value is None:
             return f"without {_flag(self.switch)}"
-        return f"with {_flag(self.switch)} {self.value}"
+        values = " or ".join(self.value) if isinstance(self.value, tuple) else self.value
+        return f"with {_flag(self.switch)} {values}"
 
 
 def arg(default, help: str, choices=None, minimum=None, parse=None, resume=FIXED, only: Only | None = None,

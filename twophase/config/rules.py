@@ -143,7 +143,7 @@ def _policy(cfg) -> None:
 
 def _rl(cfg) -> None:
     _policy(cfg)
-    refuse_inert(cfg, ("include_reference", "temperature"))
+    refuse_inert(cfg, ("include_reference", "temperature", "teacher", "distill_beta"))
     if cfg.objective == "policy":
         if cfg.temperature != 1:
             raise ValueError(f"--objective policy with --temperature {cfg.temperature:g}: phase two's ratios and "
@@ -155,6 +155,9 @@ def _rl(cfg) -> None:
                              "use --beam-size >= 2, or --baseline none")
         return
     refuse_inert(cfg, ["mrt_alpha"])
+    if cfg.objective == "distill":
+        _distill(cfg)
+        return
     if cfg.objective in WITHOUT_REPLACEMENT and cfg.sampler != "sbs":
         raise ValueError(f"--objective {cfg.objective} needs --sampler sbs (it weights a sample without "
                          f"replacement), not --sampler {cfg.sampler}")
@@ -175,6 +178,23 @@ def _rl(cfg) -> None:
     if cfg.reinforce_baseline == "mean" and cfg.beam_size < 2:
         raise ValueError("--beam-size 1 with --objective reinforce --baseline mean trains nothing (each sample "
                          "is its own baseline); use --beam-size >= 2, or --baseline none or greedy")
+
+
+def _distill(cfg) -> None:
+    """--objective distill: a teacher, and no flag whose coefficients it has none of."""
+    if cfg.teacher is None:
+        raise ValueError("--objective distill needs --teacher PATH (a twophase checkpoint or a Hugging Face folder)")
+    if cfg.distill_beta > 1:
+        raise ValueError(f"--distill-beta must be in [0, 1] (TRL's beta), got {cfg.distill_beta:g}")
+    if cfg.baseline is not None:
+        raise ValueError("--baseline applies to --objective reinforce only, not --objective distill")
+    if cfg.mle_weight:
+        raise ValueError("--objective distill does not take --mle-weight; --include-reference distils the "
+                         "references beside the candidates")
+    if cfg.amp == "fp16":
+        raise ValueError("--objective distill does not take --amp fp16 (its loss scale); use --amp bf16")
+    if cfg.one_phase:
+        raise ValueError("--objective distill does not take --one-phase (its divergence is phase two's)")
 
 
 def warnings(cfg) -> list[str]:

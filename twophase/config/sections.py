@@ -145,7 +145,8 @@ class SearchConfig:
                                "samples without replacement, docs/sbs.md)", choices=("beam", "sample", "sbs"))
     beam_size: int = arg(8, "candidates per source (beam width or number of samples), K", minimum=1)
     temperature: float = arg(1.0, "sampling temperature of --sampler sample (scores stay the model's own); "
-                                  "not with --objective reinforce, whose gradient it would bias", minimum=1e-6,
+                                  "not with --objective reinforce, whose gradient it would bias; with --objective "
+                                  "distill also the divergence's (both models' logits / T, TRL's)", minimum=1e-6,
                              only=Only("sampler", "sample"))
     max_len: int = arg(32, "longest candidate phase one may produce, EOS included (with --hf-model: in the "
                            "tokenizer's tokens)", minimum=1)
@@ -172,10 +173,12 @@ class RLConfig:
     rl_lr: float = arg(2e-4, "Adam learning rate during RL", minimum=0.0)
     objective: str = arg("beam", "reinforce, beam (expected reward renormalised over the candidates, "
                                  "Bunel et al. 2018), mrt (minimum risk training, Shen et al. 2016), policy "
-                                 "(token-level clipped ratios and KL, TRL's GRPO losses: docs/policy.md), or with "
-                                 "--sampler sbs: priority (importance weights p/q) or unordered-set (with its "
-                                 "built-in baseline, Kool et al. 2020), both unbiased (docs/sbs.md)",
-                         choices=("reinforce", "beam", "mrt", "policy", "priority", "unordered-set"))
+                                 "(token-level clipped ratios and KL, TRL's GRPO losses: docs/policy.md), distill "
+                                 "(on-policy distillation from --teacher, TRL's DistillationTrainer loss: "
+                                 "docs/distillation.md), or with --sampler sbs: priority (importance weights p/q) or "
+                                 "unordered-set (with its built-in baseline, Kool et al. 2020), both unbiased "
+                                 "(docs/sbs.md)",
+                         choices=("reinforce", "beam", "mrt", "policy", "distill", "priority", "unordered-set"))
     baseline: str | None = arg(None, "REINFORCE baseline: none, mean, loo (leave-one-out) or greedy "
                                      "(self-critical); with --objective reinforce, or policy (none, mean, loo) "
                                      "(default: mean)", choices=("none", "mean", "loo", "greedy"))
@@ -198,8 +201,17 @@ class RLConfig:
                                     "step (--task karel: on)")
     include_reference: bool = arg(False, "add each source's references to its candidates (--objective beam), q "
                                          "renormalised over candidates and references (a reference the beam already "
-                                         "holds counted once), as Bunel et al.'s RL_beam",
-                                  only=Only("objective", "beam"))
+                                         "holds counted once), as Bunel et al.'s RL_beam; with --objective distill "
+                                         "the references are distilled beside the candidates (GKD's mixed data)",
+                                  only=Only("objective", ("beam", "distill")))
+    teacher: str | None = arg(None, "the teacher to distil: a twophase checkpoint (.pt, the built-in "
+                                    "LSTM or an --hf-model run) or a Hugging Face model folder, sharing this run's "
+                                    "vocabularies; frozen, in evaluation mode", path=True,
+                              only=Only("objective", "distill"))
+    distill_beta: float = arg(1.0, "the distillation divergence (TRL's beta): 0 forward KL(teacher || "
+                                   "student), 1 reverse KL(student || teacher), between the generalized "
+                                   "Jensen-Shannon divergence; --temperature (with --sampler sample) divides both "
+                                   "models' logits", minimum=0.0, only=Only("objective", "distill"))
 
 
 RLConfig.title = "RL: objective and reward"

@@ -13,6 +13,8 @@ Letters used in shape comments:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -130,13 +132,17 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
     w may also be a function of the log-probabilities (`twophase.phase2.tokenweights.PositionWeights`: a token-level
     objective), called once per block with the block's rows and log p; where it has an `entropy(rows)` (an
     entropy bonus's weights), the gradient of those weights times each row's entropy joins in the same block pass
-    (one more block-sized tensor), its value handed to `w.add_loss`."""
+    (one more block-sized tensor), its value handed to `w.add_loss`; where it has a `logit_gradient(rows, z)` (a
+    divergence from another model's distributions, `twophase.objectives.distill`), the (m, V) gradient it
+    returns for the block's logits z joins the block's, its value added by w itself."""
     M, V = h.shape[0], weight.shape[0]
     # Under autocast the three matmuls run in its dtype; logsumexp, softmax, log p and dw / db in float32.
     acc, mm = sum_dtype(weight), _matmul_dtype(h, weight)
     dynamic = callable(w)  # each block's weights from its log-probabilities
     # an entropy bonus's weights per entry (`PositionWeights.entropy`): its gradient in the same block pass
     entropy = getattr(w, "entropy", None) if dynamic else None
+    # a divergence's gradient with respect to each block's logits (`PositionWeights.logit_gradient`)
+    divergence = getattr(w, "logit_gradient", None) if dynamic else None
     hm, wm = h.to(mm), weight.to(mm)
     if not dynamic:
         w = w.to(acc)
@@ -151,7 +157,9 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
         z = logits(hm[rows], wm, bias, banned).to(acc)  # (m, V)
         lse = torch.logsumexp(z, dim=1)  # (m,)
         tok[rows] = z.gather(1, target[rows, None]).squeeze(1) - lse
-        ew = None
+        ew = extra = None
+        if divergence is not None:  # before z is normalised in place below
+            extra = divergence(rows, z)  # (m, V) or None
         if dynamic:
             w_rows = w(rows, tok[rows]).to(acc)  # (m,)
             w_tgt = w_rows.masked_fill(banned[target[rows]], 0.0)
@@ -173,11 +181,40 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
                 w.add_entropy(rows, H)
             dz = logp.add_(H[:, None]).mul_(ew[:, None]).add_(w_rows[:, None]).mul_(p).neg_()
         dz.scatter_add_(1, target[rows, None], w_tgt[:, None])
+        if extra is not None:
+            dz.add_(extra)
         db += dz.sum(dim=0)
         dz = dz.to(mm)
         dh[rows] = dz @ wm  # (m, H)
         _add_product(dw, dz.t(), hm[rows])  # (V, H)
     return tok, dh, dw, db
+
+
+@dataclass
+class HeadStates:
+    """A model's output layer and its inputs at every position of N teacher-forced rows, without a graph: what
+    another model's divergence from these distributions reads a block of logits at a time (`logits`), never the
+    (N, T, V) logits themselves. Column 0 of a causal LM's rows is predicted from its prompt, whose logits
+    `encode` already holds: `first` = (those (B, V) logits, the rows' owner (N,)) replaces that column's."""
+
+    hidden: Tensor  # (N, T, H): 0 where a row scores nothing
+    weight: Tensor  # (V, H)
+    bias: Tensor  # (V,)
+    banned: Tensor  # (V,) bool
+    first: tuple | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weight.shape[0]
+
+    def logits(self, row: Tensor, col: Tensor) -> Tensor:
+        """(m, V) the logits at positions (row (m,), col (m,)), banned tokens at -inf."""
+        z = logits(self.hidden[row, col].to(self.weight.dtype), self.weight, self.bias, self.banned)
+        if self.first is None:
+            return z
+        per_source, owner = self.first
+        first = per_source.index_select(0, owner.index_select(0, row)).to(z.dtype)  # (m, V)
+        return torch.where((col == 0)[:, None], first, z)
 
 
 def grad_buffer(x: Tensor) -> Tensor:

@@ -173,6 +173,15 @@ class Seq2Seq(nn.Module):
         valid = (tgt != PAD).reshape(-1).nonzero().squeeze(1)  # (M,) as decoder_states picks them
         return tok.new_zeros(N * T).index_copy(0, valid, tok).reshape(N, T)
 
+    def head_states(self, enc: Encoded, tgt: Tensor, owner: Tensor) -> outputlayer.HeadStates:
+        """The output layer and its inputs at every position of rows tgt (N, T), 0 at PAD positions: what another
+        model's divergence from this one's distributions reads (`twophase.objectives.distill`)."""
+        N, T = tgt.shape
+        h, _, _ = self.decoder_states(enc, tgt, owner)  # (M, H)
+        valid = (tgt != PAD).reshape(-1).nonzero().squeeze(1)  # (M,) as decoder_states picks them
+        hidden = h.new_zeros(N * T, h.shape[1]).index_copy(0, valid, h).reshape(N, T, -1)  # (N, T, H)
+        return outputlayer.HeadStates(hidden, self.out.weight, self.out.bias, self.banned)
+
     def sequence_log_probs(self, src: Tensor, src_lengths: Tensor, tgt: Tensor, owner: Tensor | None = None) -> Tensor:
         """(N,) log-probabilities, with grad, of target rows tgt (N, T) given src (B, S)."""
         if owner is None:

@@ -55,7 +55,9 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
                      stats: dict | None = None) -> float:
     """Accumulate into .grad the gradient of sum_i coefficients[i] * log p(samples.tokens[i] | source[owner[i]]),
     decoding a chunk at a time. Returns the value of that sum. `coefficients` may instead be a token-level
-    objective over the rows (`twophase.objectives.policy.policy_loss`): the gradient and value are then its loss's.
+    objective over the rows (`twophase.objectives.policy.policy_loss`): the gradient and value are then its loss's;
+    or a teacher's divergence (`twophase.objectives.distillation`), bound to the batch here: the
+    teacher encodes the sources once and decodes each chunk's rows, in evaluation mode and without a graph.
 
     With prefix_sharing (where the model decodes through a prefix tree, see `shares_prefixes`), the rows are
     sorted so that each source's rows sharing a prefix are neighbours, and a chunk decodes each distinct
@@ -79,6 +81,8 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if callable(getattr(coefficients, "bind", None)):  # a teacher's divergence: its encoder once, no graph
+        coefficients = coefficients.bind(model, source, samples)
     coefficients, token_level = _checked(coefficients, len(samples), samples.tokens.device)
     # Rows with a zero coefficient add nothing to the gradient (e.g. every candidate of a source equally good).
     live = (coefficients.live() if token_level else coefficients != 0).nonzero().squeeze(1)  # (N',)
@@ -259,6 +263,8 @@ def _chunk(model, boundary, samples: Samples, coefficients, plan: ChunkPlan, row
     chunk succeeded. Every size comes from the plan: nothing is read back from the device here."""
     inputs = params + [x for x in nested.floating(boundary) if x.requires_grad]
     c = coefficients[rows]
+    if callable(getattr(c, "decoded", None)):  # a teacher's states at the chunk's positions, without a graph
+        c = c.decoded(samples.tokens[rows, :plan.longest(rows)], samples.owner[rows])
     if not isinstance(c, Tensor):
         c = tokenweights.ChunkLoss(c)  # this attempt's loss and statistics (an OOM retry starts afresh)
     if plan.tree:

@@ -44,8 +44,18 @@ class ChunkLoss:
         return PositionWeights(self, row, col, node, size)
 
     def has_entropy(self) -> bool:
-        """Whether the objective has an entropy bonus, which needs each position's whole distribution."""
+        """Whether the objective needs each position's whole distribution: an entropy bonus, or a divergence
+        from another model's distributions (`has_divergence`)."""
+        return self.has_bonus() or self.has_divergence()
+
+    def has_bonus(self) -> bool:
+        """Whether the objective has an entropy bonus."""
         return getattr(self.objective, "entropy_weight", None) is not None
+
+    def has_divergence(self) -> bool:
+        """Whether the objective is a divergence from another model's next-token distributions (`divergence`,
+        `twophase.objectives.distill`)."""
+        return callable(getattr(self.objective, "divergence", None))
 
     def entropy_weights(self, row: Tensor, col: Tensor) -> Tensor:
         return self.objective.entropy_weights(row, col)
@@ -56,17 +66,25 @@ class ChunkLoss:
         loss = self.objective.terms(logp, row, col)
         _, _, sums = self.objective.derivative(logp.detach(), row, col)
         self._add(loss, sums, len(row))
-        if self.has_entropy():
-            if log_probs is None:
-                raise ValueError("entropy_coef needs the model's by-hand output layer (weighted_score_backward or "
-                                 "weighted_tree_backward: the built-in LSTM, the HF wrappers with their head): "
-                                 "this model's phase two differentiates its per-token log-probabilities alone")
+        if not self.has_entropy():
+            return loss.sum()
+        if log_probs is None:
+            what = "a divergence from a teacher" if self.has_divergence() else "entropy_coef"
+            raise ValueError(f"{what} needs the model's by-hand output layer (weighted_score_backward or "
+                             "weighted_tree_backward: the built-in LSTM, the HF wrappers with their head): "
+                             "this model's phase two differentiates its per-token log-probabilities alone")
+        total = loss.sum()
+        if self.has_bonus():
             H = entropy(log_probs)  # (P,)
             bonus = (self.entropy_weights(row, col).to(log_probs.dtype) * H).sum()
             self._add(bonus, {}, 0)
             self.add_entropies(self.objective.entropy_counts(row, col), H)
-            return loss.sum() + bonus
-        return loss.sum()
+            total = total + bonus
+        if self.has_divergence():  # log_probs normalise the logits: the same distributions at any temperature
+            divergence = self.objective.divergence_terms(log_probs, row, col).sum()
+            self._add(divergence, {}, 0)
+            total = total + divergence
+        return total
 
     def add_loss(self, value: Tensor) -> None:
         """Add a term computed elsewhere (a block's entropy bonus) to the chunk's loss."""
@@ -94,7 +112,8 @@ class PositionWeights:
         order = torch.sort(node, stable=True).indices  # (P,) positions grouped by node, nodes in order
         self.row, self.col, self.node = row[order], col[order], node[order]
         # positions of nodes [i, j) are ptr[i]:ptr[j]
-        self.ptr = torch.searchsorted(self.node, torch.arange(self.size + 1, device=node.device)).tolist()
+        self.starts = torch.searchsorted(self.node, torch.arange(self.size + 1, device=node.device))  # (M + 1,)
+        self.ptr = self.starts.tolist()
 
     def __len__(self) -> int:
         return self.size
@@ -115,7 +134,7 @@ class PositionWeights:
     def entropy(self, index: slice) -> Tensor | None:
         """(m,) the entropy bonus's weight of entries index (summed over the positions a tree node stands for),
         or None without a bonus."""
-        if not self.chunk.has_entropy():
+        if not self.chunk.has_bonus():
             return None
         start, stop, _ = index.indices(self.size)
         if self.node is None:
@@ -127,6 +146,29 @@ class PositionWeights:
 
     def add_loss(self, value: Tensor) -> None:
         self.chunk.add_loss(value)
+
+    def logit_gradient(self, index: slice, z: Tensor) -> Tensor | None:
+        """(m, V) d loss / d logits of entries index, whose logits are z (m, V), for a divergence from another
+        model's distributions (None without one); adds the entries' loss. A tree node stands for every position
+        through it: its gradient is the node's divergence's, times the summed normalisers of those positions."""
+        if not self.chunk.has_divergence():
+            return None
+        objective = self.chunk.objective
+        start, stop, _ = index.indices(self.size)
+        if self.node is None:
+            row, col = self.row[start:stop], self.col[start:stop]
+            weight = objective.scale.index_select(0, row)  # (m,)
+        else:
+            first = self.starts[start:stop]  # (m,) each node's first position: its prefix and source
+            row, col = self.row.index_select(0, first), self.col.index_select(0, first)
+            a, b = self.ptr[start], self.ptr[stop]
+            local = self.node[a:b] - start  # (p,)
+            scale = objective.scale.index_select(0, self.row[a:b])
+            weight = scale.new_zeros(stop - start).index_add_(0, local, scale)  # (m,)
+        value, grad = objective.divergence(z, row, col)  # (m,), (m, V)
+        weight = weight.to(grad.dtype)
+        self.chunk.add_loss((weight * value).sum())
+        return grad.mul_(weight[:, None])
 
     def add_entropy(self, index: slice, H: Tensor) -> None:
         """The measured entropy's share of entries index, whose entropies are H (m,): each entry counted as often

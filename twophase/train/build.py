@@ -13,7 +13,7 @@ import sys
 import torch
 
 from ..system import amp, devices, distributed, fsdp
-from . import report, resume, rundir
+from . import report, resume, rundir, teacher
 from .start import (batch_warnings, changed_fields, check_model_on_a_batch, check_references, check_reward_references,
                     check_task_flags, init_state, recipe_defaults, refuse_against_checkpoint, resume_state,
                     start_run_dir)
@@ -180,7 +180,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
     if distributed.rank() == 0:
         rundir.remove(stale)  # --overwrite's old run; the residue of writes a killed process left
-    training = Run.assemble(cfg, task, model, reward, device)
+    training = Run.assemble(cfg, task, model, reward, device, teacher.load(cfg, task, model, device))
     training.setup(state, base_model=base)  # --resume's checkpoint; the frozen base every checkpoint records
     if training.is_main and not cfg.eval_only:
         start_run_dir(training, state, recipe_defaults(cfg))

@@ -56,9 +56,10 @@ class Run:
         self.base_model: dict | None = None  # the frozen base the saved parameters need (--lora-r: resume.record's)
 
     @classmethod
-    def assemble(cls, cfg, task, model, reward, device: torch.device) -> "Run":
-        """The run of this configuration; its RL step's gradient is phase two's, or --one-phase's baseline."""
-        return cls(Trainer(cfg, task, model, reward, device, OnePhase() if cfg.one_phase else PhaseTwo()))
+    def assemble(cls, cfg, task, model, reward, device: torch.device, teacher=None) -> "Run":
+        """The run of this configuration; its RL step's gradient is phase two's, or --one-phase's baseline;
+        `teacher`: --objective distill's frozen teacher."""
+        return cls(Trainer(cfg, task, model, reward, device, OnePhase() if cfg.one_phase else PhaseTwo(), teacher))
 
     def setup(self, saved: dict | None = None, base_model: dict | None = None) -> None:
         """Before the first step: the frozen base the saved parameters need (--lora-r: resume.record's), recorded

@@ -34,6 +34,7 @@ from ..system.profiling import ChunkPlanner
 from ..tasks.base import Example, Task
 from ..tasks.data import BatchSampler
 from ..vocab import pad_targets
+from . import teacher
 from .checkpoint import (host_copy, python_rng_state, rng_state, set_generator_state, set_python_rng_state,
                          set_rng_state)
 from .evaluation import completion_ids, score, validate, with_references
@@ -58,8 +59,9 @@ class Trainer:
     samplers and the sampling generator; `gradient`: steps 1 and 4 of the RL step (`PhaseTwo`, or `OnePhase`
     under --one-phase)."""
 
-    def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device, gradient):
+    def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device, gradient, teacher=None):
         self.cfg, self.task, self.model, self.device, self.reward = cfg, task, model, device, reward
+        self.teacher = teacher  # --objective distill's frozen teacher (train.teacher.load), else None
         self.gradient = gradient  # PhaseTwo, or OnePhase under --one-phase (Run.assemble chooses)
         self.train, self.valid, self.test = task.train, task.valid, task.test or None
         self.ref_ids = [task.target_ids(ex) for ex in self.train]  # (source, reference) -> target ids, no EOS
@@ -239,6 +241,8 @@ class Trainer:
     def coefficients(self, cand: Samples, rewards, source, examples: list[Example], num_sources: int) -> torch.Tensor:
         """num_sources: the global batch size, which every loss is averaged over (cand.owner indexes src)."""
         cfg, B = self.cfg, num_sources
+        if cfg.objective == "distill":  # the teacher's distributions are the signal, not the rewards
+            return teacher.objective(self.teacher, cfg, cand)
         if cfg.objective == "beam":
             return objectives.beam(rewards, cand.scores, cand.owner, B, tokens=cand.tokens)
         if cfg.objective == "mrt":

@@ -167,6 +167,16 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         return heads.weighted_backward(self.head, self.model, hidden, tokens[:, 1:], mask[:, 1:], c, inputs,
                                       collect, extra=first, col_offset=1)
 
+    def head_states(self, enc: dict, tokens: Tensor, owner: Tensor):
+        """The output layer and its inputs at every position of rows tokens (N, T) (`outputlayer.HeadStates`):
+        column 0 from the prompts' last logits, the rest from the base model's states."""
+        weight = self.model.get_output_embeddings().weight
+        hidden = weight.new_zeros(len(tokens), 1, weight.shape[1])  # (N, 1, H): column 0 reads enc["last"]
+        if tokens.shape[1] > 1:
+            rest = self._continue(enc, owner, tokens[:, :-1], 0, self.model.base_model).last_hidden_state
+            hidden = torch.cat([hidden.to(rest.dtype), rest], dim=1)  # (N, T, H)
+        return heads.states(self.head, self.model, hidden, first=(enc["last"], owner))
+
     def _first(self, enc: dict, tokens: Tensor, owner: Tensor, mask: Tensor) -> Tensor:
         """(N,) log p of each row's first token, from the prompts' last logits (0 where the row scores none)."""
         tok = token_log_probs(enc["last"].index_select(0, owner)[:, None], tokens[:, :1])  # (N, 1)

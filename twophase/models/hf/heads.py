@@ -170,3 +170,14 @@ def weighted_backward(head: Head, model, hidden: Tensor, tokens: Tensor, mask: T
             return tokenweights.weighted_sum(w, tok), grads
         loss = (w * tok).sum()
         return (loss if extra is None else loss + extra.detach().to(loss.dtype)), grads
+
+
+def states(head: Head | None, model, hidden: Tensor, first: tuple | None = None) -> outputlayer.HeadStates:
+    """The output layer and its inputs hidden (N, T, H), scaled as the head scales them, for another model's
+    divergence from these distributions (`twophase.objectives.distill`); `first` as `HeadStates.first`."""
+    if head is None:
+        raise ValueError(f"{type(model).__name__}'s output layer is not known (twophase.models.hf.heads): its "
+                         "distributions cannot be read a block at a time")
+    weight, bias = head.parts(model)
+    banned = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)  # the wrappers ban nothing
+    return outputlayer.HeadStates(head.hidden(hidden), weight, bias, banned, first)

@@ -112,6 +112,10 @@ class HFSeq2Seq(heads.FastPath, torch.nn.Module):
         mask = target_mask(tokens, self.pad_id, self.eos_id)
         return heads.weighted_backward(self.head, self.model, hidden, tokens, mask, c, inputs, collect)
 
+    def head_states(self, enc: dict, tokens: Tensor, owner: Tensor):
+        """The output layer and its inputs at every position of rows tokens (N, T) (`outputlayer.HeadStates`)."""
+        return heads.states(self.head, self.model, self._decoder(enc, owner, teacher_forced_inputs(tokens, self.bos_id)))
+
     def _decoder(self, enc: dict, owner: Tensor, decoder_input_ids: Tensor) -> Tensor:
         """(N, T, H) the decoder's last hidden states, the input of the model's output layer, for N rows."""
         return self.model.get_decoder()(

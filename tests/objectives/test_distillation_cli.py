@@ -1,0 +1,105 @@
+"""--objective distill end to end: a tiny LSTM teacher trained here, a narrower student distilled from its
+checkpoint with references mixed in, resumed bit-identically, through twophase.fit too; its flags refused in one
+line where they would do nothing or where the teacher cannot teach (another vocabulary)."""
+import json
+
+import pytest
+import torch
+
+import twophase
+from taskfiles import write_task
+from test_cli import _fails_with_one_line
+from twophase.train import cli
+
+TINY = ["--embed-dim", "8", "--batch-size", "4", "--mle-batch-size", "8", "--beam-size", "3", "--rescore-chunk",
+        "5", "--max-len", "8", "--eval-every", "100", "--save-every", "100", "--lr", "0.05", "--rl-lr", "0.01"]
+DISTILL = ["--objective", "distill", "--sampler", "sample", "--temperature", "0.7", "--distill-beta", "0.5",
+           "--include-reference", "--hidden-size", "12"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("distill")
+    write_task(d / "train.tsv", "reverse", 120, seed=0)
+    write_task(d / "valid.tsv", "reverse", 9, seed=1)
+    flags = ["--train", str(d / "train.tsv"), "--valid", str(d / "valid.tsv")]
+    teacher = d / "teacher"
+    assert cli.main([*flags, *TINY, "--hidden-size", "24", "--mle-steps", "8", "--rl-steps", "0",
+                     "--no-compare-mle", "--save-dir", str(teacher)]) == 0
+    return flags, str(teacher / "checkpoint_last.pt"), d
+
+
+def _rl_rows(save):
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("phase") == "rl" and "loss" in r]
+
+
+def test_distils_a_checkpoint_with_compare_mle_and_resumes(data, tmp_path, one_thread):
+    flags, teacher, _ = data
+    run = [*flags, *TINY, *DISTILL, "--teacher", teacher, "--mle-steps", "3"]
+    full = tmp_path / "full"
+    assert cli.main([*run, "--rl-steps", "3", "--save-dir", str(full)]) == 0  # --compare-mle: on by default
+    rl = _rl_rows(full)
+    assert len(rl) == 3 and all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rl)
+    part = tmp_path / "part"
+    assert cli.main([*run, "--rl-steps", "2", "--no-compare-mle", "--save-dir", str(part)]) == 0
+    assert cli.main([*run, "--rl-steps", "3", "--no-compare-mle", "--save-dir", str(part), "--resume"]) == 0
+    a = torch.load(full / "checkpoint_last.pt", weights_only=True)["model"]
+    b = torch.load(part / "checkpoint_last.pt", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fit_distils_too(data, tmp_path, one_thread):
+    flags, teacher, d = data
+    result = twophase.fit(twophase.Config(train=flags[1], valid=flags[3], objective="distill", teacher=teacher,
+                                          hidden_size=12, embed_dim=8, batch_size=4, mle_batch_size=8, beam_size=2,
+                                          max_len=8, mle_steps=2, rl_steps=2, compare_mle=False, eval_every=100,
+                                          save_every=100, save_dir=str(tmp_path / "fit")))
+    assert result is not None and (tmp_path / "fit" / "checkpoint_last.pt").is_file()
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--objective", "distill"], "--objective distill needs --teacher PATH"),
+    (["--teacher", "x.pt"], "--teacher applies to --objective distill only"),
+    (["--distill-beta", "0.5"], "--distill-beta applies to --objective distill only"),
+    (["--objective", "distill", "--teacher", "x.pt", "--distill-beta", "2"], "--distill-beta"),
+    (["--objective", "distill", "--teacher", "x.pt", "--mle-weight", "0.5"], "does not take --mle-weight"),
+    (["--objective", "policy", "--sampler", "sample", "--include-reference"],
+     "--include-reference applies to --objective beam or distill only"),
+])
+def test_bad_flags_exit_2_with_one_line(data, extra, match, capsys, tmp_path):
+    flags, _, _ = data
+    _fails_with_one_line([*flags, *TINY, *extra, "--mle-steps", "1", "--rl-steps", "1", "--no-compare-mle",
+                          "--save-dir", str(tmp_path / "x")], capsys, match)
+
+
+def test_teacher_of_another_vocabulary_is_refused(data, tmp_path, capsys, one_thread):
+    flags, teacher, d = data
+    write_task(d / "other.tsv", "reverse", 60, seed=5, alphabet="abcd")
+    other = tmp_path / "other"
+    assert cli.main(["--train", str(d / "other.tsv"), "--valid", flags[3], *TINY, "--hidden-size", "12",
+                     "--mle-steps", "1", "--rl-steps", "0", "--no-compare-mle", "--save-dir", str(other)]) == 0
+    capsys.readouterr()
+    _fails_with_one_line([*flags, *TINY, *DISTILL, "--teacher", str(other / "checkpoint_last.pt"), "--mle-steps",
+                          "1", "--rl-steps", "1", "--save-dir", str(tmp_path / "x")], capsys, "vocabulary")
+
+
+def test_a_hugging_face_folder_teaches_a_t5_student(tmp_path, one_thread, monkeypatch):
+    """--hf-model student, --teacher a wider T5 folder of the same tokenizer: one MLE and two RL steps."""
+    pytest.importorskip("transformers")
+    import hf_tiny
+
+    hf_tiny.save(tmp_path / "student", "t5", seed=1)
+    teacher = hf_tiny.seq2seq("t5", seed=2, width=24)
+    teacher.save_pretrained(tmp_path / "teacher")
+    lines = [("a b c", "c b a"), ("d e", "e d"), ("f g h", "h g f"), ("b d", "d b"), ("g a", "a g")]
+    for name in ("train.tsv", "valid.tsv"):
+        (tmp_path / name).write_text("".join(f"{s}\t{t}\n" for s, t in lines))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--train", "train.tsv", "--valid", "valid.tsv", "--hf-model", "student", "--teacher",
+                     "teacher", "--objective", "distill", "--sampler", "sample", "--distill-beta", "0",
+                     "--batch-size", "3", "--mle-batch-size", "5", "--beam-size", "2", "--max-len", "6",
+                     "--mle-steps", "1", "--rl-steps", "2", "--no-compare-mle", "--eval-every", "100",
+                     "--save-dir", "run"]) == 0
+    rl = _rl_rows(tmp_path / "run")
+    assert len(rl) == 2 and all(r["loss"] > 0 for r in rl)

@@ -1,0 +1,220 @@
+"""On-policy distillation: the divergence of the student's next-token distributions from a teacher's at every
+position of the student's own candidates, TRL 1.16's `DistillationTrainer` loss.
+
+With s = log_softmax(z / temperature) the student's and t = log_softmax(z_teacher / temperature) the teacher's
+log-distributions at a scored position, p = exp s, q = exp t:
+
+    beta = 0        D = KL(q || p) = sum_v q (t - s)                          forward KL
+    beta = 1        D = KL(p || q) = sum_v p (s - t)                          reverse KL
+    0 < beta < 1    D = beta KL(q || m) + (1 - beta) KL(p || m),              the generalized Jensen-Shannon
+                    m = (1 - beta) p + beta q                                 divergence (TRL's mixture)
+
+    L = sum over the rows' scored positions of D / num_items                  num_items: the generation's scored
+                                                                              tokens (TRL's num_items_in_batch)
+
+and with respect to the student's logits z (u = z / temperature):
+
+    beta = 0        dD/du = p - q
+    beta = 1        dD/du = p (s - t - D)
+    0 < beta < 1    dD/du = (1 - beta) p (s - log m - KL(p || m))
+
+(the mixture's own dependence on p cancels), times 1 / temperature. The target token does not enter D: each
+position's loss is a function of its whole distribution, which the student's by-hand output layer computes a
+block of logits at a time (`outputlayer.target_log_probs_and_grads`, `tokenweights.PositionWeights.logit_gradient`);
+the teacher's logits of the same block come from its hidden states (`outputlayer.HeadStates`), so no (rows, T, V)
+tensor of either model exists. L is a sum over rows with constant normalisers, so the chunks stay exact.
+
+`distillation(teacher, beta, temperature)` goes to `rescore_backward` in place of the coefficients. There it is
+bound to the batch (`bind`): the teacher encodes the B sources once, in evaluation mode and without a graph, and
+each chunk's rows are teacher-forced through it the same way (`decoded`); the teacher gets no gradient. The
+teacher may differ from the student in size and kind but must share its target vocabulary and special ids.
+
+Letters: B sources, N rows (C in a chunk), T positions, P scored positions (row, col), V vocabulary.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from .. import protocol
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """The objective before it meets a batch: `rescore_backward` binds it (`bind`) to its rows."""
+
+    teacher: object
+    beta: float = 1.0
+    temperature: float = 1.0
+    num_items: float | Tensor | None = None
+
+    def bind(self, model, source, samples) -> "DistillationLoss":
+        """The objective of samples' N rows: the teacher's encoder output for source (once, no graph), every
+        row's normaliser 1 / num_items (default: the rows' scored positions)."""
+        check_compatible(model, self.teacher)
+        with torch.no_grad(), protocol.scoring_mode(self.teacher):
+            enc = self.teacher.encode(source)
+        lengths = samples.lengths
+        items = lengths.sum() if self.num_items is None else torch.as_tensor(self.num_items, device=lengths.device)
+        scale = torch.ones(len(lengths), dtype=torch.float64, device=lengths.device) / items.to(torch.float64).clamp(min=1)
+        return DistillationLoss(self.teacher, enc, self.beta, self.temperature, scale, lengths)
+
+
+def distillation(teacher, beta: float = 1.0, temperature: float = 1.0,
+                 num_items: float | Tensor | None = None) -> Distillation:
+    """TRL 1.16's on-policy distillation loss (see the module docstring) for `rescore_backward`: beta 0 forward
+    KL(teacher || student), 1 reverse KL(student || teacher), between the generalized JSD; temperature divides
+    both models' logits. num_items: the generation's scored tokens the sum is divided by (TRL's
+    num_items_in_batch, over all processes divided by their number); default the rows' own."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return Distillation(teacher, float(beta), float(temperature), num_items)
+
+
+@dataclass
+class DistillationLoss:
+    """The divergence objective over N rows, bound to the teacher's encoder output: what phase two's chunks read
+    (the `tokenweights.ChunkLoss` interface: `derivative` and `terms` of the target's log-probabilities, both
+    zero here, and `divergence` / `divergence_terms` of whole distributions)."""
+
+    teacher: object
+    enc: object  # the teacher's encoder output of the B sources
+    beta: float
+    temperature: float
+    scale: Tensor  # (N,) float64: 1 / num_items
+    lengths: Tensor  # (N,) positions each row scores
+    states: object = None  # the teacher's `outputlayer.HeadStates` of one chunk's rows (`decoded`)
+
+    def __len__(self) -> int:
+        return len(self.scale)
+
+    def __getitem__(self, rows) -> "DistillationLoss":
+        return replace(self, scale=self.scale[rows], lengths=self.lengths[rows])
+
+    def live(self) -> Tensor:
+        return self.scale != 0
+
+    def needs_row_statistics(self) -> bool:
+        return False
+
+    def decoded(self, tokens: Tensor, owner: Tensor) -> "DistillationLoss":
+        """This chunk's objective with the teacher's output-layer inputs at every position of rows tokens (C, T)
+        of sources owner (C,): teacher-forced in evaluation mode, without a graph."""
+        with torch.no_grad(), protocol.scoring_mode(self.teacher):
+            states = head_states(self.teacher, self.enc, tokens, owner)
+        return replace(self, states=states)
+
+    def derivative(self, logp: Tensor, row: Tensor, col: Tensor):
+        """(loss, d loss / d log p(target), statistics) at the positions: 0, the divergence ignores the target."""
+        zero = torch.zeros_like(logp)
+        return zero, zero, {}
+
+    def terms(self, logp: Tensor, row: Tensor, col: Tensor) -> Tensor:
+        return logp * 0  # (P,) on logp's graph: the target's log-probability adds nothing
+
+    def divergence(self, z: Tensor, row: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
+        """((m,) D at positions (row, col) whose student logits are z (m, V), (m, V) dD/dz), without a graph."""
+        zt = self.states.logits(row, col)  # (m, V)
+        return divergence_and_gradient(z, zt, self.beta, self.temperature)
+
+    def divergence_terms(self, log_probs: Tensor, row: Tensor, col: Tensor) -> Tensor:
+        """(P,) scale * D at positions (row, col) whose student log-distributions are log_probs (P, V), with
+        autograd's graph (a causal LM's first completion token, read from its prompt's logits)."""
+        zt = self.states.logits(row, col)  # (P, V)
+        D = divergence_value(log_probs, zt, self.beta, self.temperature)
+        return self.scale.index_select(0, row).to(D.dtype) * D
+
+
+def _log_softmax(z: Tensor, temperature: float) -> Tensor:
+    return torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)
+
+
+def _xlogy_gap(p: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """sum_v p (a - b) with 0 where p is 0 (a may be -inf there: a banned token)."""
+    return torch.where(p > 0, p * (a - b), torch.zeros_like(p)).sum(-1)
+
+
+def divergence_value(z: Tensor, zt: Tensor, beta: float, temperature: float) -> Tensor:
+    """(m,) D between the student's logits (or log-probabilities) z (m, V) and the teacher's zt (m, V), with
+    autograd's graph through z (the module docstring's formula), in at least float32."""
+    dtype = torch.promote_types(z.dtype, torch.float32)
+    s, t = _log_softmax(z.to(dtype), temperature), _log_softmax(zt.to(dtype), temperature)
+    p, q = s.exp(), t.exp()
+    if beta == 0.0:
+        return _xlogy_gap(q, t, s)
+    if beta == 1.0:
+        return _xlogy_gap(p, s, t)
+    m = torch.logaddexp(s + math.log(1 - beta), t + math.log(beta))
+    return beta * _xlogy_gap(q, t, m) + (1 - beta) * _xlogy_gap(p, s, m)
+
+
+def divergence_and_gradient(z: Tensor, zt: Tensor, beta: float, temperature: float) -> tuple[Tensor, Tensor]:
+    """((m,) D, (m, V) dD/dz) at the student's logits z (m, V) and the teacher's zt (m, V), without a graph:
+    the closed forms of the module docstring, in place where it can (a handful of (m, V) blocks at once)."""
+    with torch.no_grad():
+        dtype = torch.promote_types(z.dtype, torch.float32)
+        s, t = _log_softmax(z.to(dtype), temperature), _log_softmax(zt.to(dtype), temperature)  # (m, V) each
+        p = s.exp()
+        zero = p == 0  # (m, V): no gradient there (a banned token, whose logit is a constant)
+        if beta == 0.0:
+            q = t.exp()
+            D = _gap(q, t, s)
+            grad = p.sub_(q)
+        elif beta == 1.0:
+            D = _gap(p, s, t)
+            grad = s.sub_(t).sub_(D[:, None]).mul_(p)  # p (s - t - D)
+        else:
+            m = s + math.log(1 - beta)
+            torch.logaddexp(m, t + math.log(beta), out=m)  # (m, V) the mixture's log-probabilities
+            kl_student = _gap(p, s, m)
+            D = beta * _gap(t.exp(), t, m) + (1 - beta) * kl_student
+            grad = s.sub_(m).sub_(kl_student[:, None]).mul_(p).mul_(1 - beta)  # (1 - beta) p (s - m - KL)
+        grad.masked_fill_(zero, 0.0)  # (and 0 * -inf above)
+        if temperature != 1.0:
+            grad.div_(temperature)
+        return D, grad
+
+
+def _gap(p: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """(m,) sum_v p (a - b), 0 where p is 0, without a graph: one (m, V) temporary."""
+    d = (a - b).mul_(p)
+    return d.masked_fill_(p == 0, 0.0).sum(-1)
+
+
+def head_states(model, enc, tokens: Tensor, owner: Tensor):
+    """The model's `outputlayer.HeadStates` at every position of rows tokens (C, T): its own `head_states`
+    (the built-in LSTM, the Hugging Face wrappers whose output layer is known)."""
+    own = getattr(model, "head_states", None)
+    if own is None:
+        raise ValueError(f"the teacher {protocol.model_name(model)} cannot hand over its output layer's inputs "
+                         "(head_states): use the built-in LSTM or a Hugging Face model whose head is known")
+    return own(enc, tokens, owner)
+
+
+def vocab_size(model) -> int | None:
+    """The size of the model's output vocabulary, where it can be read without a forward."""
+    size = getattr(model, "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    inner = getattr(model, "model", None)
+    out = inner.get_output_embeddings() if callable(getattr(inner, "get_output_embeddings", None)) else None
+    return None if out is None else out.weight.shape[0]
+
+
+def check_compatible(student, teacher) -> None:
+    """A one-line ValueError unless teacher and student share the target vocabulary and special ids: the
+    divergence compares their distributions token by token over the student's rows."""
+    vs, vt = vocab_size(student), vocab_size(teacher)
+    if vs is not None and vt is not None and vs != vt:
+        raise ValueError(f"the teacher's vocabulary has {vt} tokens, the student's {vs}: distillation needs one "
+                         "target vocabulary")
+    for name in ("eos_id", "pad_id"):
+        a, b = getattr(student, name, None), getattr(teacher, name, None)
+        if a != b:
+            raise ValueError(f"the teacher's {name} is {b}, the student's {a}: distillation needs one target "
+                             "vocabulary")

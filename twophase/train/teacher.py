@@ -1,0 +1,98 @@
+"""--objective distill's teacher: loaded from --teacher, frozen, and the objective of a batch's rows.
+
+--teacher names a twophase checkpoint (a run of the built-in LSTM, or of --hf-model without LoRA: the model its
+config describes, with the checkpoint's parameters) or a Hugging Face model folder (loaded as the run's
+--hf-model is, of the same kind). Either way the teacher must read this run's sources and write its targets: a
+checkpoint's vocabularies must be the run's, a folder's vocabulary size the model's (checked again on the first
+batch by `objectives.distill.check_compatible`). The teacher is in evaluation mode, its parameters
+frozen, on the run's device; the divergence (`objectives.distill`) is TRL's DistillationTrainer loss with
+--distill-beta as its beta and --temperature (with --sampler sample, else 1) as its temperature.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..models.seq2seq import Seq2Seq
+from ..objectives.distill import check_compatible, distillation
+from ..system import distributed
+from .start import StartupError
+
+
+def load(cfg, task, student, device):
+    """The frozen teacher of --teacher for this run's task and model (None without --objective distill)."""
+    if cfg.objective != "distill":
+        return None
+    path = cfg.teacher
+    if os.path.isdir(path):
+        teacher = _hugging_face(path, student, task)
+    elif os.path.isfile(path):
+        teacher = _checkpoint(path, task, student)
+    else:
+        raise StartupError(f"--teacher {path}: no such file or folder")
+    teacher = teacher.to(device).eval().requires_grad_(False)
+    try:
+        check_compatible(student, teacher)
+    except ValueError as err:
+        raise StartupError(f"--teacher {path}: {err}") from None
+    return teacher
+
+
+def objective(teacher, cfg, rows):
+    """The distillation objective of a batch's rows: TRL's normaliser, the scored tokens of the step's whole
+    generation (every process's, each of the --grad-accum batches counted as this one)."""
+    tokens = distributed.reduce_sums({"tokens": float(rows.lengths.sum())})["tokens"]
+    temperature = cfg.temperature if cfg.sampler == "sample" else 1.0
+    return distillation(teacher, cfg.distill_beta, temperature, num_items=tokens * cfg.grad_accum)
+
+
+def _hugging_face(path: str, student, task):
+    from ..models.hf import HFCausalLM, HFSeq2Seq
+
+    causal = isinstance(student, HFCausalLM)
+    if not causal and not isinstance(student, HFSeq2Seq):
+        raise StartupError(f"--teacher {path}: a Hugging Face folder teaches a --hf-model run; this run's model is "
+                           f"{type(student).__name__} (give a twophase checkpoint)")
+    import transformers as T
+
+    kind = T.AutoModelForCausalLM if causal else T.AutoModelForSeq2SeqLM
+    try:
+        model = kind.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - whatever from_pretrained raises, the folder is not a model
+        raise StartupError(f"--teacher {path}: cannot load the model ({str(exc).splitlines()[0]})") from None
+    return HFCausalLM(model, getattr(task, "tokenizer", None)) if causal else HFSeq2Seq(model)
+
+
+def _checkpoint(path: str, task, student):
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - whatever torch.load raises, the file is not a checkpoint
+        raise StartupError(f"--teacher {path}: not a checkpoint torch.load can read "
+                           f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or "model" not in state:
+        raise StartupError(f"--teacher {path}: not a twophase checkpoint (no config and model)")
+    config, saved = state["config"], (state.get("task") or {}).get("state") or {}
+    ours = task.state_dict() if callable(getattr(task, "state_dict", None)) else {}
+    for key, what in (("tgt_vocab", "target"), ("src_vocab", "source")):
+        if key in ours and saved.get(key) != ours[key]:
+            theirs = len(saved[key]) if isinstance(saved.get(key), list) else "no"
+            raise StartupError(f"--teacher {path}: its {what} vocabulary ({theirs} tokens) is not this run's "
+                               f"({len(ours[key])} tokens); distillation needs one vocabulary")
+    if config.get("lora_r"):
+        raise StartupError(f"--teacher {path}: a --lora-r checkpoint holds adapters only; merge them "
+                           "(--merge-lora) and give the folder")
+    if config.get("hf_model"):
+        teacher = _hugging_face(config["hf_model"], student, task)
+    elif isinstance(student, Seq2Seq):
+        teacher = Seq2Seq(len(saved["src_vocab"]), len(saved["tgt_vocab"]), config["embed_dim"],
+                          config["hidden_size"], config["dropout"], config["bidirectional"])
+    else:
+        raise StartupError(f"--teacher {path}: a built-in LSTM checkpoint teaches a built-in LSTM; this run's model "
+                           f"is {type(student).__name__}")
+    try:
+        teacher.load_state_dict(state["model"])
+    except RuntimeError as err:
+        raise StartupError(f"--teacher {path}: its parameters do not fit the model its config describes "
+                           f"({str(err).splitlines()[0]})") from None
+    return teacher
