@@ -113,7 +113,7 @@ def test_fit_with_a_users_task_and_model_resumes_it(data, capsys):
 def test_bad_input_raises_train_pys_one_line(data):
     with pytest.raises(ValueError, match="^--train and --valid go together$"):
         twophase.fit(twophase.Config(train="train.tsv", save_dir="x"))
-    with pytest.raises(ConfigFileError, match="^Config.hidden_size: expected an integer, got \"16\"$"):
+    with pytest.raises(ValueError, match="^Config.hidden_size: expected an integer, got \"16\"$"):
         twophase.fit(config(hidden_size="16"))
     with pytest.raises(ValueError, match="^--eval-only evaluates a checkpoint: add --resume"):
         twophase.fit(config(save_dir="x", eval_only=True))
