@@ -61,7 +61,8 @@ class Config(SystemConfig, RunConfig, EvaluationConfig, StepConfig, PhaseTwoConf
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not f.default:  # a default is valid as it is
-                object.__setattr__(self, f.name, values.checked(f.name, value, f"Config.{f.name}"))
+                object.__setattr__(self, f.name, values.checked(f.name, value, f"Config.{f.name}",
+                                                                   finite=False))
         configrules.validate(self)
 
     # cfg.search: cfg.section("search"), a copy of the section's values

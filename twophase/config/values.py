@@ -11,9 +11,10 @@ import os
 from .sections import FIELDS
 
 
-def checked(name: str, value, label: str, error: type[Exception] = ValueError):
+def checked(name: str, value, label: str, error: type[Exception] = ValueError, finite: bool = True):
     """`value` for the field `name` as its flag would take it (an int where a float goes becomes a float, a path
-    object a string), or `error` whose one line starts with `label`."""
+    object a string), or `error` whose one line starts with `label`. `finite=False`: a NaN or an infinity is left
+    to `rules.validate`'s one line."""
     f = FIELDS[name]
     kinds = [k.strip() for k in str(f.type).split("|")]
     if isinstance(value, os.PathLike) and "str" in kinds:
@@ -36,7 +37,7 @@ def checked(name: str, value, label: str, error: type[Exception] = ValueError):
         raise error(f"{label}: expected {_expected(kinds)}, got {shown(value)}")
     if isinstance(value, (int, float)) and not isinstance(value, bool) and "float" in kinds:
         value = float(value)
-        if not math.isfinite(value):
+        if finite and not math.isfinite(value):
             raise error(f"{label}: expected a finite number, got {value}")
     parse = f.metadata.get("parse")
     if parse is not None:

@@ -117,7 +117,12 @@ def resolution(argv: list[str] | None = None, settings: dict | None = None,
     user = [Layer(f"--config {config}", file), Layer("fit's Config", settings), Layer("command line", typed)]
     view = argparse.Namespace(**{**{f.name: f.default for f in fields(Config)},
                                  **merged([layer for layer in user])[0]})  # what the command asks, unchecked
-    below = recipe_layers(view, recipe)
+    try:
+        below = recipe_layers(view, recipe)
+    except UsageError as err:
+        if settings or recipe is not None:  # twophase.fit: raised
+            raise
+        build_parser().error(str(err))  # train.py: argparse's one line and exit 2
     if wants_help:  # the defaults shown: the recipe's, the preset's and the file's
         parser = build_parser(merged(below + user[:2])[0])
         if below[0].values:  # whose defaults it shows
