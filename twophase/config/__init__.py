@@ -191,8 +191,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         text = f.metadata["help"].replace("%", "%%") + ("" if default is None else " (default: %(default)s)")
         if f.metadata["parse"] is not None:
             group.add_argument(_flag(f.name), type=f.metadata["parse"], default=default, help=text)
-        elif kind is bool and default:  # on unless --no-FLAG
-            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=True,
+        elif kind is bool and (default or f.metadata["inherited"] and not f.name.startswith("no_")):
+            # --FLAG / --no-FLAG: a recipe or a preset may turn it on (Karel's --rl-from-best), and the user's
+            # --no-FLAG, equal to Config's default, still wins over it
+            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=default,
                                help=f.metadata["help"].replace("%", "%%"))
         elif kind is bool:
             group.add_argument(_flag(f.name), action="store_true", help=f.metadata["help"].replace("%", "%%"))

@@ -112,7 +112,7 @@ def resolution(argv: list[str] | None = None, settings: dict | None = None,
     config, print_config, wants_help = typed.pop("config", None), typed.pop("print_config", False), \
         typed.pop("help", False)
     file = configfile.read(config) if config else {}
-    settings = dict(settings or {})
+    from_python, settings = settings is not None, dict(settings or {})  # twophase.fit's: raised, never an exit
 
     user = [Layer(f"--config {config}", file), Layer("fit's Config", settings), Layer("command line", typed)]
     view = argparse.Namespace(**{**{f.name: f.default for f in fields(Config)},
@@ -120,7 +120,7 @@ def resolution(argv: list[str] | None = None, settings: dict | None = None,
     try:
         below = recipe_layers(view, recipe)
     except UsageError as err:
-        if settings or recipe is not None:  # twophase.fit: raised
+        if from_python:
             raise
         build_parser().error(str(err))  # train.py: argparse's one line and exit 2
     if wants_help:  # the defaults shown: the recipe's, the preset's and the file's

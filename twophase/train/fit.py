@@ -48,6 +48,16 @@ def fit(config: Config | str | os.PathLike | None = None, *, model=None, task=No
     rebuild the task's own model and can read such a run only where `build_model` builds this architecture.
     Not with `fsdp` (sharding rebuilds the model from the task).
     """
+    cfg, start, given = resolved(config, model=model, task=task, reward=reward)
+    try:
+        return cli.run(cfg, start, given, model=model, task=task, reward=reward)
+    finally:
+        distributed.finish()
+
+
+def resolved(config: Config | str | os.PathLike | None = None, *, model=None, task=None, reward=None):
+    """What `fit` resolves its arguments into, before anything is built (`cli.resolve`'s): the run's Config, the
+    checkpoint it starts from (resume=True, init_from) and the fields given."""
     if config is None:
         config = Config()
     if isinstance(config, (str, os.PathLike)):
@@ -66,20 +76,16 @@ def fit(config: Config | str | os.PathLike | None = None, *, model=None, task=No
     recipe = None
     if task is not None:
         settings["task"] = named.get("task") or spec_of(task)
-        recipe = {name: configfile.check_value(name, value, f"{type(task).__name__}.flag_defaults: {name}")
-                  for name, value in (getattr(task, "flag_defaults", None) or {}).items()
-                  if name in configfile.FIELDS}  # its recipe, whether tasks.get finds it or not
-        unknown = sorted(set(getattr(task, "flag_defaults", None) or {}) - set(configfile.FIELDS))
+        own = dict(getattr(task, "flag_defaults", None) or {})  # its recipe, whether tasks.get finds it or not
+        unknown = sorted(set(own) - set(configfile.FIELDS))
         if unknown:
             raise cli.UsageError(f"--task {settings['task']}: its flag_defaults name no flag: {', '.join(unknown)}")
+        recipe = {name: configfile.check_value(name, value, f"{type(task).__name__}.flag_defaults: {name}")
+                  for name, value in own.items()}
     if model is not None and named.get("fsdp"):
         raise cli.UsageError("fit(model=...) with fsdp: sharding rebuilds the model from the task "
                              "(Task.build_model); give the task a build_model instead")
-    cfg, start, given = cli.resolve(argv, settings, recipe)
-    try:
-        return cli.run(cfg, start, given, model=model, task=task, reward=reward)
-    finally:
-        distributed.finish()
+    return cli.resolve(argv, settings, recipe)
 
 
 def explicit(config: Config) -> dict:
