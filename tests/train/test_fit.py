@@ -1,6 +1,7 @@
 """`twophase.fit`: train.py as a Python call, checked against train.py itself (the same flags, the reward named
 by `module:callable`): the same losses, parameters and closing table; reward functions in both signatures, a
 user's task and model (resumed), and bad input raised as train.py's one line, never an exit."""
+import dataclasses
 import json
 
 import pytest
@@ -8,8 +9,8 @@ import torch
 
 import twophase
 from twophase.tasks.text import TSV
-from twophase.train import cli
-from twophase.config.file import ConfigFileError
+from twophase.config import Config
+from twophase.train import cli, fit
 
 from taskfiles import small_task_here
 
@@ -147,3 +148,20 @@ def test_a_task_instance_brings_its_recipe(data, monkeypatch):
     assert result.config.task.endswith("test_a_task_instance_brings_its_recipe.<locals>.Shorter")
     with pytest.raises(ValueError, match="its flag_defaults name no flag: rl_stepz$"):
         twophase.fit(cfg, task=Typo(cfg))
+
+
+def test_the_config_given_is_unchanged_by_build_and_fit(data):
+    """build derives the task's name, the save dir, the reward and the best metric into the run's own Config;
+    the one it was given, and the one given to fit, stay as they were, field by field."""
+    given = config(save_dir="run", mle_steps=2, rl_steps=1)
+    before = dataclasses.asdict(given)
+    cfg, start, flags = fit.resolved(given)
+    resolved = dataclasses.asdict(cfg)
+    training = cli.build(cfg, start, flags)
+    assert (training.cfg.task, training.cfg.reward, training.cfg.best_metric) == ("tsv", "edit", "reward")
+    assert (cfg.task, cfg.reward, cfg.best_metric) == (None, None, "auto")
+    assert dataclasses.asdict(cfg) == resolved and cfg == Config(**resolved)
+    twophase.fit(given)
+    assert dataclasses.asdict(given) == before and given == Config(**before)
+    for f in dataclasses.fields(Config):
+        assert getattr(given, f.name) == before[f.name], f.name
