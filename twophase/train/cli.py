@@ -116,7 +116,7 @@ def resolution(argv: list[str] | None = None, settings: dict | None = None,
 
     user = [Layer(f"--config {config}", file), Layer("fit's Config", settings), Layer("command line", typed)]
     view = argparse.Namespace(**{**{f.name: f.default for f in fields(Config)},
-                                 **merged([layer for layer in user])[0]})  # what the command asks, unchecked
+                                 **merged(user)[0]})  # what the command asks, unchecked
     try:
         below = recipe_layers(view, recipe)
     except UsageError as err:
