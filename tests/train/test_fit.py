@@ -161,7 +161,8 @@ def test_the_config_given_is_unchanged_by_build_and_fit(data):
     assert (training.cfg.task, training.cfg.reward, training.cfg.best_metric) == ("tsv", "edit", "reward")
     assert (cfg.task, cfg.reward, cfg.best_metric) == (None, None, "auto")
     assert dataclasses.asdict(cfg) == resolved and cfg == Config(**resolved)
-    twophase.fit(given)
+    result = twophase.fit(given)
     assert dataclasses.asdict(given) == before and given == Config(**before)
+    assert (result.config.task, result.config.reward, result.config.save_dir) == ("tsv", "edit", "run")
     for f in dataclasses.fields(Config):
         assert getattr(given, f.name) == before[f.name], f.name

@@ -198,8 +198,8 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
         table = report.evaluation_table(training.task, scores)
         if training.is_main:
             step = (start or {}).get("step", training.step)
-            print(f"{resume.resume_path(cfg) or cfg.init_from} (step {step}):\n" + table)
-        return Result(cfg, training.save_dir.absolute(), scores, table)
+            print(f"{resume.resume_path(training.cfg) or cfg.init_from} (step {step}):\n" + table)
+        return Result(training.cfg, training.save_dir.absolute(), scores, table)
     if training.is_main:
         test = f" / {len(training.test)} test" if training.test is not None else ""
         threads = torch.get_num_threads()
@@ -216,7 +216,7 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
         if training.metrics.mirror is not None:
             training.metrics.mirror.close()
     best, folder = training.checkpoints, training.save_dir.absolute()  # the Result's paths: from anywhere
-    result = Result(cfg, folder, summary, summary_table(summary, with_beams(training.task.metrics,
+    result = Result(training.cfg, folder, summary, summary_table(summary, with_beams(training.task.metrics,
                                                                             test_beams(training.cfg))),
                     model=training.model, best_metric=training.best_key, best=best.best, best_step=training.best_step,
                     best_checkpoint=if_written(folder / best.best_path.name) if best.best is not None else None,
