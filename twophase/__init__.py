@@ -23,6 +23,13 @@ __all__ = ["SequenceModel", "ModelError", "check_model", "Seq2Seq", "Samples", "
            "objectives", "estimators", "policy", "compiled", "Compiled", "Config", "fit", "Result"]
 
 
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:  # what a type checker and an editor see of the names __getattr__ imports on first use
+    from .config import Config  # noqa: F401
+    from .train.fit import fit  # noqa: F401
+
+
 def __getattr__(name: str):
     # The core never imports a model or the trainer; `from twophase import Seq2Seq` (or fit, Config) still works,
     # loading it on first use.

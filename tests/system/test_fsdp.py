@@ -227,7 +227,8 @@ def test_fsdp_without_torchrun_is_refused_in_one_line(flags, match, tmp_path, ca
     (dict(amp="fp16"), "--fsdp with --amp fp16"),
     (dict(export="best"), "--fsdp with --export best"),
     (dict(eval_only=True), "--eval-only trains nothing"),
-    (dict(hf_model="m", lora_r=4, objective="policy", sampler="sample", kl_beta=0.04), "--lora-r and --kl-beta"),
+    (dict(hf_model="m", train="t", valid="v", lora_r=4, objective="policy", sampler="sample", kl_beta=0.04),
+     "--lora-r and --kl-beta"),
 ])
 def test_flags_fsdp_does_not_shard_are_refused_under_torchrun(flags, match, monkeypatch):
     monkeypatch.setattr(distributed, "launched", lambda: True)

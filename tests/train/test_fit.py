@@ -1,6 +1,7 @@
 """`twophase.fit`: train.py as a Python call, checked against train.py itself (the same flags, the reward named
 by `module:callable`): the same losses, parameters and closing table; reward functions in both signatures, a
 user's task and model (resumed), and bad input raised as train.py's one line, never an exit."""
+import dataclasses
 import json
 
 import pytest
@@ -8,8 +9,8 @@ import torch
 
 import twophase
 from twophase.tasks.text import TSV
-from twophase.train import cli
-from twophase.config.file import ConfigFileError
+from twophase.config import Config
+from twophase.train import cli, fit
 
 from taskfiles import small_task_here
 
@@ -113,7 +114,7 @@ def test_fit_with_a_users_task_and_model_resumes_it(data, capsys):
 def test_bad_input_raises_train_pys_one_line(data):
     with pytest.raises(ValueError, match="^--train and --valid go together$"):
         twophase.fit(twophase.Config(train="train.tsv", save_dir="x"))
-    with pytest.raises(ConfigFileError, match="^Config.hidden_size: expected an integer, got \"16\"$"):
+    with pytest.raises(ValueError, match="^Config.hidden_size: expected an integer, got \"16\"$"):
         twophase.fit(config(hidden_size="16"))
     with pytest.raises(ValueError, match="^--eval-only evaluates a checkpoint: add --resume"):
         twophase.fit(config(save_dir="x", eval_only=True))
@@ -147,3 +148,21 @@ def test_a_task_instance_brings_its_recipe(data, monkeypatch):
     assert result.config.task.endswith("test_a_task_instance_brings_its_recipe.<locals>.Shorter")
     with pytest.raises(ValueError, match="its flag_defaults name no flag: rl_stepz$"):
         twophase.fit(cfg, task=Typo(cfg))
+
+
+def test_the_config_given_is_unchanged_by_build_and_fit(data):
+    """build derives the task's name, the save dir, the reward and the best metric into the run's own Config;
+    the one it was given, and the one given to fit, stay as they were, field by field."""
+    given = config(save_dir="run", mle_steps=2, rl_steps=1)
+    before = dataclasses.asdict(given)
+    cfg, start, flags = fit.resolved(given)
+    resolved = dataclasses.asdict(cfg)
+    training = cli.build(cfg, start, flags)
+    assert (training.cfg.task, training.cfg.reward, training.cfg.best_metric) == ("tsv", "edit", "reward")
+    assert (cfg.task, cfg.reward, cfg.best_metric) == (None, None, "auto")
+    assert dataclasses.asdict(cfg) == resolved and cfg == Config(**resolved)
+    result = twophase.fit(given)
+    assert dataclasses.asdict(given) == before and given == Config(**before)
+    assert (result.config.task, result.config.reward, result.config.save_dir) == ("tsv", "edit", "run")
+    for f in dataclasses.fields(Config):
+        assert getattr(given, f.name) == before[f.name], f.name

@@ -99,3 +99,18 @@ def test_nan_log_probabilities_mid_run_name_the_model_and_the_step(tmp_path):
     model.log_probs = log_probs
     with pytest.raises(ModelError, match=r"^step \d \[rl\]: Seq2Seq returned NaN log-probabilities"):
         trainer.train()
+
+
+def test_a_task_without_references_turns_the_control_off_beside_the_config(capsys):
+    """Data without references cannot continue MLE: the default control is off for the run (build records it in
+    the run's own Config), and the Config it was given still says what the user asked."""
+    from types import SimpleNamespace
+    from twophase.train import start
+    cfg = Config(mle_steps=0)
+    task = SimpleNamespace(train=[SimpleNamespace(references=[])], spec="verifier")
+    assert start.check_references(cfg, task, frozenset()) is False
+    assert cfg.compare_mle is True and cfg == Config(mle_steps=0)
+    assert "--compare-mle cannot run" in capsys.readouterr().out
+    with_refs = SimpleNamespace(train=[SimpleNamespace(references=["a"])], spec="tsv")
+    assert start.check_references(cfg, with_refs, frozenset()) is True
+    assert start.check_references(Config(compare_mle=False), with_refs, frozenset()) is False

@@ -1,24 +1,29 @@
-"""Training configuration: sections of documented fields, and the flat `Config` built from them.
+"""Training configuration: sections of documented fields, and the flat `Config` made of them.
 
 The package: `documented` (what a documented field and a condition are), `sections` and `runsections` (the sections),
-this module (`Config`, its views and its flags), `rules` (the checks across fields and the resume rules), `file`
-(`--config FILE` and `--print-config`).
+`values` (one field's value checked), this module (`Config`, its flags), `rules` (the checks across fields and the
+resume rules), `layers` (the layers of defaults resolved into one Config), `file` (`--config FILE` and
+`--print-config`).
 
 Each section is a dataclass whose fields carry their flag's help text, type, default, valid range and resume rule
 (`arg`); a section that only applies under a condition declares it once (`Only`), and `rules` refuses a field
-of it given where the condition does not hold. The flat `Config` holds every section's fields under their own names
-in one fixed order (`ORDER`: what checkpoints and config.json store), so `cfg.beam_size` and `asdict(cfg)` read as
-one record, and `cfg.search` (or `cfg.section("search")`) is the search section's values. The command line is
-generated from the fields (`--rescore-chunk` for `rescore_chunk`), one argparse group per section.
+of it given where the condition does not hold. The flat `Config` is a dataclass of every section's fields under
+their own names, in the sections' order (`SECTIONS`: what checkpoints and config.json store), so `cfg.beam_size`
+and `asdict(cfg)` read as one record, a type checker and an editor see every field, and `cfg.section("search")`
+is the search section's values. A Config is checked when it is made (each field's type, range and choices, then
+the checks across fields): an invalid one cannot exist. The command line is generated from the fields
+(`--rescore-chunk` for `rescore_chunk`), one argparse group per section, titled by its key in a file.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
-from dataclasses import MISSING, field, fields, make_dataclass
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 
 from . import rules as configrules
+from . import values
 from .documented import DEFAULT_BEAM, PRESETS, _flag, parse_chunk, parse_size  # noqa: F401 (the package's names)
 from .runsections import EvaluationConfig, PhaseTwoConfig, RunConfig, StepConfig, SystemConfig  # noqa: F401
 from .sections import (FIELDS, SECTION_OF, SECTIONS, SHAPING_FLAGS, TASK_EXTRA, TASK_SECTIONS,  # noqa: F401
@@ -26,29 +31,59 @@ from .sections import (FIELDS, SECTION_OF, SECTIONS, SHAPING_FLAGS, TASK_EXTRA, 
                        SearchConfig, section_fields)
 
 
-# Config's fields in their stored order: the keys of asdict(cfg), of every checkpoint's "config" and of
-# config.json, which --config reads back; a new field goes at the end.
-ORDER = (
-    "preset", "task", "train", "valid", "test", "char_source", "char_target", "lowercase_source", "max_src_len",
-    "too_long", "valid_size", "train_size", "hf_model", "embed_dim", "hidden_size", "bidirectional", "dropout",
-    "karel_model", "karel_channels", "karel_blocks", "karel_pair_dim", "karel_layers", "mle_steps", "mle_batch_size",
-    "lr", "lr_decay", "patience", "min_lr", "rl_steps", "batch_size", "rl_lr", "sampler", "beam_size", "temperature",
-    "objective", "baseline", "loss_type", "importance_sampling_level", "delta", "sapo_temperature_pos",
-    "sapo_temperature_neg", "off_policy_mask_threshold", "entropy_coef", "top_entropy_quantile",
-    "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
-    "mask_truncated_completions", "updates_per_generation", "clip_epsilon", "clip_epsilon_high", "kl_beta",
-    "kl_importance_weighted", "ref_checkpoint", "advantage_scale", "drop_zero_std", "mrt_alpha", "compare_mle",
-    "mle_weight", "reward", "max_len", "grammar", "rescore_chunk", "memory_budget", "profile_memory", "one_phase",
-    "no_prefix_sharing", "reward_weights", "top_k", "top_p", "min_len", "lora_r", "lora_alpha", "lora_dropout",
-    "lora_target_modules", "merge_lora", "rl_from_best", "include_reference", "karel_reward_pairs", "test_beam",
-    "clip_norm", "eval_every", "eval_beam", "best_metric", "tensorboard", "picture", "log_every", "seed", "device",
-    "deterministic", "tf32", "save_dir", "save_every", "keep_last", "resume", "overwrite", "max_bad_steps",
-    "threads", "resume_from", "init_from", "eval_only", "export", "grad_accum", "fsdp", "amp", "compile",
-    "teacher", "distill_beta")
-assert sorted(ORDER) == sorted(FIELDS) and len(set(ORDER)) == len(ORDER), "ORDER is not the sections' fields"
+def _remembers_given(cls):
+    """`cls.__init__` also records the names of the fields it was given (`Config.given()`): a field passed equal
+    to its default is still the user's, and wins over a task's recipe and a preset. Not a field: equality,
+    `asdict` and the record ignore it."""
+    init = cls.__init__
+    names = [f.name for f in fields(cls)]
 
-class _Views:
-    """Config's behaviour beside its fields: the section views and the checks (`rules`)."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        self.__dict__["_given"] = frozenset(names[:len(args)]) | frozenset(kwargs)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+# The sections in reverse: a dataclass takes its bases' fields from the last base first, so the fields are in
+# SECTIONS' order (data, model, ..., system), the order --help prints them in and the record stores them in.
+@_remembers_given
+@dataclass
+class Config(SystemConfig, RunConfig, EvaluationConfig, StepConfig, PhaseTwoConfig, PolicyConfig, RLConfig,
+             SearchConfig, MLEConfig, LoraConfig, KarelConfig, ModelConfig, DataConfig):
+    """Every training setting, one field per train.py flag (the fields of the sections, in SECTIONS' order).
+    `cfg.section("search")` gives one section's values. Made only valid: a bad value or combination raises a
+    one-line ValueError naming the field (`Config.<field>: ...`) or the flags (the checks of `rules`)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not f.default:  # a default is valid as it is
+                object.__setattr__(self, f.name, values.checked(f.name, value, f"Config.{f.name}",
+                                                                   finite=False))
+        configrules.validate(self)
+
+    # cfg.search: cfg.section("search"), a copy of the section's values
+    data = property(lambda self: self.section("data"))
+    model = property(lambda self: self.section("model"))
+    karel = property(lambda self: self.section("karel"))
+    lora = property(lambda self: self.section("lora"))
+    mle = property(lambda self: self.section("mle"))
+    search = property(lambda self: self.section("search"))
+    rl = property(lambda self: self.section("rl"))
+    policy = property(lambda self: self.section("policy"))
+    phase_two = property(lambda self: self.section("phase_two"))
+    steps = property(lambda self: self.section("steps"))
+    evaluation = property(lambda self: self.section("evaluation"))
+    run = property(lambda self: self.section("run"))
+    system = property(lambda self: self.section("system"))
+
+    def given(self) -> frozenset[str]:
+        """The fields passed to the constructor (by name or position), whatever their value; every field for a
+        Config made by `dataclasses.replace` or from a record."""
+        return self.__dict__.get("_given", frozenset())
 
     def section(self, name: str):
         """The values of section `name` (a key of SECTIONS) as that section's dataclass: a copy, not a view to
@@ -66,29 +101,18 @@ class _Views:
         return self.baseline or "mean"
 
     def validate(self) -> None:
-        """Cross-field checks the parser cannot express (`rules.validate`); ValueError naming the flag."""
+        """The checks a Config passed when it was made (`rules.validate`), again, and those that read the file
+        system (`rules.check_files`); ValueError naming the flag."""
         configrules.validate(self)
+        configrules.check_files(self)
 
     def warnings(self) -> list[str]:
         """Configurations that train, but not what the user probably means (`rules.warnings`)."""
         return configrules.warnings(self)
 
 
-def _view(name: str) -> property:
-    return property(lambda self: self.section(name), doc=f"The {name} section's values ({SECTIONS[name].__name__}).")
-
-
-def _make_config():
-    specs = [(n, FIELDS[n].type,
-              field(default=FIELDS[n].default, metadata=FIELDS[n].metadata)) for n in ORDER]
-    cls = make_dataclass("Config", specs, bases=(_Views,), namespace={name: _view(name) for name in SECTIONS})
-    cls.__module__ = __name__
-    cls.__doc__ = ("Every training setting, one field per train.py flag (the fields of SECTIONS, in ORDER); "
-                   "`cfg.<section>` gives one section's values, e.g. `cfg.search.beam_size`.")
-    return cls
-
-
-Config = _make_config()
+assert [f.name for f in fields(Config)] == [n for cls in SECTIONS.values() for n in (f.name for f in fields(cls))]
+ORDER = tuple(f.name for f in fields(Config))  # the record's keys, in their order
 
 TASK_FIELDS = tuple(n for n in ORDER if SECTION_OF[n] in TASK_SECTIONS or n in TASK_EXTRA)
 
@@ -120,8 +144,7 @@ TaskConfig = _make_task_config()
 
 
 def _typed(f, kind):
-    """argparse type that also enforces the field's minimum, so `--rescore-chunk 0` fails at parse time."""
-    minimum = f.metadata["minimum"]
+    """argparse type that also enforces the field's range, so `--rescore-chunk 0` fails at parse time."""
 
     def convert(text: str):
         try:
@@ -130,8 +153,9 @@ def _typed(f, kind):
             raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
         if kind is float and not math.isfinite(value):  # nan passes every comparison with a minimum
             raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
-        if minimum is not None and value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        problem = values.out_of_range(f.name, value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem.rpartition(", got ")[0] + f", got {text}")
         return value
 
     convert.__name__ = kind.__name__
@@ -154,10 +178,10 @@ def section_help(cls) -> str:
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per Config field, each in its section's argument group. The flags are added in ORDER (argparse's
-    messages list flags in the order they were added: `--pr` is ambiguous between --preset and --print-config);
-    the groups print in SECTIONS' order."""
-    groups = {name: parser.add_argument_group(cls.title, section_help(cls)) for name, cls in SECTIONS.items()}
+    """One flag per Config field, each in its section's argument group, titled by the section's key in a
+    configuration file (`search:`) and printed in SECTIONS' order; the flags are added in the record's order
+    (argparse's messages list flags in the order they were added)."""
+    groups = {name: parser.add_argument_group(name, section_help(cls)) for name, cls in SECTIONS.items()}
     for f in fields(Config):
         group = groups[SECTION_OF[f.name]]
         kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type).split(" ")[0]]
@@ -167,8 +191,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         text = f.metadata["help"].replace("%", "%%") + ("" if default is None else " (default: %(default)s)")
         if f.metadata["parse"] is not None:
             group.add_argument(_flag(f.name), type=f.metadata["parse"], default=default, help=text)
-        elif kind is bool and default:  # on unless --no-FLAG
-            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=True,
+        elif kind is bool and (default or f.metadata["inherited"] and not f.name.startswith("no_")):
+            # --FLAG / --no-FLAG: a recipe or a preset may turn it on (Karel's --rl-from-best), and the user's
+            # --no-FLAG, equal to Config's default, still wins over it
+            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=default,
                                help=f.metadata["help"].replace("%", "%%"))
         elif kind is bool:
             group.add_argument(_flag(f.name), action="store_true", help=f.metadata["help"].replace("%", "%%"))

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import re
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from . import FIELDS, SECTION_OF, SECTIONS, Config
+from . import FIELDS, SECTION_OF, SECTIONS, Config, values
 
 COMMAND_ONLY = ("resume", "resume_from", "overwrite", "eval_only")  # a file may not set these
 RECORD_ONLY = ("save_dir",) + COMMAND_ONLY  # a run's config.json: taken as it is, less these
@@ -131,8 +130,9 @@ def read(path) -> dict:
         raise ConfigFileError(f"--config {path}: cannot read it ({getattr(err, 'strerror', None) or err})") \
             from None
     doc, lines = _read_yaml(path, text) if suffix != ".json" else _read_json(path, text)
-    if doc is None:  # an empty file (or comments only): nothing set
-        return {}
+    if doc is None or doc == {}:  # an empty file (or comments only) would train the default task unawares
+        raise ConfigFileError(f"{path}: sets nothing (an empty file); a configuration file holds Config fields as "
+                              "key: value (python train.py --print-config writes one)")
     if not isinstance(doc, dict):
         raise ConfigFileError(f"{path}: expected a mapping of Config fields (key: value), got "
                               f"{type(doc).__name__}")
@@ -189,71 +189,33 @@ def _unsectioned(doc: dict, where) -> dict:
 
 
 def check_value(name: str, value, label: str):
-    """`value` for the field `name` as its flag would take it (type, parse, minimum, choices), or
+    """`value` for the field `name` as its flag would take it (type, parse, range, choices), or
     ConfigFileError starting with `label`."""
-    f = FIELDS[name]
-    kinds = [k.strip() for k in str(f.type).split("|")]
-    if value is None:
-        if "None" in kinds:
-            return None
-        raise ConfigFileError(f"{label}: expected {_expected(kinds)}, got null")
-    if isinstance(value, bool):
-        ok = "bool" in kinds
-    elif isinstance(value, int):
-        ok = "int" in kinds or "float" in kinds
-    elif isinstance(value, float):
-        ok = "float" in kinds
-    elif isinstance(value, str):
-        ok = "str" in kinds
-    else:
-        ok = False
-    if not ok:
-        raise ConfigFileError(f"{label}: expected {_expected(kinds)}, got {_shown(value)}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if "float" in kinds:
-            value = float(value)
-            if not math.isfinite(value):
-                raise ConfigFileError(f"{label}: expected a finite number, got {value}")
-    parse = f.metadata.get("parse")
-    if parse is not None:
-        try:
-            value = parse(str(value))
-        except Exception as err:  # argparse.ArgumentTypeError, as the flag's
-            raise ConfigFileError(f"{label}: {err}") from None
-    minimum = f.metadata.get("minimum")
-    if minimum is not None and isinstance(value, (int, float)) and not isinstance(value, bool) and value < minimum:
-        raise ConfigFileError(f"{label}: must be >= {minimum}, got {value}")
-    choices = f.metadata.get("choices")
-    if choices is not None and value not in choices:
-        raise ConfigFileError(f"{label}: expected one of {', '.join(map(str, choices))}, got {_shown(value)}")
-    return value
+    return values.checked(name, value, label, ConfigFileError)
 
 
-def _expected(kinds: list[str]) -> str:
-    names = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string", "None": "null"}
-    return " or ".join(names[k] for k in kinds if k in names)
+_shown = values.shown
 
 
-def _shown(value) -> str:
-    return json.dumps(value) if isinstance(value, (bool, str, int, float)) or value is None else \
-        f"a {type(value).__name__}"
-
-
-def changed(values: dict) -> frozenset[str]:
-    """The fields of a file's `values` that count as given (start's checks): those differing from Config's
-    defaults, so a run's record, which lists every field, gives only what its run changed."""
-    return frozenset(k for k, v in values.items()
+def changed(settings: dict) -> frozenset[str]:
+    """The fields of a file's `settings` that count as given to start's checks (a shaping flag the task does not
+    read, an explicit --compare-mle): those differing from Config's defaults, so a run's record, which lists
+    every field, gives only what its run changed. (Every key of a file wins over the recipe and the preset.)"""
+    return frozenset(k for k, v in settings.items()
                      if FIELDS[k].default is MISSING or v != FIELDS[k].default)
 
 
-def dumps(cfg: Config) -> str:
+def dumps(cfg: Config, origins: dict | None = None) -> str:
     """`--print-config`: the configuration as YAML that `--config` reads back to the same Config, in the sections
     of `train.py --help` (every field but COMMAND_ONLY; each value a JSON scalar, which YAML 1.2 reads as JSON
-    does)."""
+    does). `origins`: where a value came from, by field (`layers.resolve`'s), shown as a trailing comment where it
+    is not Config's default."""
+    origins = origins or {}
     lines = ["# twophase configuration: python train.py --config FILE.yaml (flags given with it still win)"]
     for name, section in SECTIONS.items():
         shown = [f.name for f in fields(section) if f.name not in COMMAND_ONLY]
         if shown:
             title = f"  # {section.title}" if section.title != name else ""
-            lines += [f"{name}:{title}"] + [f"  {n}: {json.dumps(getattr(cfg, n))}" for n in shown]
+            lines += [f"{name}:{title}"] + [f"  {n}: {json.dumps(getattr(cfg, n))}"
+                                            + (f"  # {origins[n]}" if n in origins else "") for n in shown]
     return "\n".join(lines) + "\n"

@@ -29,7 +29,7 @@ def refuse_inert(cfg, names, own: bool = True) -> None:
     fields' own conditions (`arg(only=...)`); False: their section's (`Section.only`; the switch itself, a field
     of its section such as --lora-r, is exempt). Called where today's order of checks puts each, so the first
     refusal stays the same."""
-    defaults = {f.name: f.default for f in fields(cfg)}
+    defaults = {name: f.default for name, f in FIELDS.items()}
     for name in names:
         section, field_only = only_conditions(name)
         only = field_only if own else section
@@ -68,6 +68,14 @@ def validate(cfg) -> None:
         _hf(cfg)
     if cfg.rl_steps > 0:  # a run without RL steps never reads the RL flags: nothing to refuse there
         _rl(cfg)
+
+
+def check_files(cfg) -> None:
+    """The checks that read the file system, made where a run starts (not when a Config is made: a record's
+    file may have moved since)."""
+    if cfg.objective == "policy" and cfg.rl_steps > 0 and cfg.ref_checkpoint is not None \
+            and not Path(cfg.ref_checkpoint).is_file():
+        raise ValueError(f"--ref-checkpoint {cfg.ref_checkpoint}: no such file")
 
 
 def _finite(cfg) -> None:
@@ -110,7 +118,7 @@ def _hf(cfg) -> None:
 def _policy(cfg) -> None:
     """--objective policy's flags: refused with another objective (they would do nothing), and the
     combinations it does not support."""
-    defaults = {f.name: f.default for f in fields(cfg)}
+    defaults = {name: f.default for name, f in FIELDS.items()}
     if cfg.objective != "policy":
         refuse_inert(cfg, section_fields("policy"), own=False)
         return
@@ -137,8 +145,6 @@ def _policy(cfg) -> None:
                          f"sequence), not --loss-type {cfg.loss_type}'s")
     if cfg.ref_checkpoint is not None and cfg.kl_beta == 0:
         raise ValueError("--ref-checkpoint needs --kl-beta > 0")
-    if cfg.ref_checkpoint is not None and not Path(cfg.ref_checkpoint).is_file():
-        raise ValueError(f"--ref-checkpoint {cfg.ref_checkpoint}: no such file")
 
 
 def _rl(cfg) -> None:
@@ -199,6 +205,24 @@ def _distill(cfg) -> None:
 
 def warnings(cfg) -> list[str]:
     """Configurations that train, but not what the user probably means; one line each."""
+    out = _sampling_warnings(cfg)
+    if cfg.rl_steps > 0 and cfg.objective == "policy":
+        if cfg.loss_type == "cispo" and cfg.clip_epsilon_high is None:
+            out.append(f"--loss-type cispo caps each ratio at --clip-epsilon-high, which defaults to --clip-epsilon "
+                       f"({cfg.clip_epsilon:g}) as in TRL: a ratio near 1 is cut to {cfg.clip_epsilon:g}, steps about "
+                       f"{1 / cfg.clip_epsilon:.0f}x smaller; TRL recommends --clip-epsilon-high 5 for cispo"
+                       if cfg.clip_epsilon > 0 else "--loss-type cispo with --clip-epsilon 0 and no "
+                       "--clip-epsilon-high caps every ratio at 0: it trains nothing; TRL recommends "
+                       "--clip-epsilon-high 5 for cispo")
+        if cfg.importance_sampling_level == "sequence" and cfg.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            out.append(f"--importance-sampling-level sequence with --loss-type {cfg.loss_type}: the loss sums "
+                       "per-token terms, which weights each sequence by its length instead of optimizing the "
+                       "per-sequence objective (TRL warns the same); GSPO's setup is --loss-type grpo")
+    return out
+
+
+def _sampling_warnings(cfg) -> list[str]:
+    """A sampler that biases the objective, or does not give it what it assumes."""
     if cfg.rl_steps > 0 and cfg.objective == "policy" and cfg.sampler == "beam":
         return ["--objective policy with --sampler beam: beam candidates are not samples of the old policy, so "
                 "the importance ratio corrects nothing; usual: --sampler sample"]
@@ -265,8 +289,7 @@ def check(cfg, saved: dict, state: dict, path) -> None:
     `state`: the checkpoint (its step, the end of its MLE phase and whether the schedule ended it)."""
     step, mle_end = int(state.get("step", 0)), int(state.get("mle_end", saved.get("mle_steps", 0)))
     mle_stopped = bool(state.get("schedule", {}).get("stopped", False))
-    for f in fields(cfg):
-        name = f.name
+    for name in FIELDS:
         if name not in saved:  # a flag newer than the checkpoint: its default, nothing to compare
             continue
         old, new = saved[name], getattr(cfg, name)

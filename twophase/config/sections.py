@@ -67,7 +67,7 @@ class ModelConfig:
     hidden_size: int = arg(256, "LSTM hidden size of encoder and decoder", minimum=1, only=_HF_LSTM)
     bidirectional: bool = arg(False, "bidirectional encoder", only=_HF_LSTM)
     dropout: float = arg(0.0, "dropout during the MLE warm start (RL always runs without, so both phases score "
-                              "with the same function)", minimum=0.0, only=_HF_LSTM)
+                              "with the same function)", minimum=0.0, below=1.0, only=_HF_LSTM)
 
 
 ModelConfig.title, ModelConfig.shapes_task = "model", True

@@ -7,6 +7,7 @@ Bad input raises UsageError (or the part's own one-line error); train.py prints 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -97,10 +98,14 @@ def cpu_threads(cfg: Config, width: int | None = None) -> int | None:
 def build(cfg: Config, start: dict | None = None, given: frozenset | None = None, *, model=None, task=None,
           reward=None) -> Run:
     """The run of this command; `start`: the checkpoint main() read already (--resume, --init-from);
-    `given`: the flags set on the command line (default: those differing from Config's). `model`, `task`,
-    `reward`: a user's own, given to `twophase.fit` (adopt_task, reward_of), in place of the task's model, the task
-    --task names and the reward --reward names."""
-    given = changed_fields(cfg) if given is None else given
+    `given`: the flags set on the command line (default: the fields passed to the Config that change a default).
+    `model`, `task`, `reward`: a user's own, given to `twophase.fit` (adopt_task, reward_of), in place of the
+    task's model, the task --task names and the reward --reward names.
+
+    `cfg` is not changed. What the run derives from it and its task (the task's name, the absolute --hf-model,
+    the save dir, the reward, the best metric, whether the MLE control runs) goes into the run's own Config
+    (`derived`), a new one, which the run reads and records: its checkpoints' "config" and config.json."""
+    given = (changed_fields(cfg) & cfg.given()) if given is None else given
     try:
         cfg.validate()
         resume.check_flags(cfg)
@@ -110,8 +115,6 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         except ValueError as fixed:
             raise UsageError(str(fixed)) from None
         raise UsageError(str(err)) from None
-    if cfg.eval_only and cfg.init_from and not (cfg.resume or cfg.resume_from):  # no new directory: its own
-        cfg.save_dir = os.path.dirname(os.path.abspath(cfg.init_from))
     device = pick_device(cfg.device)  # under torchrun: cuda:LOCAL_RANK
     try:
         devices.configure(cfg.deterministic, cfg.tf32)  # before any model runs: cuBLAS reads its workspace once
@@ -120,32 +123,34 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     except ValueError as err:
         raise UsageError(str(err)) from None
     distributed.init(device)  # a no-op without torchrun
-    if cfg.hf_model is not None:  # saved as an absolute path: --resume and decoding find it from anywhere
-        cfg.hf_model = os.path.abspath(cfg.hf_model)
     if distributed.rank() == 0:  # once, not once per process
         for warning in cfg.warnings():
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
-    cfg.task = tasks.default_name(cfg)  # saved as resolved, as the reward and the best metric
-    task = tasks.build(cfg) if task is None else adopt_task(task, cfg.task)  # cheap: no data yet
+    # recorded as resolved: the task's name; --hf-model as an absolute path (--resume and decoding find it
+    # from anywhere)
+    run_cfg = derived(cfg, task=tasks.default_name(cfg),
+                      hf_model=os.path.abspath(cfg.hf_model) if cfg.hf_model is not None else None)
+    task = tasks.build(run_cfg) if task is None else adopt_task(task, run_cfg.task)  # cheap: no data yet
     check_task_flags(task, given)
-    cfg.save_dir = cfg.save_dir or default_save_dir(task)
-    cfg.reward = cfg.reward or task.default_reward
+    reward_spec = cfg.reward or task.default_reward
     causal = getattr(task, "causal", False)  # a reward model scores prompt + completion, else (source, hypothesis)
-    reward = weighted.from_flags(cfg.reward, cfg.reward_weights, device, causal) if reward is None else \
-        reward_of(reward, cfg.reward, cfg.reward_weights)  # before loading data: a typo fails in a second
-    cfg.best_metric = resolve_best_metric(cfg, task)
+    reward = weighted.from_flags(reward_spec, cfg.reward_weights, device, causal) if reward is None else \
+        reward_of(reward, reward_spec, cfg.reward_weights)  # before loading data: a typo fails in a second
+    run_cfg = derived(run_cfg, save_dir=run_dir(cfg, task), reward=reward_spec,
+                      best_metric=resolve_best_metric(cfg, task))
     if cfg.tensorboard:
         try:
             report.writer_class()
         except ImportError as err:
             raise UsageError(str(err)) from None
-    stale, state, init = claim_and_read(cfg, start)
+    stale, state, init = claim_and_read(run_cfg, start)
     load_task_data(task, state if state is not None else init)
-    check_references(cfg, task, given)
+    if not check_references(run_cfg, task, given):  # the control it runs: off without references
+        run_cfg = derived(run_cfg, compare_mle=False)
     if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(task.train)):
         raise UsageError(f"--batch-size {cfg.batch_size} and --mle-batch-size {cfg.mle_batch_size} count the "
                          f"sources of a whole step; {distributed.world()} processes need at least one each")
-    check_reward_references(cfg, reward, task, given)
+    check_reward_references(run_cfg, reward, task, given)
     check_reward(reward, task)
     if distributed.rank() == 0:
         pairs = sum(len(ex.references) for ex in task.train)
@@ -156,13 +161,13 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if threads:
         torch.set_num_threads(threads)
     model = (task.build_model() if model is None else model).to(device)
-    base = resume.record(model, cfg.hf_model)  # the frozen part's base, if any
+    base = resume.record(model, run_cfg.hf_model)  # the frozen part's base, if any
     try:  # a --lora-r checkpoint's adapters need the base they were trained on
         if state is not None:
-            where = f"{'--resume-from' if cfg.resume_from else '--resume'}: {resume.resume_path(cfg)}"
-            resume.check(state.get("base_model"), base, where, cfg.hf_model)
+            where = f"{'--resume-from' if cfg.resume_from else '--resume'}: {resume.resume_path(run_cfg)}"
+            resume.check(state.get("base_model"), base, where, run_cfg.hf_model)
         if init is not None:  # --init-from: its weights (a --lora-r run's: its adapters); step 0, a fresh optimizer
-            resume.check(init.get("base_model"), base, f"--init-from {cfg.init_from}", cfg.hf_model)
+            resume.check(init.get("base_model"), base, f"--init-from {cfg.init_from}", run_cfg.hf_model)
             resume.load_init(model, init, cfg.init_from)
     except ValueError as err:
         raise UsageError(str(err)) from None
@@ -180,13 +185,26 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         torch.manual_seed(cfg.seed + 1000 * distributed.rank())
     if distributed.rank() == 0:
         rundir.remove(stale)  # --overwrite's old run; the residue of writes a killed process left
-    training = Run.assemble(cfg, task, model, reward, device, teacher.load(cfg, task, model, device))
+    training = Run.assemble(run_cfg, task, model, reward, device, teacher.load(run_cfg, task, model, device))
     training.setup(state, base_model=base)  # --resume's checkpoint; the frozen base every checkpoint records
     if training.is_main and not cfg.eval_only:
         start_run_dir(training, state, recipe_defaults(cfg))
     if cfg.tensorboard and training.is_main and not cfg.eval_only:
         open_tensorboard(training, resumed=state is not None)
     return training
+
+
+def derived(cfg: Config, **values) -> Config:
+    """A new Config: `cfg` with the values a run derives from it (`build`'s), `cfg` itself unchanged."""
+    return dataclasses.replace(cfg, **values)
+
+
+def run_dir(cfg: Config, task) -> str:
+    """--save-dir, or where it is not given: --init-from's own directory for --eval-only (which writes nothing),
+    else runs/<task> (default_save_dir)."""
+    if cfg.eval_only and cfg.init_from and not (cfg.resume or cfg.resume_from):  # no new directory: its own
+        return os.path.dirname(os.path.abspath(cfg.init_from))
+    return cfg.save_dir or default_save_dir(task)
 
 
 def compile_step(model, flag: str):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -17,10 +17,12 @@ from ..system import distributed, fsdp
 from . import report, resume, rundir
 from ..config import file as configfile
 from .build import PROG, UsageError, build
-from .start import StartupError, evaluate, flags_given, recipe_defaults, start_defaults
+from .start import StartupError, evaluate, recipe_defaults, refuse_against_checkpoint, start_defaults, task_recipe
 from ..protocol import ModelError
 from .. import plot, rewards
-from ..config import PRESETS, Config, OneLineParser, _flag, add_config_flags, config_from_args
+from ..config import PRESETS, Config, OneLineParser, _flag, add_config_flags, config_from_args  # noqa: F401
+from ..config import layers
+from ..config.layers import Layer, merged
 from .. import tasks
 from ..tasks.data import DataError
 from .evaluation import test_beams
@@ -30,8 +32,11 @@ from .runstate import Interrupted
 from .run import Run
 
 
-def build_parser() -> OneLineParser:
-    parser = OneLineParser(prog=PROG, description="MLE warm start, then two-phase sequence-level RL.")
+def build_parser(shown: dict | None = None, add_help: bool = True) -> OneLineParser:
+    """train.py's parser; `shown`: defaults other than Config's for --help to show (a task's recipe, a preset's,
+    a file's)."""
+    parser = OneLineParser(prog=PROG, description="MLE warm start, then two-phase sequence-level RL.",
+                           add_help=add_help)
     add_config_flags(parser)
     files = parser.add_argument_group("configuration file", "Defaults from a file, and the resolved configuration "
                                       "shown (docs/python.md).")
@@ -39,21 +44,24 @@ def build_parser() -> OneLineParser:
                         "names, e.g. rescore_chunk: 128), the defaults of this command: the flags given still win; "
                         "a run's own <save-dir>/config.json reproduces that run (docs/python.md)")
     files.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML "
-                        "that --config reads, and exit without training or writing anything")
+                        "that --config reads, each value's origin beside it, and exit without training or writing "
+                        "anything")
+    if shown:
+        parser.set_defaults(**shown)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg, start, given = resolve(argv)
+        resolved = resolution(argv)
     except (ValueError, tasks.TaskError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
-    if pre_parse(argv).print_config:  # the configuration only: nothing trained, nothing written
-        print(configfile.dumps(cfg), end="")
+    if resolved.print_config:  # the configuration only: nothing trained, nothing written
+        print(configfile.dumps(resolved.cfg, resolved.origins), end="")
         return 0
     try:
-        return _train(cfg, start, given)
+        return _train(resolved.cfg, resolved.start, resolved.given)
     finally:
         distributed.finish()
 
@@ -74,64 +82,95 @@ def parse(argv: list[str] | None = None) -> tuple[Config, dict | None]:
     return cfg, start
 
 
-def resolve(argv: list[str] | None = None, settings: dict | None = None) -> tuple[Config, dict | None, frozenset]:
-    """The command line's Config, the checkpoint it starts from, and the fields given (on the command line, or by
-    --config's file where it changes a default). Layers, lowest first: Config's defaults, the task's recipe,
-    --preset, the --config file (or `settings`: twophase.fit's, checked as a file's), the flags; --resume and
-    --init-from replace the first three by the checkpoint's (start_defaults)."""
-    pre = pre_parse(argv)
-    layer = configfile.read(pre.config) if pre.config else {}
-    layer.update(settings or {})
-    parser = build_parser()
+@dataclass(frozen=True)
+class Resolution:
+    """A command resolved: its Config, the checkpoint it starts from, the fields the user gave (start's checks),
+    where each value not Config's default came from, and whether it only prints the configuration."""
 
-    def refuse(message: str):  # train.py: argparse's one line and exit 2; twophase.fit: raised
-        if settings is None:
-            parser.error(message)
-        raise UsageError(message)
-
-    # the recipe of the task the command line names, else the file
-    named = argparse.Namespace(**{k: getattr(pre, k) if getattr(pre, k) is not None else layer.get(k)
-                                  for k in ("task", "train", "preset")})
-    recipe = recipe_defaults(named)  # before --help, which then shows them
-    if recipe:  # the recipe's values become the defaults, so the flags given on the command line still win
-        unknown = sorted(set(recipe) - {f.name for f in fields(Config)})
-        if unknown:
-            refuse(f"--task {named.task}: its flag_defaults name no flag: {', '.join(unknown)}")
-    if recipe or layer:
-        parser.set_defaults(**{**recipe, **layer})
-    if recipe:  # --help then says whose defaults it shows
-        parser.description += (f" The defaults shown are --task {tasks.default_name(named)}'s own defaults"
-                               + (f" and --preset {named.preset}'s" if named.preset in PRESETS else "")
-                               + f" where they set them ({', '.join(_flag(k) for k in recipe)}).")
-    args = parser.parse_args(argv)
-    more, start = start_defaults(args)  # --resume: the checkpoint's configuration; --init-from: its model's
-    if start is not None and more:  # these become the defaults too, so the file's and the flags given still win
-        unknown = sorted(set(more) - {f.name for f in fields(Config)})
-        if unknown:
-            refuse(f"the checkpoint's configuration names no flag: {', '.join(unknown)}")
-        parser = build_parser()  # without the recipe of the task the command line named (--init-from: its own)
-        parser.set_defaults(**{**more, **layer})
-        args = parser.parse_args(argv)
-    given = flags_given(build_parser(), argv) | configfile.changed(layer)
-    return config_from_args(args), start, given & {f.name for f in fields(Config)}  # not --config itself
+    cfg: Config
+    start: dict | None
+    given: frozenset
+    origins: dict
+    print_config: bool = False
 
 
-class PreParser(argparse.ArgumentParser):
-    """pre_parse's: what it cannot read (`--pr`, which --preset and --print-config both begin with) is one line
-    (ValueError), as the full parser's errors."""
+def resolve(argv: list[str] | None = None, settings: dict | None = None,
+            recipe: dict | None = None) -> tuple[Config, dict | None, frozenset]:
+    """The command line's Config, the checkpoint it starts from, and the fields given (`resolution`)."""
+    resolved = resolution(argv, settings, recipe)
+    return resolved.cfg, resolved.start, resolved.given
 
-    def error(self, message: str):
-        raise ValueError(message)
+
+def resolution(argv: list[str] | None = None, settings: dict | None = None,
+               recipe: dict | None = None) -> Resolution:
+    """The layers of this command resolved once into a Config (config.layers): Config's defaults, the task's
+    recipe (`recipe`: a task object's own, given to twophase.fit), --preset, the --config file, then `settings`
+    (twophase.fit's Config, checked as a file's) and the flags typed; --resume and --init-from replace the recipe
+    and the preset by the checkpoint's (start_defaults). The fields given: the flags typed, and the file's and
+    the settings' values that change a default (start's checks)."""
+    typed = command_line(argv)
+    config, print_config, wants_help = typed.pop("config", None), typed.pop("print_config", False), \
+        typed.pop("help", False)
+    file = configfile.read(config) if config else {}
+    from_python, settings = settings is not None, dict(settings or {})  # twophase.fit's: raised, never an exit
+
+    user = [Layer(f"--config {config}", file), Layer("fit's Config", settings), Layer("command line", typed)]
+    view = argparse.Namespace(**{**{f.name: f.default for f in fields(Config)},
+                                 **merged(user)[0]})  # what the command asks, unchecked
+    try:
+        below = recipe_layers(view, recipe)
+    except UsageError as err:
+        if from_python:
+            raise
+        build_parser().error(str(err))  # train.py: argparse's one line and exit 2
+    if wants_help:  # the defaults shown: the recipe's, the preset's and the file's
+        parser = build_parser(merged(below + user[:2])[0])
+        if below[0].values:  # whose defaults it shows
+            parser.description += (f" The defaults shown are --task {tasks.default_name(view)}'s own defaults"
+                                   + (f" and --preset {view.preset}'s" if below[1].values else "")
+                                   + f" where they set them ({', '.join(_flag(k) for k in merged(below)[0])}).")
+        parser.print_help()
+        raise SystemExit(0)
+    more, start = start_defaults(view, recipe)  # --resume: the checkpoint's configuration; --init-from: its model's
+    if start is not None:
+        below = [Layer(f"{_start_flag(view)}'s checkpoint", more)]
+    try:
+        cfg, origins = layers.resolve(below + user)
+    except ValueError as err:
+        if start is not None:  # a flag that differs from the checkpoint's is what went wrong, not the combination
+            values = {**view.__dict__, **merged(below + user)[0]}
+            try:
+                refuse_against_checkpoint(argparse.Namespace(**values), start)
+            except ValueError as fixed:
+                raise UsageError(str(fixed)) from None
+        raise UsageError(str(err)) from None
+    given = frozenset(typed) | configfile.changed(file) | configfile.changed(settings)
+    return Resolution(cfg, start, given, origins, print_config)
 
 
-def pre_parse(argv: list[str] | None) -> argparse.Namespace:
-    """--task, --train, --preset, --config and --print-config alone (anything else, --help included, is left to
-    the full parser)."""
-    pre = PreParser(add_help=False)
-    for flag in ("--task", "--train", "--preset", "--config"):
-        pre.add_argument(flag)
-    pre.add_argument("--print-config", action="store_true")
-    return pre.parse_known_args(argv)[0]
+def _start_flag(view) -> str:
+    return "--resume-from" if view.resume_from else "--resume" if view.resume else "--init-from"
+
+
+def recipe_layers(view, recipe: dict | None = None) -> list[Layer]:
+    """The task's recipe (`recipe`, else that of the task the command names) and --preset's, as layers."""
+    name = tasks.default_name(view)
+    own = task_recipe(view) if recipe is None else dict(recipe)
+    unknown = sorted(set(own) - {f.name for f in fields(Config)})
+    if unknown:
+        raise UsageError(f"--task {name}: its flag_defaults name no flag: {', '.join(unknown)}")
+    preset = PRESETS.get(view.preset, {})  # an unknown one is refused with the Config's choices
+    return [Layer(f"--task {name}'s recipe", own), Layer(f"--preset {view.preset}", dict(preset))]
+
+
+def command_line(argv: list[str] | None) -> dict:
+    """What the command line types, {dest: value}, each flag's value checked as it is parsed (type, range,
+    choices): one parse, no defaults; --help only noted."""
+    parser = build_parser(add_help=False)  # --help prints the defaults of the layers, resolved first
+    parser.add_argument("-h", "--help", action="store_true")
+    for action in parser._actions:  # a flag not typed leaves no value (not set_defaults: it would store one)
+        action.default = argparse.SUPPRESS
+    return vars(parser.parse_args(argv))
 
 
 def _train(cfg: Config, start: dict | None = None, given: frozenset | None = None) -> int:
@@ -159,8 +198,8 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
         table = report.evaluation_table(training.trainer.task, scores)
         if training.is_main:
             step = (start or {}).get("step", training.state.step)
-            print(f"{resume.resume_path(cfg) or cfg.init_from} (step {step}):\n" + table)
-        return Result(cfg, training.save_dir.absolute(), scores, table)
+            print(f"{resume.resume_path(training.trainer.cfg) or cfg.init_from} (step {step}):\n" + table)
+        return Result(training.trainer.cfg, training.save_dir.absolute(), scores, table)
     t = training.trainer
     if training.is_main:
         test = f" / {len(t.test)} test" if t.test is not None else ""
@@ -177,7 +216,7 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     finally:
         training.cleanup()
     best, folder = training.checkpoints, training.save_dir.absolute()  # the Result's paths: from anywhere
-    result = Result(cfg, folder, summary, summary_table(summary, with_beams(t.task.metrics, test_beams(t.cfg))),
+    result = Result(t.cfg, folder, summary, summary_table(summary, with_beams(t.task.metrics, test_beams(t.cfg))),
                     model=t.model, best_metric=training.best_key, best=best.best, best_step=training.state.best_step,
                     best_checkpoint=if_written(folder / best.best_path.name) if best.best is not None else None,
                     last_checkpoint=if_written(folder / best.last_path.name),

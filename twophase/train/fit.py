@@ -26,9 +26,10 @@ def fit(config: Config | str | os.PathLike | None = None, *, model=None, task=No
     """Train as `python train.py` would, and return the run's `Result` (its directory, the closing table's
     numbers as `summary` and its text as `table`, the trained model, the checkpoints written).
 
-    `config`: a `twophase.Config`, whose fields that differ from Config's defaults count as given (as flags on
-    the command line: the task's recipe and --preset set only the others), or the path of a .yaml/.json file, read
-    as `train.py --config FILE` reads it (a run's own config.json reproduces that run).
+    `config`: a `twophase.Config`, whose fields passed to its constructor count as set, whatever their value (as
+    flags typed on the command line: the task's recipe and --preset set only the others; a Config made by
+    `dataclasses.replace` or from a record sets every field), or the path of a .yaml/.json file, read as
+    `train.py --config FILE` reads it (a run's own config.json reproduces that run). `config` is not changed.
 
     `reward`: a function in either reward signature, `(hypotheses, references)` (with keyword context such as
     `sources` where it declares it) or TRL's `(prompts, completions, ...)`, or a list of them, summed with
@@ -47,6 +48,16 @@ def fit(config: Config | str | os.PathLike | None = None, *, model=None, task=No
     rebuild the task's own model and can read such a run only where `build_model` builds this architecture.
     Not with `fsdp` (sharding rebuilds the model from the task).
     """
+    cfg, start, given = resolved(config, model=model, task=task, reward=reward)
+    try:
+        return cli.run(cfg, start, given, model=model, task=task, reward=reward)
+    finally:
+        distributed.finish()
+
+
+def resolved(config: Config | str | os.PathLike | None = None, *, model=None, task=None, reward=None):
+    """What `fit` resolves its arguments into, before anything is built (`cli.resolve`'s): the run's Config, the
+    checkpoint it starts from (resume=True, init_from) and the fields given."""
     if config is None:
         config = Config()
     if isinstance(config, (str, os.PathLike)):
@@ -62,31 +73,22 @@ def fit(config: Config | str | os.PathLike | None = None, *, model=None, task=No
         if named.get("reward") not in (None, spec):
             raise cli.UsageError(f"reward={spec} and Config.reward {named['reward']} name two rewards: give one")
         settings["reward"] = spec
+    recipe = None
     if task is not None:
         settings["task"] = named.get("task") or spec_of(task)
-        recipe = dict(getattr(task, "flag_defaults", None) or {})  # its recipe, whether tasks.get finds it or not
-        unknown = sorted(set(recipe) - set(configfile.FIELDS))
+        own = dict(getattr(task, "flag_defaults", None) or {})  # its recipe, whether tasks.get finds it or not
+        unknown = sorted(set(own) - set(configfile.FIELDS))
         if unknown:
             raise cli.UsageError(f"--task {settings['task']}: its flag_defaults name no flag: {', '.join(unknown)}")
-        for name, value in recipe.items():
-            if name not in named:
-                settings[name] = configfile.check_value(name, value, f"{type(task).__name__}.flag_defaults: {name}")
+        recipe = {name: configfile.check_value(name, value, f"{type(task).__name__}.flag_defaults: {name}")
+                  for name, value in own.items()}
     if model is not None and named.get("fsdp"):
         raise cli.UsageError("fit(model=...) with fsdp: sharding rebuilds the model from the task "
                              "(Task.build_model); give the task a build_model instead")
-    cfg, start, given = cli.resolve(argv, settings)
-    try:
-        return cli.run(cfg, start, given, model=model, task=task, reward=reward)
-    finally:
-        distributed.finish()
+    return cli.resolve(argv, settings, recipe)
 
 
 def explicit(config: Config) -> dict:
-    """The fields of `config` that differ from Config's defaults, each checked as a --config file's value
-    (ConfigFileError naming `Config.<field>`)."""
-    out = {}
-    for f in fields(config):
-        value = getattr(config, f.name)
-        if value != f.default:
-            out[f.name] = configfile.check_value(f.name, value, f"Config.{f.name}")
-    return out
+    """The fields passed to `config`'s constructor (`Config.given`), whatever their value: each is the user's
+    and wins over the task's recipe and --preset, as a flag typed on the command line does."""
+    return {name: getattr(config, name) for name in (f.name for f in fields(config)) if name in config.given()}

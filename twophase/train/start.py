@@ -31,14 +31,6 @@ class StartupError(ValueError):
     """A flag or a task that cannot make this run; one line."""
 
 
-def flags_given(parser: argparse.ArgumentParser, argv: list[str] | None) -> frozenset[str]:
-    """The Config fields set on the command line (not by a default, the task's recipe or a preset). `parser`: a
-    fresh one of the same flags, whose defaults this replaces with a marker no flag can produce."""
-    unset = object()
-    parser.set_defaults(**{f.name: unset for f in fields(Config)})
-    return frozenset(k for k, v in vars(parser.parse_args(argv)).items() if v is not unset)
-
-
 def changed_fields(cfg: Config) -> frozenset[str]:
     """Without a command line (a Config built in Python): the fields that differ from their defaults."""
     return frozenset(f.name for f in fields(cfg) if getattr(cfg, f.name) != f.default)
@@ -55,11 +47,12 @@ def check_task_flags(task, given: frozenset[str]) -> None:
                            f"(it reads {read}; a task declares the data and model flags it reads in Task.flags)")
 
 
-def check_references(cfg: Config, task, given: frozenset[str]) -> None:
+def check_references(cfg: Config, task, given: frozenset[str]) -> bool:
     """A task whose training examples have no references (a verifier's reward reads the source) trains RL
-    only: MLE steps, --mle-weight and an explicit --compare-mle are refused; the default comparison is off."""
+    only: MLE steps, --mle-weight and an explicit --compare-mle are refused. Whether the MLE control runs: the
+    default comparison is off there (the Config is left as it is; the run records the control it ran)."""
     if any(ex.references for ex in task.train):
-        return
+        return cfg.compare_mle
     where = f"task '{task.spec}' has no references to train MLE on (its reward reads the sources)"
     if cfg.mle_steps > 0:
         raise StartupError(f"--mle-steps {cfg.mle_steps}: {where}; train RL only with --mle-steps 0")
@@ -68,10 +61,11 @@ def check_references(cfg: Config, task, given: frozenset[str]) -> None:
     if cfg.compare_mle and cfg.rl_steps > 0:
         if "compare_mle" in given:
             raise StartupError(f"--compare-mle: {where}, so there is no MLE to continue; drop the flag")
-        cfg.compare_mle = False  # the default control needs references: off, as --no-compare-mle
-        if distributed.rank() == 0:
+        if distributed.rank() == 0:  # the default control needs references: off, as --no-compare-mle
             print("note: --compare-mle cannot run: the training data has no references to continue MLE on; "
                   "skipped", flush=True)
+        return False
+    return cfg.compare_mle
 
 
 def check_reward_references(cfg: Config, reward, task, given: frozenset[str]) -> None:
@@ -124,23 +118,29 @@ def check_model_on_a_batch(task, model, device) -> None:
     check_model(model, task.collate(examples, device), targets)
 
 
-def recipe_defaults(args) -> dict:
-    """The defaults a run starts from, beyond the flags' own: its task's (`Task.flag_defaults`: Karel's model
-    size and RL recipe, say), then --preset's. Flags given on the command line win over both."""
+def task_recipe(args) -> dict:
+    """The defaults of the task `args` names (`Task.flag_defaults`: Karel's model size and RL recipe, say); {}
+    where it names none or no task (reported in one line when the run builds its task)."""
     try:
         factory = tasks.get(tasks.default_name(args))
     except tasks.TaskError:
-        factory = None  # reported in one line when the run builds its task
-    defaults = dict(getattr(factory, "flag_defaults", None) or {})
-    if args.preset in PRESETS:  # an unknown one is refused by the full parser
+        return {}
+    return dict(getattr(factory, "flag_defaults", None) or {})
+
+
+def recipe_defaults(args, recipe: dict | None = None) -> dict:
+    """The defaults a run starts from, beyond the flags' own: its task's (`recipe`: a task object's own, else
+    `task_recipe`), then --preset's. Values set anywhere (flags, a file, fit's Config) win over both."""
+    defaults = task_recipe(args) if recipe is None else dict(recipe)
+    if args.preset in PRESETS:  # an unknown one is refused with the Config's choices
         defaults.update(PRESETS[args.preset])
     return defaults
 
 
-def start_defaults(args) -> tuple[dict, dict | None]:
+def start_defaults(args, recipe: dict | None = None) -> tuple[dict, dict | None]:
     """The defaults of this command and the checkpoint it starts from: --resume / --resume-from take the
     checkpoint's resolved configuration (config.rules), --init-from its model-shape flags over the recipe's,
-    a new run the recipe's (recipe_defaults)."""
+    a new run the recipe's (recipe_defaults; `recipe`: a task object's own)."""
     resume.check_flags(args)
     if args.init_from and (args.resume or args.resume_from):
         raise ValueError("--init-from starts a new run from a checkpoint's model; --resume and --resume-from "
@@ -159,9 +159,9 @@ def start_defaults(args) -> tuple[dict, dict | None]:
             return configrules.inherited(state["config"], known), state
         shape = resume.init_defaults(state, known)
         # the recipe of the checkpoint's task (a different --task is refused in build)
-        recipe = recipe_defaults(argparse.Namespace(**{**vars(args), "task": shape.get("task", args.task)}))
-        return {**recipe, **shape}, state
-    return recipe_defaults(args), None
+        named = argparse.Namespace(**{**vars(args), "task": shape.get("task", args.task)})
+        return {**recipe_defaults(named, recipe), **shape}, state
+    return recipe_defaults(args, recipe), None
 
 
 def resume_state(cfg: Config, state: dict | None = None) -> dict | None:

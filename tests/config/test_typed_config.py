@@ -1,0 +1,90 @@
+"""`twophase.Config` is a dataclass a type checker reads: mypy flags a misspelt field (in the constructor and as an
+attribute) and passes the right one; an invalid Config cannot be made (a one-line ValueError naming the field, or
+the flags of a contradiction); the fields passed to the constructor are remembered, outside equality and the
+record."""
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+import twophase
+from twophase.config import Config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Everything but twophase and its configuration is skipped (torch, the trainer): the check takes seconds.
+MYPY_INI = """[mypy]
+follow_imports = skip
+ignore_missing_imports = True
+[mypy-twophase,twophase.config,twophase.config.*]
+follow_imports = silent
+"""
+
+SNIPPET = """import twophase
+good = twophase.Config(beam_size=3, objective="policy")
+width: int = good.beam_size
+{line}
+"""
+
+
+def _mypy(tmp_path, line: str) -> tuple[str, int]:
+    api = pytest.importorskip("mypy.api")
+    (tmp_path / "mypy.ini").write_text(MYPY_INI)
+    (tmp_path / "snippet.py").write_text(SNIPPET.format(line=line))
+    old = os.environ.get("MYPYPATH")
+    os.environ["MYPYPATH"] = str(ROOT)  # this checkout's twophase, whatever is installed
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        out, err, status = api.run(["--config-file", "mypy.ini", "--no-incremental", "--cache-dir", os.devnull,
+                                    "snippet.py"])
+    finally:
+        os.chdir(cwd)
+        if old is None:
+            os.environ.pop("MYPYPATH")
+        else:
+            os.environ["MYPYPATH"] = old
+    return out + err, status
+
+
+def test_mypy_flags_a_misspelt_field_and_passes_the_right_one(tmp_path):
+    out, status = _mypy(tmp_path, "other = twophase.Config(beam_size=8)")
+    assert status == 0, out
+    out, status = _mypy(tmp_path, "other = twophase.Config(beam_sise=8)")
+    assert status == 1 and 'Unexpected keyword argument "beam_sise" for "Config"' in out, out
+    out, status = _mypy(tmp_path, "width = good.beam_sise")
+    assert status == 1 and '"Config" has no attribute "beam_sise"' in out, out
+
+
+@pytest.mark.parametrize("values, line", [
+    (dict(lr=-1.0), "Config.lr: must be >= 0.0, got -1.0"),
+    (dict(top_p=1.5), "--top-p must be in (0, 1], got 1.5"),
+    (dict(dropout=2.0), "Config.dropout: must be in [0, 1), got 2"),
+    (dict(dropout=1.0), "Config.dropout: must be in [0, 1), got 1"),  # every unit dropped: nothing learns
+    (dict(beam_size="8"), 'Config.beam_size: expected an integer, got "8"'),
+    (dict(sampler="greedy"), 'Config.sampler: expected one of beam, sample, sbs, got "greedy"'),
+    (dict(train="t.tsv"), "--train and --valid go together"),  # a contradiction across fields
+    (dict(kl_beta=0.1), "--kl-beta applies to --objective policy only, not --objective beam"),
+])
+def test_an_invalid_config_cannot_be_made(values, line):
+    with pytest.raises(ValueError) as info:
+        Config(**values)
+    assert str(info.value) == line and "\n" not in str(info.value)
+
+
+def test_a_valid_config_is_made_as_given():
+    cfg = Config(lr=1, dropout=0.5, train=Path("t.tsv"), valid="v.tsv")
+    assert (cfg.lr, type(cfg.lr), cfg.dropout, cfg.train) == (1.0, float, 0.5, "t.tsv")
+
+
+def test_the_fields_passed_are_remembered_outside_equality_and_the_record():
+    a, b = Config(lr_decay=1.0, beam_size=8), Config()
+    assert a.given() == {"lr_decay", "beam_size"} and b.given() == frozenset()
+    assert a == b and dataclasses.asdict(a) == dataclasses.asdict(b)  # both are the defaults
+    assert "given" not in repr(a) and "_given" not in dataclasses.asdict(a)
+    assert dataclasses.replace(a, lr=0.1).given() == {f.name for f in dataclasses.fields(Config)}
+
+
+def test_twophase_config_is_the_config():
+    assert twophase.Config is Config
