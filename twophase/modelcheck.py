@@ -30,7 +30,7 @@ from torch import Tensor
 
 from . import nested
 from .phase1.search import beam_search
-from .protocol import ModelError, model_name, num_sources, scoring_mode, step_score
+from .protocol import ModelError, eval_mode, model_name, num_sources, step_score
 from .samples import Samples
 
 STEPS = 3  # decoder steps the rules read: bos, then two tokens of each row's own
@@ -47,7 +47,7 @@ def check_model(model, source, targets: Samples | None = None) -> None:
 def problems(model, source, targets: Samples | None = None) -> list[str]:
     """The broken rules as lines `model check: RULE: what` (empty: the model passed)."""
     name = model_name(model)
-    with scoring_mode(model), torch.no_grad():
+    with eval_mode(model), torch.no_grad():
         found = _shapes(model, source)
         if found:  # nothing else can be read from a model whose shapes are wrong
             return [f"model check: shapes: {name}.{line}" for line in found]
