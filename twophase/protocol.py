@@ -154,7 +154,7 @@ def eval_mode(model: Any):
     after an exception: what records no graph (search, validation, decoding, a reference's scores). Its
     recurrent modules run in evaluation mode too, with cuDNN's inference kernels; a graph through them is
     `scoring_mode`'s."""
-    modules = _modules(model)
+    modules = all_modules(model)
     was = [m.training for m in modules]
     if any(was):
         for top in _tops(model):
@@ -187,7 +187,7 @@ def _tops(model: Any) -> list[torch.nn.Module]:
     return [v for v in vars(model).values() if isinstance(v, torch.nn.Module)] if hasattr(model, "__dict__") else []
 
 
-def _modules(model: Any) -> list[torch.nn.Module]:
+def all_modules(model: Any) -> list[torch.nn.Module]:
     """Every nn.Module of a model: its own tree, or that of each nn.Module attribute of a plain object."""
     return list({id(m): m for top in _tops(model) for m in top.modules()}.values())
 
@@ -198,7 +198,7 @@ def recurrent_training_mode(model: Any):
     block, then restored (also after an exception). cuDNN refuses to back-propagate through an RNN run in
     evaluation mode ("cudnn RNN backward can only be called in training mode"), and the only difference
     between the modes of an nn.RNNBase is its inter-layer dropout, so at dropout 0 the two compute the same."""
-    switched = [(m, m.dropout) for m in _modules(model) if isinstance(m, torch.nn.RNNBase) and not m.training]
+    switched = [(m, m.dropout) for m in all_modules(model) if isinstance(m, torch.nn.RNNBase) and not m.training]
     try:
         for module, _ in switched:
             module.dropout = 0.0
