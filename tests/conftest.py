@@ -35,8 +35,25 @@ def _refuse_eval_rnn_graph(module, args):
     return None
 
 
-# For the whole suite, every test: a module-level global hook, called before every module's forward.
+def _refuse_non_contiguous_rnn_state(module, args):
+    """What cuDNN does on a GPU, done on every device: an nn.LSTM/GRU/RNN given an initial state hx (or an LSTM's
+    cell state cx) that is not contiguous stops there ("rnn: hx is not contiguous"), where the CPU kernel reads any
+    strides: an expanded or permuted state must be made contiguous before the call."""
+    if not isinstance(module, nn.RNNBase) or len(args) < 2 or args[1] is None:
+        return None
+    if isinstance(args[0], nn.utils.rnn.PackedSequence) and args[0].sorted_indices is not None:
+        return None  # the module reorders the state by index_select first: a contiguous copy reaches the kernel
+    for name, state in zip(("hx", "cx"), args[1] if isinstance(args[1], tuple) else (args[1],)):
+        if not state.is_contiguous():
+            raise RuntimeError(f"rnn: {name} is not contiguous: {type(module).__name__} given a state of shape "
+                               f"{tuple(state.shape)} and strides {state.stride()}, which cuDNN refuses "
+                               f"(tests/conftest.py's guard)")
+    return None
+
+
+# For the whole suite, every test: module-level global hooks, called before every module's forward.
 _EVAL_RNN_GUARD = torch.nn.modules.module.register_module_forward_pre_hook(_refuse_eval_rnn_graph)
+_RNN_STATE_GUARD = torch.nn.modules.module.register_module_forward_pre_hook(_refuse_non_contiguous_rnn_state)
 
 
 @contextlib.contextmanager

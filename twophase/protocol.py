@@ -149,33 +149,47 @@ def num_sources(enc: Any) -> int:
 
 
 @contextlib.contextmanager
+def eval_mode(model: Any):
+    """The model in evaluation mode (no dropout) for the block, then every module back in the mode it had, also
+    after an exception: what records no graph (search, validation, decoding, a reference's scores). Its
+    recurrent modules run in evaluation mode too, with cuDNN's inference kernels; a graph through them is
+    `scoring_mode`'s."""
+    modules = all_modules(model)
+    was = [m.training for m in modules]
+    if any(was):
+        for top in _tops(model):
+            top.train(False)
+    try:
+        yield
+    finally:
+        if any(was):
+            for module, training in zip(modules, was):  # each its own: a frozen part stays frozen
+                module.training = training
+
+
+@contextlib.contextmanager
 def scoring_mode(model: Any, keep: bool = False):
-    """The model in evaluation mode (no dropout) for the block, then back in the mode it had. Search and phase
-    two must score with one function, or search scores stop being the log-probabilities phase two
-    differentiates; `keep=True` leaves the mode alone (the MLE steps' dropout, where no search scored).
+    """`eval_mode` for a block that records a graph (phase two, the one-phase baseline, the chunk-size probe):
+    search and phase two must score with one function, or search scores stop being the log-probabilities phase
+    two differentiates; `keep=True` leaves the modes alone (the MLE steps' dropout, where no search scored).
 
     Either way every recurrent module (nn.LSTM, nn.GRU, nn.RNN) that would run in evaluation mode runs in
     training mode with its dropout at 0 instead (`recurrent_training_mode`): the same arithmetic, and the one
     mode cuDNN back-propagates through."""
-    was = getattr(model, "training", None)
-    switched = not keep and bool(was)
-    if switched:
-        model.train(False)
-    try:
-        with recurrent_training_mode(model):
-            yield
-    finally:
-        if switched:
-            model.train(was)
+    with contextlib.nullcontext() if keep else eval_mode(model), recurrent_training_mode(model):
+        yield
 
 
-def _modules(model: Any) -> list[torch.nn.Module]:
-    """Every nn.Module of a model: its own tree, or that of each nn.Module attribute of a plain object."""
+def _tops(model: Any) -> list[torch.nn.Module]:
+    """The model itself if it is an nn.Module, else its nn.Module attributes (a plain object holding modules)."""
     if isinstance(model, torch.nn.Module):
-        return list(model.modules())
-    found = [m for value in vars(model).values() if isinstance(value, torch.nn.Module) for m in value.modules()] \
-        if hasattr(model, "__dict__") else []
-    return list({id(m): m for m in found}.values())
+        return [model]
+    return [v for v in vars(model).values() if isinstance(v, torch.nn.Module)] if hasattr(model, "__dict__") else []
+
+
+def all_modules(model: Any) -> list[torch.nn.Module]:
+    """Every nn.Module of a model: its own tree, or that of each nn.Module attribute of a plain object."""
+    return list({id(m): m for top in _tops(model) for m in top.modules()}.values())
 
 
 @contextlib.contextmanager
@@ -184,7 +198,7 @@ def recurrent_training_mode(model: Any):
     block, then restored (also after an exception). cuDNN refuses to back-propagate through an RNN run in
     evaluation mode ("cudnn RNN backward can only be called in training mode"), and the only difference
     between the modes of an nn.RNNBase is its inter-layer dropout, so at dropout 0 the two compute the same."""
-    switched = [(m, m.dropout) for m in _modules(model) if isinstance(m, torch.nn.RNNBase) and not m.training]
+    switched = [(m, m.dropout) for m in all_modules(model) if isinstance(m, torch.nn.RNNBase) and not m.training]
     try:
         for module, _ in switched:
             module.dropout = 0.0

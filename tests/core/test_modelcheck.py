@@ -212,3 +212,36 @@ def test_16_bit_log_probs_pass_and_search_sums_them_in_float32(dtype):
             model.eval()
             want = step_token_scores(model, model.encode(source), s.tokens, s.owner).float().sum(1)
         assert torch.allclose(s.scores, want, rtol=0, atol=1e-5)
+
+
+def _mixes_rows(logp):
+    """1% of the batch's mean log-probabilities added to each row, renormalised: every row reads its neighbours."""
+    return (logp + 0.01 * logp.masked_fill(logp.isinf(), 0).mean(0, keepdim=True)).log_softmax(1)
+
+
+def test_rows_that_read_one_percent_of_the_batch_are_named_in_float32():
+    """Search then scores a row by up to 1e-3 nats otherwise than the row alone: far more than float32's rounding
+    (a per-step tolerance of 1e-3 let it pass)."""
+    torch.manual_seed(1)
+    model, source = Broken(Seq2Seq(9, 8, 6, 8), _mixes_rows), pad_batch([[4, 5, 6], [7], [5, 8]])
+    s = beam_search(model, source, 3, 5)
+    with torch.no_grad():
+        model.eval()
+        enc = model.encode(source)
+        alone = torch.stack([step_score(model, enc, s.tokens[i:i + 1], s.owner[i:i + 1])[0] for i in range(len(s))])
+    assert float((alone - s.scores).abs().max()) > 5e-4  # what the check must catch
+    rules = [line.split(":")[1].strip() for line in str(pytest.raises(ModelError, check_model, model, source).value)
+             .splitlines()]
+    assert "rows" in rules, rules
+    check_model(Broken(Seq2Seq(9, 8, 6, 8)), source)  # the same model without the mixing passes
+
+
+def test_the_tolerance_is_the_rounding_float32_is_computed_with(monkeypatch):
+    """float32's own eps, or TF32's where float32 matmuls may use it (--tf32)."""
+    from twophase import modelcheck
+    model, logp = Seq2Seq(9, 8, 6, 8), torch.zeros(2, 8)
+    assert modelcheck._tolerance(model, logp.double()) == modelcheck.ROUNDING_UNITS * torch.finfo(torch.float64).eps
+    assert modelcheck.ROUNDING_UNITS * modelcheck.ACROSS_BATCHES * torch.finfo(torch.float32).eps < 1e-4
+    assert modelcheck._tolerance(model, logp) == modelcheck.ROUNDING_UNITS * torch.finfo(torch.float32).eps
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert modelcheck._tolerance(model, logp) == modelcheck.ROUNDING_UNITS * 2.0 ** -10

@@ -1,6 +1,9 @@
 """cuDNN back-propagates through nn.LSTM/GRU/RNN only in training mode: scoring_mode runs every such module in
 training mode at dropout 0 (evaluation mode's arithmetic) and hands each back as it was; tests/conftest.py's
-guard refuses, on every device, a graph recorded through one in evaluation mode."""
+guard refuses, on every device, a graph recorded through one in evaluation mode. Where no graph is recorded
+(search, validation, decoding) they run in evaluation mode, cuDNN's inference kernels."""
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -89,3 +92,59 @@ def test_phase_two_of_a_dropout_lstm_left_in_evaluation_mode(one_thread):
     assert not model.encoder.training
     for p, w in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, w, rtol=1e-9, atol=1e-12)
+
+
+@contextlib.contextmanager
+def _rnn_modes():
+    """Every nn.RNNBase forward's `training` flag, in call order, for the block."""
+    seen = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: seen.append(module.training) if isinstance(module, nn.RNNBase) else None)
+    try:
+        yield seen
+    finally:
+        hook.remove()
+
+
+def _inference_and_graphs(model, source, targets):
+    """name -> a call: the passes that record no graph, then those that do."""
+    from twophase import beam_search, check_model, sample
+    from twophase.objectives.mismatch import own_token_logps
+    from twophase.phase1.onephase import one_phase_search
+    from twophase.phase1.sbs import stochastic_beam_search
+    from twophase.train.evaluation import reference_scores
+    s = beam_search(model, source, 3, 5)
+    c = torch.linspace(-1, 1, len(s), dtype=torch.float64)
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    inference = {"beam": lambda: beam_search(model, source, 3, 5), "sample": lambda: sample(model, source, 3, 5),
+                 "sbs": lambda: stochastic_beam_search(model, source, 3, 5, generator=g()),
+                 "check_model": lambda: check_model(model, source, targets),
+                 "reference scores": lambda: reference_scores(model, source, targets),
+                 "own token logps": lambda: own_token_logps(model, source, s)}
+    graphs = {"phase two": lambda: rescore_backward(model, source, s, c, chunk_size=2),
+              "one-phase": lambda: one_phase_search(model, source, "sample", 3, 5, generator=g())[1].sum().backward()}
+    return inference, graphs
+
+
+@pytest.mark.parametrize("kind", ["seq2seq", "karel-paper"])
+def test_rnns_run_in_training_mode_only_where_a_graph_is_recorded(kind, one_thread):
+    """cuDNN's training kernels (and their reserve buffers) where phase two or the one-phase baseline records a
+    graph; its inference kernels for search, validation, the model check and the mismatch's own scores."""
+    from conftest import tiny_model, toy_batch
+    from twophase.samples import Samples
+    if kind == "seq2seq":
+        model, source = tiny_model(), toy_batch()
+    else:
+        from twophase.models.karel_paper import KarelPaperModel
+        torch.manual_seed(0)
+        model = KarelPaperModel(12, 4, 4, embed_dim=6, hidden_size=8, channels=4, blocks=1, pair_dim=8).double()
+        source = (torch.rand(2, 2, 32, 4, 4, generator=torch.Generator().manual_seed(1)) < 0.2).double()
+    targets = Samples.from_completions([[5, 6, model.eos_id], [4, model.eos_id]], torch.tensor([0, 1]),
+                                       model.pad_id, model.eos_id)
+    inference, graphs = _inference_and_graphs(model.eval(), source, targets)
+    for name, run in {**inference, **graphs}.items():
+        with _rnn_modes() as seen:
+            run()
+        assert seen, name
+        assert set(seen) == {name in graphs}, (name, seen)
+        assert not any(m.training for m in model.modules()), name  # handed back in evaluation mode

@@ -18,4 +18,9 @@ def test_the_page_has_its_two_snippets():
 @pytest.mark.parametrize("index", range(len(SNIPPETS)))
 def test_snippet_runs(index, one_thread, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    exec(compile(SNIPPETS[index], f"docs/trl.md snippet {index + 1}", "exec"), {"__name__": "__snippet__"})
+    names = {"__name__": "__snippet__"}
+    exec(compile(SNIPPETS[index], f"docs/trl.md snippet {index + 1}", "exec"), names)
+    if index == 1:  # the loop over another generator's completions: it trains, and each generation (the second,
+        # after a step, included) asserted inside the loop that its log-probabilities are phase two's
+        assert names["step"] == 1 and names["coef"].abs().max() > 0  # the second generation's coefficients
+        assert not any(m.training for m in names["model"].modules())  # still evaluation mode: no dropout

@@ -138,9 +138,10 @@ class KarelPaperModel(KarelDecoding, nn.Module):
 
 
 def _to_lstm(s: Tensor) -> Tensor:
-    """(N, P, L, H) -> nn.LSTM's (L, N*P, H)."""
+    """(N, P, L, H) -> nn.LSTM's (L, N*P, H), contiguous: cuDNN refuses any other state ("rnn: hx is not
+    contiguous"), and `init_state`'s expanded state (stride 0 over rows and pairs) reshapes to a view."""
     N, P, L, H = s.shape
-    return s.permute(2, 0, 1, 3).reshape(L, N * P, H)
+    return s.permute(2, 0, 1, 3).reshape(L, N * P, H).contiguous()  # a no-op after a step: the LSTM's own layout
 
 
 def _from_lstm(s: Tensor, N: int, P: int) -> Tensor:

@@ -56,7 +56,7 @@ def importance_correction(old: Tensor, sampling: Tensor, lengths: Tensor, mode: 
 def own_token_logps(model, source, samples, chunk_size: int = 64) -> Tensor:
     """(N, T) float64: the trainer's own per-token log-probabilities of the samples' rows (0 past each row's
     end), `chunk_size` rows at a time without a graph: the old policy of completions another engine made."""
-    with torch.no_grad(), protocol.scoring_mode(model):
+    with torch.no_grad(), protocol.eval_mode(model):
         enc = model.encode(source)
         parts = [protocol.token_scores(model, enc, samples.tokens[i:i + chunk_size], samples.owner[i:i + chunk_size])
                  for i in range(0, len(samples), chunk_size)]

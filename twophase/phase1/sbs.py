@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..protocol import scoring_mode
+from ..protocol import eval_mode
 from ..samples import Samples
 from .search import _beam_search, _finish
 
@@ -45,7 +45,7 @@ def stochastic_beam_search(model, source, num_samples: int, max_len: int,
     space of sequences of length <= max_len is smaller), in decreasing order of their perturbed scores G_y (so an
     ordered sample: the first row of a source is an ordinary draw from p). Samples.scores are the model's
     log-probabilities, Samples.perturbed the G_y and Samples.threshold the source's kappa, both float64."""
-    with scoring_mode(model), torch.inference_mode():
+    with eval_mode(model), torch.inference_mode():
         tokens, scores, owner, token_scores, gumbels = _stochastic_beam_search(model, source, num_samples, max_len,
                                                                                generator)
     return _finish(model, tokens, scores, owner, token_scores, perturbed=gumbels.perturbed.reshape(-1),

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import nested, owners
 from ..blocks import block_bytes
-from ..protocol import num_sources, scoring_mode, target_mask
+from ..protocol import eval_mode, num_sources, target_mask
 from ..samples import Samples, best_rows  # noqa: F401  (best_rows: re-exported, validation and decode use it)
 from .truncation import draw, draw_unchecked, truncate  # noqa: F401  (draw: tests reach it here)
 from .stepchecks import Checks
@@ -112,7 +112,7 @@ def beam_search(model, source, beam_size: int, max_len: int) -> Samples:
     """The beam_size best sequences per source, best first. A hypothesis that produced EOS stays in the beam
     with its final score and competes with the open ones, so a beam at least as wide as the number of
     possible prefixes returns the exact top-K sequences of length <= max_len."""
-    with scoring_mode(model), torch.inference_mode():
+    with eval_mode(model), torch.inference_mode():
         found = _beam_search(model, source, beam_size, max_len)
     return _finish(model, *found)
 
@@ -312,7 +312,7 @@ def sample(model, source, num_samples: int, max_len: int, temperature: float = 1
         raise ValueError(f"top_k must be >= 1 (or None), got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (or None), got {top_p}")
-    with scoring_mode(model), torch.inference_mode():
+    with eval_mode(model), torch.inference_mode():
         found = _sample(model, source, num_samples, max_len, temperature, generator, top_k, top_p, min_len)
     return _finish(model, *found)
 

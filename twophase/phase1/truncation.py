@@ -6,6 +6,8 @@ Letters: N rows, V vocabulary.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -23,7 +25,7 @@ def truncate(logits: Tensor, eos_id: int, t: int, top_k: int | None, top_p: floa
     if top_p is not None and top_p < 1:
         sorted_logits, order = logits.sort(dim=1, descending=True)  # (N, V)
         probs = torch.softmax(sorted_logits, dim=1)
-        before = probs.cumsum(dim=1) - probs  # (N, V) mass of the more probable tokens
+        before = running_sum(probs) - probs  # (N, V) mass of the more probable tokens
         drop = torch.zeros_like(before, dtype=torch.bool).scatter(1, order, before >= top_p)  # vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -55,7 +57,7 @@ def draw_unchecked(probs: Tensor, generator: torch.Generator | None = None,
     N, V = probs.shape
     p = torch.nn.functional.pad(probs, (0, (-V) % block)).double().reshape(N, -1, block)  # (N, V / block, block)
     mass = p.sum(dim=2)  # (N, V / block) each block's
-    cdf = mass.cumsum(dim=1)
+    cdf = running_sum(mass)
     has_mass = cdf[:, -1] > 0  # False also for NaN
     u = uniforms((N, 1), generator, probs.device) * cdf[:, -1:]  # (N, 1)
     u = torch.minimum(u, torch.nextafter(cdf[:, -1:], torch.zeros_like(u)))
@@ -63,10 +65,39 @@ def draw_unchecked(probs: Tensor, generator: torch.Generator | None = None,
     # NaN), whose indices must stay in range: out of range, a CUDA gather stops the process
     j = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1)  # (N, 1)
     u = u - (cdf.gather(1, j) - mass.gather(1, j))  # (N, 1) what is left of u past the blocks before
-    inner = p[torch.arange(N, device=probs.device), j.squeeze(1)].cumsum(dim=1)  # (N, block)
+    inner = running_sum(p[torch.arange(N, device=probs.device), j.squeeze(1)])  # (N, block)
     u = torch.minimum(u.clamp_min(0), torch.nextafter(inner[:, -1:], torch.zeros_like(u)))
     within = torch.searchsorted(inner, u, right=True).clamp_(max=block - 1)  # (N, 1)
     return (j * block + within).squeeze(1).clamp_(max=V - 1), has_mass
+
+
+def running_sum(x: Tensor) -> Tensor:
+    """(N, M) the running sums of x (N, M) along its rows: x.cumsum(dim=1), unless deterministic algorithms are
+    on. Then CUDA refuses a floating-point cumsum (its threads add in whatever order they finish), so the sums are
+    made without one: within blocks of about sqrt(M) columns, then over the blocks' totals, each a column at a time,
+    in float64. The same numbers to rounding (cumsum's own order is not fixed either), nondecreasing where x is
+    non-negative, and a column where x is 0 repeats the sum before it exactly, as the draw needs."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return x.cumsum(dim=1)
+    N, M = x.shape
+    b = max(1, math.isqrt(max(M - 1, 0)) + 1)  # columns per block: ceil(sqrt(M)) or more
+    blocks = torch.nn.functional.pad(x.double(), (0, (-M) % b)).reshape(N, -1, b)  # (N, M / b, b)
+    inner = _column_by_column(blocks)  # (N, M / b, b) within each block
+    before = _column_by_column(inner[:, :, -1], exclusive=True)  # (N, M / b) the total of the blocks before each
+    return (inner + before[:, :, None]).reshape(N, -1)[:, :M].to(x.dtype)
+
+
+def _column_by_column(x: Tensor, exclusive: bool = False) -> Tensor:
+    """x's running sums along its last dimension, one addition per column: each sum is the one before plus the
+    column; `exclusive`: the sums before each column (0 before the first)."""
+    sums, total = [], torch.zeros_like(x[..., 0])
+    for j in range(x.shape[-1]):
+        if exclusive:
+            sums.append(total)
+        total = total + x[..., j]
+        if not exclusive:
+            sums.append(total)
+    return torch.stack(sums, dim=-1)
 
 
 def uniforms(shape: tuple, generator: torch.Generator | None, device: torch.device) -> Tensor:

@@ -109,7 +109,7 @@ def test_scores(model, task: Task, examples: list[Example], reward, beams: list[
 @torch.no_grad()
 def reference_scores(model, source, refs: Samples) -> Tensor:
     """(R,) log p(reference | source) of the reference rows, teacher-forced, no graph, dropout off."""
-    with protocol.scoring_mode(model):
+    with protocol.eval_mode(model):
         enc = model.encode(source)
         return protocol.score(model, enc, refs.tokens, refs.owner)
 

@@ -86,7 +86,7 @@ class Reference:
     @torch.no_grad()
     def log_probs(self, model, source, cand: Samples, chunk: int, autocast) -> torch.Tensor:
         """(N, T) float64: the reference's per-token log-probabilities of cand, `chunk` rows at a time."""
-        with self.scorer(model) as ref, protocol.scoring_mode(ref), autocast():
+        with self.scorer(model) as ref, protocol.eval_mode(ref), autocast():
             enc = ref.encode(source)
             parts = [protocol.token_scores(ref, enc, cand.tokens[i:i + chunk], cand.owner[i:i + chunk])
                      for i in range(0, len(cand), chunk)]

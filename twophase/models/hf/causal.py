@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ... import nested
 from ...phase2 import tokenweights
-from ...protocol import scoring_mode, target_mask
+from ...protocol import eval_mode, target_mask
 from . import cache, grouped, heads, lora, precision
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
@@ -49,6 +49,7 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         super().__init__()
         model, adapter = lora.unwrap(model)  # a LoRA PeftModel: the transformers model it adapts, called directly
         self.model = model
+        self.training = model.training  # the wrapper's mode is the model's (nn.Module's default is True)
         precision.keep_float64_norms(model)  # a float64 model's norms in float64, not transformers' float32
         object.__setattr__(self, "adapter", adapter)  # not a submodule: its parameters are self.model's
         self.recompute_source = recompute_source
@@ -218,7 +219,7 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         if found is None or self.model.base_model is self.model:
             return None
         ids = torch.tensor([[self.bos_id, self.eos_id]], device=self.model.device)
-        with torch.no_grad(), scoring_mode(self.model):
+        with torch.no_grad(), eval_mode(self.model):
             logits = self.model(input_ids=ids, use_cache=False).logits  # (1, 2, V)
             hidden = self.model.base_model(input_ids=ids, use_cache=False).last_hidden_state  # (1, 2, H)
         return found if found.agrees(self.model, hidden, logits) else None

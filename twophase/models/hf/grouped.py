@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ... import owners
-from ...protocol import scoring_mode
+from ...protocol import eval_mode
 
 NAME = "twophase_fold"
 _REGISTERED = set()  # the names registered so far
@@ -160,7 +160,7 @@ def checked(wrapper, caches) -> Folding | None:
     tokens = torch.tensor([[wrapper.eos_id, wrapper.bos_id, wrapper.eos_id, wrapper.pad_id]] * 2, device=device)
     found = []
     try:
-        with torch.no_grad(), scoring_mode(wrapper.model):
+        with torch.no_grad(), eval_mode(wrapper.model):
             for use in (folding, None):
                 wrapper._folding = use
                 enc = wrapper.encode(source)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ... import nested
-from ...protocol import scoring_mode, target_mask, teacher_forced_inputs
+from ...protocol import eval_mode, target_mask, teacher_forced_inputs
 from . import cache, grouped, heads, lora, precision
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
@@ -40,6 +40,7 @@ class HFSeq2Seq(heads.FastPath, torch.nn.Module):
         super().__init__()
         model, adapter = lora.unwrap(model)  # a LoRA PeftModel: the transformers model it adapts, called directly
         self.model = model
+        self.training = model.training  # the wrapper's mode is the model's (nn.Module's default is True)
         precision.keep_float64_norms(model)  # a float64 model's norms in float64, not transformers' float32
         object.__setattr__(self, "adapter", adapter)  # not a submodule: its parameters are self.model's
         self.recompute_source = recompute_source
@@ -130,7 +131,7 @@ class HFSeq2Seq(heads.FastPath, torch.nn.Module):
         device = self.model.device
         src = torch.tensor([[self.eos_id]], device=device)
         inputs = torch.tensor([[self.bos_id, self.eos_id]], device=device)
-        with torch.no_grad(), scoring_mode(self.model):
+        with torch.no_grad(), eval_mode(self.model):
             logits = self.model(input_ids=src, decoder_input_ids=inputs, use_cache=False).logits  # (1, 2, V)
             enc = {"hidden": self._encoder(src, torch.ones_like(src)), "mask": torch.ones_like(src)}
             hidden = self._decoder(enc, torch.zeros(1, dtype=torch.long, device=device), inputs)
