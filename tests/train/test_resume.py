@@ -292,3 +292,54 @@ def test_grad_accum_runs_from_the_command_line(task, tmp_path):
     rows = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
     assert [r["candidates"] for r in rows if r["phase"] == "rl"] == [2 * 3 * 3]  # 2 batches of 3 sources, K = 3
     assert load(save / "checkpoint_last.pt")["mle_batches"] != load(save / "checkpoint_last.pt")["rl_batches"]
+
+
+# ---- a run of twophase.fit's own parts, resumed from the command line
+def _fit_config(task, save, **more):
+    return Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), save_dir=str(save), hidden_size=8,
+                  embed_dim=4, batch_size=3, mle_batch_size=4, beam_size=3, rescore_chunk=5, max_len=7, eval_beam=1,
+                  mle_steps=1, rl_steps=1, **more)
+
+
+def test_resume_of_a_fit_run_with_its_own_model_says_how_to_continue_it(task, tmp_path, capsys):
+    import twophase
+    from twophase import Seq2Seq
+    from twophase.tasks.text import TSV
+
+    cfg = _fit_config(task, tmp_path / "mine")
+    vocab = TSV(cfg)
+    vocab.load_data()  # the task's vocabularies: what a model of one's own is built for
+    twophase.fit(cfg, model=Seq2Seq(len(vocab.src_vocab), len(vocab.tgt_vocab), 6, 10))
+    capsys.readouterr()
+    for flags in (["--resume"], ["--resume", "--eval-only"], ["--resume-from", str(tmp_path / "mine" /
+                                                                                     "checkpoint_last.pt")]):
+        assert cli.main(["--save-dir", str(tmp_path / "mine"), *flags]) == 2
+        err = _one_line(capsys, "its parameters do not fit the model task 'tsv' builds",
+                        "twophase.fit(..., model=a_fresh_copy, resume=True)")
+        assert err.startswith(f"train.py: error: {flags[0]}: ") and "--hidden-size" not in err
+
+
+def script_reward(hypotheses, references):
+    return [float(len(h) > 0) for h in hypotheses]
+
+
+def test_resume_of_a_fit_run_whose_reward_is_a_scripts_says_so(task, tmp_path, capsys, monkeypatch):
+    import twophase
+
+    monkeypatch.setattr(script_reward, "__module__", "__main__")  # defined in a script, or a notebook
+    twophase.fit(_fit_config(task, tmp_path / "script"), reward=script_reward)
+    capsys.readouterr()
+    assert cli.main(["--save-dir", str(tmp_path / "script"), "--resume", "--rl-steps", "2"]) == 2
+    err = _one_line(capsys, "--resume: ", "its reward __main__:script_reward was given to twophase.fit",
+                    "twophase.fit(..., reward=script_reward, resume=True)")
+    assert "--reward" not in err  # a flag not typed
+
+
+def test_fit_refuses_a_lambda_reward_for_a_run_that_saves_checkpoints(task, tmp_path):
+    import twophase
+
+    with pytest.raises(ValueError, match=r"^reward test_resume:test_fit_refuses_.*<lambda>: a lambda or a function "
+                                         r"defined inside another has no name"):
+        twophase.fit(_fit_config(task, tmp_path / "lambda"), reward=lambda hypotheses, references: [0.0] * len(
+            hypotheses))
+    assert not (tmp_path / "lambda").exists()

@@ -130,6 +130,10 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     check_task_flags(task, given)
     cfg.save_dir = cfg.save_dir or default_save_dir(task)
     cfg.reward = cfg.reward or task.default_reward
+    try:
+        resume.check_reward_names(cfg, reward is not None)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     reward = weighted.from_flags(cfg.reward, cfg.reward_weights) if reward is None else \
         reward_of(reward, cfg.reward, cfg.reward_weights)  # before loading data: a typo fails in a second
     cfg.best_metric = resolve_best_metric(cfg, task)
@@ -154,12 +158,15 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     threads = cpu_threads(cfg, getattr(task, "model_width", None))
     if threads:
         torch.set_num_threads(threads)
+    own_model = model is not None  # twophase.fit(model=...): a model the task does not build
     model = (task.build_model() if model is None else model).to(device)
     base = resume.record(model, cfg.hf_model)  # the frozen part's base, if any
     try:  # a --lora-r checkpoint's adapters need the base they were trained on
         if state is not None:
             where = f"{'--resume-from' if cfg.resume_from else '--resume'}: {resume.resume_path(cfg)}"
             resume.check(state.get("base_model"), base, where, cfg.hf_model)
+            if not own_model:
+                resume.check_rebuilt(model, state, where)
         if init is not None:  # --init-from: its weights (a --lora-r run's: its adapters); step 0, a fresh optimizer
             resume.check(init.get("base_model"), base, f"--init-from {cfg.init_from}", cfg.hf_model)
             resume.load_init(model, init, cfg.init_from)

@@ -99,6 +99,59 @@ def load_init(model, state: dict, path) -> None:
                          f"({str(err).strip().splitlines()[-1].strip()})") from None
 
 
+FIT_RESUME = "twophase.fit(..., model=a_fresh_copy, resume=True)"
+
+
+def check_rebuilt(model, state: dict, where: str) -> None:
+    """--resume / --resume-from (and their --eval-only) rebuild the task's own model: the checkpoint's parameters
+    must fit it by name and shape (a run trained with a model of its own, `twophase.fit(config, model=...)`,
+    continues only where its model is given again); ValueError, one line, saying how to continue it."""
+    saved = state["model"]
+    built = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    wrong = [name for name, t in saved.items() if built.get(name) != tuple(getattr(t, "shape", ()))]
+    lost = sorted(trainable - set(saved))
+    if not wrong and not lost:
+        return
+    first = wrong[0] if wrong else lost[0]
+    raise ValueError(f"{where}: its parameters do not fit the model task '{state['config'].get('task')}' builds "
+                     f"(the first: {first}): a run trained on a model of its own (twophase.fit(config, "
+                     f"model=...)) continues in Python, with {FIT_RESUME}")
+
+
+def unimportable(spec: str | None) -> list[str]:
+    """The names in a reward spec (Config.reward) that no other program can import: a function of `__main__` (a
+    script or notebook given to twophase.fit), a lambda, a function defined inside another."""
+    names = [s.strip() for s in (spec or "").split(",")]
+    return [s for s in names if s.partition(":")[0] == "__main__" or "<locals>" in s or "<lambda>" in s]
+
+
+def check_reward_names(cfg, given_reward: bool) -> None:
+    """A reward recorded by a name that cannot be imported again: refused at start-up where the run saves
+    checkpoints (a lambda or a nested function, given to twophase.fit: no later run could find it by name),
+    and named as such on --resume from the command line (a function of a script or notebook); ValueError, one
+    line."""
+    names = unimportable(cfg.reward)
+    if not names:
+        return
+    if given_reward:  # twophase.fit(reward=fn)
+        nested = [s for s in names if "<locals>" in s or "<lambda>" in s]
+        if nested and not cfg.eval_only:
+            raise ValueError(f"reward {nested[0]}: a lambda or a function defined inside another has no name a "
+                             "checkpoint can record, so this run could not be resumed: define it with def at the "
+                             "top level of a module (or of the script)")
+        return
+    path = resume_path(cfg)
+    if path is None:  # --reward __main__:fn typed: the plug-in loader says it does not import
+        return
+    flag = "--resume-from" if cfg.resume_from else "--resume"
+    fn = names[0].partition(":")[2]
+    raise ValueError(f"{flag}: {path}: its reward {names[0]} was given to twophase.fit from a script or notebook "
+                     f"(__main__), which does not import here: continue it in Python with twophase.fit(..., "
+                     f"reward={fn.rpartition('.')[2]}, resume=True), or move it into a module (module:{fn} imports "
+                     "from anywhere)")
+
+
 def export_model(training):
     """--export: the model the task's own export writes: the run's last, or checkpoint_best.pt's parameters
     (where the run has none, the last, with a note). The best is a copy of the model sharing its frozen
