@@ -2,6 +2,7 @@
 (the declared table of the resume rules, config.rules.RULES), --resume-from any checkpoint (later ones set
 aside, never deleted), --init-from, --eval-only, --export, config.json, and save-dir failures in one line."""
 import json
+import shutil
 from dataclasses import asdict, fields
 
 import pytest
@@ -343,3 +344,38 @@ def test_fit_refuses_a_lambda_reward_for_a_run_that_saves_checkpoints(task, tmp_
         twophase.fit(_fit_config(task, tmp_path / "lambda"), reward=lambda hypotheses, references: [0.0] * len(
             hypotheses))
     assert not (tmp_path / "lambda").exists()
+
+
+# ---- --export last|best for a model without an export of its task's own: <save-dir>/model_final.pt
+def test_export_writes_a_file_that_decodes_as_its_checkpoint_without_the_run(task, tmp_path, capsys):
+    from twophase.train import decode
+
+    save = tmp_path / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "3", "--rl-steps", "1", "--eval-every", "1")) == 0
+    assert not (save / "model_final.pt").exists()  # not asked for: the checkpoints are the model
+    capsys.readouterr()
+    lines = [" ".join(line.split("\t")[0].split()) for line in (task / "valid.tsv").read_text().splitlines()]
+    for which, checkpoint in (("best", "checkpoint_best.pt"), ("last", "checkpoint_last.pt")):
+        assert cli.main(["--save-dir", str(save), "--resume", "--export", which]) == 0  # a finished run: no step
+        assert f"final model: {save / 'model_final.pt'}" in capsys.readouterr().out
+        moved = tmp_path / f"{which}.pt"
+        (save / "model_final.pt").replace(moved)
+        exported, _, _ = decode.load_model(str(moved), torch.device("cpu"))
+        model, task_of, cfg = decode.load_model(str(save / checkpoint), torch.device("cpu"))
+        saved = load(save / checkpoint)["model"]
+        assert all(torch.equal(exported.state_dict()[k], saved[k]) for k in saved)
+        assert decode.decode_lines(exported, task_of, lines, 3, cfg["max_len"], 8, torch.device("cpu"),
+                                   nbest=2, scores=True)[0] == \
+            decode.decode_lines(model, task_of, lines, 3, cfg["max_len"], 8, torch.device("cpu"), nbest=2,
+                                scores=True)[0]
+    copy = tmp_path / "alone"
+    copy.mkdir()
+    (tmp_path / "best.pt").replace(copy / "best.pt")
+    shutil.rmtree(save)  # nothing of the run is needed
+    out = tmp_path / "out.txt"
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
+    assert decode.main(["--checkpoint", str(copy / "best.pt"), "--input", str(tmp_path / "in.txt"), "--output",
+                        str(out)]) == 0
+    assert len(out.read_text().splitlines()) == len(lines)
+    assert cli.main(["--save-dir", str(copy), "--resume-from", str(copy / "best.pt")]) == 2
+    _one_line(capsys, "a run's exported model (its parameters alone, --export)", "--init-from starts a new run")

@@ -223,7 +223,8 @@ def save_final(training: Run):
     if not training.is_main:
         return None
     try:
-        return training.task.save_final(plain or resume.export_model(training), training.save_dir)
+        model = plain or resume.export_model(training)
+        return training.task.save_final(model, training.save_dir) or resume.save_export(training, model)
     except ValueError as err:  # --export best: a checkpoint_best.pt that does not fit
         raise UsageError(str(err)) from None
     except OSError as err:

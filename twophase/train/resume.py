@@ -9,13 +9,14 @@ import copy
 import hashlib
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from . import checkpoint
 from .checkpoint import CheckpointError, load
-from ..system.fsdp import load_saved
+from ..system.fsdp import load_saved, saved_state
 from ..config.rules import same, show
 
 # Flags that give the model its shape and ids: --init-from takes them from the checkpoint and refuses others.
@@ -69,6 +70,9 @@ def load_checkpoint(path, flag: str) -> dict:
         raise ValueError(f"{flag}: {err}") from None
     if not isinstance(state.get("config"), dict):
         raise ValueError(f"{flag}: {path}: not a twophase checkpoint (no 'config' entry)")
+    if "export" in state and flag in ("--resume", "--resume-from"):
+        raise ValueError(f"{flag}: {path}: a run's exported model (its parameters alone, --export), not a "
+                         "checkpoint a run continues from: --init-from starts a new run from it")
     return state
 
 
@@ -177,6 +181,28 @@ def export_model(training):
         raise ValueError(f"--export best: {path}: its parameters do not fit this run's model "
                          f"({str(err).strip().splitlines()[-1].strip()})") from None
     return model
+
+
+EXPORT = "model_final.pt"  # --export's file for a model without an export of its task's own
+
+
+def save_export(training, model):
+    """--export last|best where the task writes no export of its own (the built-in LSTM, Karel's model, a task
+    plug-in's): <save-dir>/model_final.pt, the model's parameters with what `twophase-decode` needs to rebuild and
+    decode it without the run's folder (the configuration, the task's spec and ids, a --lora-r base's record);
+    returns its path, or None where --export was not given (the checkpoints are the model)."""
+    cfg = training.cfg
+    if cfg.export is None:
+        return None
+    step = training.best_step if cfg.export == "best" and training.checkpoints.best_path.exists() else None
+    task = training.task
+    state = {"export": cfg.export, "step": training.step if step is None else step, "config": asdict(cfg),
+             "task": {"spec": task.spec, "state": task.state_dict(), "origin": getattr(task, "origin", None)},
+             "model": checkpoint.host_copy(saved_state(model)),
+             **({"base_model": training.base_model} if training.base_model else {})}
+    path = training.save_dir / EXPORT
+    checkpoint.save_atomic(state, path)
+    return path
 
 
 # ------------------------------------------------------------------ the frozen base model
