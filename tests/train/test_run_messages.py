@@ -113,3 +113,10 @@ def test_a_run_of_no_steps_names_no_checkpoint(task, tmp_path, capsys):
     assert not (tmp_path / "run" / "checkpoint_last.pt").exists()
     assert "checkpoint_last.pt" not in last and "metrics.jsonl" not in last
     assert last == "no training step taken (--mle-steps 0 --rl-steps 0): no checkpoint written"
+
+
+def test_loss_type_gspo_points_to_the_sequence_level_ratio(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.parse(["--loss-type", "gspo", "--save-dir", str(tmp_path)])
+    assert stop.value.code == 2
+    _one_line(capsys, "--loss-type: GSPO is a loss type's ratio per sequence: --importance-sampling-level sequence")

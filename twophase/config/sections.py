@@ -21,6 +21,16 @@ _HF_SPLIT = Only("hf_model", None, "--hf-model: {flag} splits text for the built
                                    "tokenizer splits it")
 
 
+
+def parse_loss_type(text: str) -> str:
+    """--loss-type's name; GSPO is not a loss type of its own (TRL's neither): it says what is."""
+    if text.lower() == "gspo":
+        import argparse
+        raise argparse.ArgumentTypeError("GSPO is a loss type's ratio per sequence: --importance-sampling-level "
+                                         "sequence (with --loss-type grpo, say; docs/policy.md)")
+    return text
+
+
 @dataclass
 class DataConfig:
     """The data: which task, its files and how their text is split and limited."""
@@ -211,7 +221,8 @@ class PolicyConfig:
 
     loss_type: str = arg("dapo", "TRL's loss types (grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo) or "
                                  "sequence (per-sequence sums, averaged per source)",
-                         choices=("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo", "sequence"))
+                         choices=("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo", "sequence"),
+                         parse=parse_loss_type)
     updates_per_generation: int = arg(1, "optimizer steps per phase one (TRL's num_iterations), each a phase two "
                                          "over the same candidates", minimum=1)
     clip_epsilon: float = arg(0.2, "the ratio is clipped to [1 - eps, 1 + eps_high]", minimum=0.0)

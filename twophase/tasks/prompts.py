@@ -10,7 +10,7 @@ has no reference, validation reports the reward(s) only (the task's metrics comp
 from __future__ import annotations
 
 from .base import Example
-from .data import DataError, _check_length
+from .data import DataError, _check_length, limit_names
 from .table import Row, is_table, read_table
 
 
@@ -45,6 +45,7 @@ class PromptTables:
 
     def _examples(self, flag: str, rows: list[Row]) -> list[Example]:
         cfg = self.cfg
+        named = limit_names(cfg)
         for r in rows:
             self.prompt_text(r.prompt, r.where)  # a prompt it cannot render is refused naming its row
         source_counts, ref_counts = self.count_tokens([r.prompt for r in rows], [r.references for r in rows])
@@ -52,8 +53,8 @@ class PromptTables:
         for row, n_source, n_refs in zip(rows, source_counts, ref_counts):
             where = row.where.rpartition(":")
             line = where[2].removeprefix("row ")
-            keep = _check_length(where[0], line, "source", n_source, cfg.max_src_len, cfg.too_long)
-            keep = keep and all(_check_length(where[0], line, "target", n, cfg.max_len - 1, cfg.too_long)
+            keep = _check_length(where[0], line, "source", n_source, cfg.max_src_len, cfg.too_long, named[0])
+            keep = keep and all(_check_length(where[0], line, "target", n, cfg.max_len - 1, cfg.too_long, named[1])
                                 for n in n_refs)
             if keep:
                 out.append(Example(row.prompt, row.references, row.fields))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..models.seq2seq import Seq2Seq
 from ..vocab import Vocab
 from .base import Example, Metric, Task
-from .data import Dataset, DataError, load_cmudict, load_tsv, pad_batch, tokenize_source
+from .data import Dataset, DataError, limit_names, load_cmudict, load_tsv, pad_batch, tokenize_source
 from .metrics import evaluate_sums, scores_from_sums, stress_free_correct
 from .prompts import PromptTables
 from .table import is_table
@@ -170,7 +170,7 @@ class TSV(PromptTables, TextTask):
         if cfg.train is None or cfg.valid is None:
             raise DataError("the tsv task needs --train FILE and --valid FILE")
         limits = dict(max_source_len=cfg.max_src_len, max_target_len=cfg.max_len - 1, too_long=cfg.too_long,
-                      lowercase_source=self.fold_case, lengths=self.lengths)
+                      lowercase_source=self.fold_case, lengths=self.lengths, limit_names=limit_names(cfg))
         out = []
         for flag, path in (("--train", cfg.train), ("--valid", cfg.valid), ("--test", cfg.test)):
             data = load_tsv(path, self.char_source, self.char_target, **limits) if path else None
