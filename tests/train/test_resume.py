@@ -318,6 +318,10 @@ def test_resume_of_a_fit_run_with_its_own_model_says_how_to_continue_it(task, tm
         err = _one_line(capsys, "its parameters do not fit the model task 'tsv' builds",
                         "twophase.fit(..., model=a_fresh_copy, resume=True)")
         assert err.startswith(f"train.py: error: {flags[0]}: ") and "--hidden-size" not in err
+    # its model into a run of the built-in LSTM: no LSTM size is the checkpoint's
+    assert cli.main(["--init-from", str(tmp_path / "mine" / "checkpoint_last.pt"), "--save-dir", str(tmp_path / "l"),
+                     "--embed-dim", "5"]) == 2
+    _one_line(capsys, "--embed-dim 5: --init-from ", "holds a model other than the built-in LSTM", "leave it out")
 
 
 def script_reward(hypotheses, references):

@@ -120,3 +120,19 @@ def test_loss_type_gspo_points_to_the_sequence_level_ratio(tmp_path, capsys):
         cli.parse(["--loss-type", "gspo", "--save-dir", str(tmp_path)])
     assert stop.value.code == 2
     _one_line(capsys, "--loss-type: GSPO is a loss type's ratio per sequence: --importance-sampling-level sequence")
+
+
+def test_init_from_a_hugging_face_run_into_lstm_sizes_names_the_model(task, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import hf_tiny
+
+    folder = hf_tiny.save(tmp_path / "t5", "t5", seed=1)
+    save = tmp_path / "t5run"
+    assert cli.main(["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--hf-model", folder,
+                     "--save-dir", str(save), "--batch-size", "3", "--mle-batch-size", "6", "--beam-size", "2",
+                     "--max-len", "8", "--mle-steps", "1", "--rl-steps", "0", "--no-compare-mle"]) == 0
+    capsys.readouterr()
+    assert cli.main(_argv(task, tmp_path / "lstm", "--init-from", str(save / "checkpoint_last.pt"))) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"holds a Hugging Face model (--hf-model {folder}), which --" in err, err
+    assert "built with" not in err

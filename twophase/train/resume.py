@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 import sys
 from dataclasses import asdict
@@ -70,10 +71,31 @@ def load_checkpoint(path, flag: str) -> dict:
         raise ValueError(f"{flag}: {err}") from None
     if not isinstance(state.get("config"), dict):
         raise ValueError(f"{flag}: {path}: not a twophase checkpoint (no 'config' entry)")
+    plugin_folder(state)
     if "export" in state and flag in ("--resume", "--resume-from"):
         raise ValueError(f"{flag}: {path}: a run's exported model (its parameters alone, --export), not a "
                          "checkpoint a run continues from: --init-from starts a new run from it")
     return state
+
+
+def plugin_folder(state: dict) -> None:
+    """A checkpoint of a task plug-in (--task module:callable) whose module does not import from here: the folder
+    training imported it from (the checkpoint records it) goes on sys.path, as twophase-decode does, so that
+    --init-from and --resume find it from any directory."""
+    task = state.get("task") if isinstance(state.get("task"), dict) else {}
+    spec, origin = str(task.get("spec") or ""), task.get("origin")
+    if ":" not in spec or not origin or not Path(origin).is_dir() or origin in sys.path:
+        return
+    module = spec.partition(":")[0]
+    top = module.partition(".")[0]
+    if (Path.cwd() / f"{top}.py").is_file() or (Path.cwd() / top).is_dir():
+        return  # the working directory's (the plug-in loader looks there first)
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        sys.path.append(origin)
 
 
 def init_defaults(state: dict, known) -> dict:
@@ -82,15 +104,47 @@ def init_defaults(state: dict, known) -> dict:
     return {k: state["config"][k] for k in MODEL_SHAPE + INIT_DATA if k in state["config"] and k in known}
 
 
+LSTM_SIZE = ("embed_dim", "hidden_size", "bidirectional")  # the built-in LSTM's shape: no other model's
+
+
 def check_init(cfg, state: dict, path, flag: str = "--init-from") -> None:
     """--init-from (and --eval-only): a model flag other than the checkpoint's would build another model."""
     saved = state["config"]
     for name in MODEL_SHAPE:
         if name in saved and not same(name, saved[name], getattr(cfg, name)):
-            flag = "--" + name.replace("_", "-")
+            given = "--" + name.replace("_", "-")
+            if name in LSTM_SIZE and not sized_by_flags(state):
+                model = (f"a Hugging Face model (--hf-model {saved['hf_model']})" if saved.get("hf_model") else
+                         "a model other than the built-in LSTM (its task's own, or one given to twophase.fit)")
+                raise ValueError(f"{given} {show(getattr(cfg, name))}: {flag} {path} holds {model}, which "
+                                 f"{given} does not size: leave it out")
             hint = LORA_HINT if name in LORA_SHAPE else ""
-            raise ValueError(f"{flag} {path}: its model was built with {flag} {show(saved[name])}, not "
+            raise ValueError(f"{given}: {flag} {path}: its model was built with {given} {show(saved[name])}, not "
                              f"{show(getattr(cfg, name))}{hint}")
+
+
+def sized_by_flags(state: dict) -> bool:
+    """Whether the LSTM size flags describe a checkpoint's model: not a Hugging Face model's, and on the tasks
+    of the built-in LSTM (g2p, tsv) not a model given to twophase.fit (another task's model reads them as it
+    declares)."""
+    if state["config"].get("hf_model"):
+        return False
+    spec = (state.get("task") or {}).get("spec", "tsv" if state["config"].get("train") else "g2p")
+    return spec not in ("g2p", "tsv") or built_in_lstm(state)
+
+
+def built_in_lstm(state: dict) -> bool:
+    """Whether a checkpoint's parameters are the built-in LSTM its configuration describes (names and shapes: a
+    model given to twophase.fit may be another size, or another model)."""
+    saved, ids = state["config"], (state.get("task") or {}).get("state") or state
+    if saved.get("hf_model") or not all(isinstance(ids.get(k), list) for k in ("src_vocab", "tgt_vocab")):
+        return False
+    from ..models.seq2seq import Seq2Seq
+    with torch.device("meta"):  # shapes only, nothing allocated
+        lstm = Seq2Seq(len(ids["src_vocab"]), len(ids["tgt_vocab"]), saved.get("embed_dim", 0),
+                       saved.get("hidden_size", 0), 0.0, bool(saved.get("bidirectional")))
+    shapes = {name: tuple(t.shape) for name, t in lstm.state_dict().items()}
+    return shapes == {name: tuple(t.shape) for name, t in state["model"].items()}
 
 
 def load_init(model, state: dict, path) -> None:
