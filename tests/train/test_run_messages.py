@@ -136,3 +136,20 @@ def test_init_from_a_hugging_face_run_into_lstm_sizes_names_the_model(task, tmp_
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"holds a Hugging Face model (--hf-model {folder}), which --" in err, err
     assert "built with" not in err
+
+
+def test_profile_memory_prints_a_step_of_many_chunks_in_a_few_lines():
+    import torch
+    from twophase.system.profiling import StepProfiler
+
+    prof = StepProfiler(torch.device("cpu"))
+    chunk = {"rss_mb": 10.0, "rss_peak_mb": 12.0}
+    prof.rows = [{"section": "phase 1: search", "seconds": 0.5, "rss_mb": 9.0, "rss_peak_mb": 9.5, "graph_mb": 0.0}]
+    prof.rows += [{"section": f"phase 2: chunk of 4 rows", "seconds": 0.01, **chunk, "graph_mb": 1.0 + (k == 7)}
+                  for k in range(128)]
+    prof.rows += [{"section": "optimizer step", "seconds": 0.1, "rss_mb": 9.0, "rss_peak_mb": 9.0, "graph_mb": 0.0}]
+    lines = prof.table().splitlines()
+    assert len(lines) < 10, "\n".join(lines)
+    [merged] = [line for line in lines if line.startswith("phase 2: 128 chunks, 512 rows")]
+    assert merged.split()[6:] == ["1280.0", "10.0", "12.0", "2.00"]  # ms summed; memory and graph the largest
+    assert "largest autograd graph: phase 2: chunk of 4 rows (2.00 MB)" in lines

@@ -38,10 +38,13 @@ class PromptTables:
         if len(kinds) > 1:
             raise DataError("the prompts mix strings and chat messages; give every row one kind")
         self.chat = kinds == {True}
-        if not all(ex.references for ex in self.train + self.valid):
+        rows = self.train + self.valid
+        if not all(ex.references for ex in rows):
             self.metrics = ()  # an instance's own: the task's metrics need a reference for every example
-            self.notes.append("some training or validation rows have no reference (completion/target): "
-                              "validation reports the reward only")
+            missing = sum(not ex.references for ex in rows)
+            some = "no training or validation row has a reference" if missing == len(rows) else \
+                f"{missing} of the {len(rows)} training and validation rows have no reference"
+            self.notes.append(f"{some} (completion/target): validation reports the reward only")
 
     def _examples(self, flag: str, rows: list[Row]) -> list[Example]:
         cfg = self.cfg

@@ -5,6 +5,8 @@ a reward sees target tokens joined by single spaces, and `sources` as the source
 """
 from __future__ import annotations
 
+import os
+
 from ..models.seq2seq import Seq2Seq
 from ..vocab import Vocab
 from .base import Example, Metric, Task
@@ -146,6 +148,13 @@ class TSV(PromptTables, TextTask):
             self.src_vocab = Vocab.build(self.source_tokens(e.source) for e in self.train)
             refs = [r.split() for e in self.train for r in e.references]
             self.tgt_vocab = Vocab.build(refs or [self.source_tokens(e.source) for e in self.train])
+
+    def describe(self) -> str:
+        """`tsv`, or on prompt tables `tsv (JSONL prompts)`: the files' format, which the name does not say."""
+        if not is_table(self.cfg.train):
+            return super().describe()
+        kind = os.path.splitext(str(self.cfg.train))[1].lstrip(".").upper()
+        return f"{super().describe()} ({kind} prompts{', chat messages' if self.chat else ''})"
 
     def prompt_text(self, prompt, where: str) -> str:
         if isinstance(prompt, list):

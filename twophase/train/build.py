@@ -55,8 +55,9 @@ def check_reward(reward, task) -> None:
     try:
         score(reward, hyps, examples + examples[:1], ids)
     except rewards.RewardError as err:
-        raise rewards.RewardError(f"{err} (start-up check: {len(examples)} training references scored against "
-                                  "themselves and an empty hypothesis)") from None
+        refs = sum(bool(ex.references) for ex in examples)
+        checked = f"{refs} training references scored against themselves and " if refs else ""
+        raise rewards.RewardError(f"{err} (start-up check: {checked}an empty hypothesis)") from None
 
 
 def load_task_data(task, state: dict | None) -> None:

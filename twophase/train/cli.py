@@ -164,7 +164,7 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     if training.is_main:
         test = f" / {len(training.test)} test" if training.test is not None else ""
         threads = torch.get_num_threads()
-        print(f"task {training.task.spec}: {len(training.train)} train / {len(training.valid)} valid{test} sources; "
+        print(f"task {training.task.describe()}: {len(training.train)} train / {len(training.valid)} valid{test} sources; "
               f"reward {training.reward.name}; "
               f"{sum(p.numel() for p in training.model.parameters()):,} parameters{trainable(training.model)} on "
               f"{training.device}"

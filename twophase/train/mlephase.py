@@ -190,7 +190,7 @@ class MleContinued:
                  "since_branch_s": round(time.monotonic() - start, 3), **scores,
                  "train_s": round(run.state.stats[CONTINUED].get(run.budget_clock(), 0.0), 3)})
         if run.is_main:
-            print(f"MLE continued +{k} steps valid " + fmt_scores(scores), flush=True)
+            print(f"MLE continued +{k} steps valid " + fmt_scores(scores, run.trainer.task.metrics), flush=True)
         return scores
 
     def test_model(self, name: str, state_dict) -> dict:
