@@ -43,7 +43,8 @@ ORDER = (
     "lora_target_modules", "merge_lora", "rl_from_best", "include_reference", "karel_reward_pairs", "test_beam",
     "clip_norm", "eval_every", "eval_beam", "best_metric", "tensorboard", "picture", "log_every", "seed", "device",
     "deterministic", "tf32", "save_dir", "save_every", "keep_last", "resume", "overwrite", "max_bad_steps",
-    "threads", "resume_from", "init_from", "eval_only", "export", "grad_accum", "fsdp", "amp", "compile")
+    "threads", "resume_from", "init_from", "eval_only", "export", "grad_accum", "fsdp", "amp", "compile",
+    "target_vocab")
 assert sorted(ORDER) == sorted(FIELDS) and len(set(ORDER)) == len(ORDER), "ORDER is not the sections' fields"
 
 class _Views:

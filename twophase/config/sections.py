@@ -55,6 +55,10 @@ class DataConfig:
     too_long: str = arg("error", "a TSV line longer than --max-src-len, or whose target does not fit in --max-len "
                                  "with its EOS: 'error' (stop, naming FILE:LINE) or 'skip' (leave out, counted)",
                         choices=("error", "skip"))
+    target_vocab: str | None = arg(None, "the built-in LSTM's output tokens, whitespace-separated in this file, "
+                                         "beside the references' (without references, in place of the prompts' "
+                                         "tokens): a token a reward wants that no training reference holds "
+                                         "(docs/tasks.md)", path=True, only=_HF_SPLIT)
     valid_size: int = arg(0, "validate on the first N validation sources only (0: all); --task karel generates "
                              "N validation tasks and a test split of 2N instead (0: 500 and 1,000; docs/karel.md)",
                           minimum=0, task_reads=False)

@@ -60,9 +60,10 @@ def check_references(cfg: Config, task, given: frozenset[str]) -> None:
     only: MLE steps, --mle-weight and an explicit --compare-mle are refused; the default comparison is off."""
     if any(ex.references for ex in task.train):
         return
-    where = f"task '{task.spec}' has no references to train MLE on (its reward reads the sources)"
+    where = f"task '{task.spec}' has no references to train MLE on"
     if cfg.mle_steps > 0:
-        raise StartupError(f"--mle-steps {cfg.mle_steps}: {where}; train RL only with --mle-steps 0")
+        default = "" if "mle_steps" in given else " (the default)"
+        raise StartupError(f"--mle-steps {cfg.mle_steps}{default}: {where}; train RL only with --mle-steps 0")
     if cfg.mle_weight > 0:
         raise StartupError(f"--mle-weight {cfg.mle_weight:g}: {where}; leave it at 0")
     if cfg.compare_mle and cfg.rl_steps > 0:
