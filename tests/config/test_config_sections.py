@@ -171,5 +171,6 @@ def test_a_task_reading_a_trainer_setting_is_one_line_naming_it(monkeypatch):
 def test_the_shaping_flags_are_the_data_and_model_sections():
     # today's hand list, frozen: the fields of the data and model sections but --task and --valid-size
     assert config.SHAPING_FLAGS == {"train", "valid", "test", "char_source", "char_target", "lowercase_source",
-                                    "max_src_len", "too_long", "target_vocab", "train_size", "hf_model", "embed_dim", "hidden_size",
+                                    "max_src_len", "too_long", "target_vocab", "train_size", "hf_model", "embed_dim",
+                                    "hidden_size",
                                     "bidirectional", "dropout"}

@@ -153,3 +153,14 @@ def test_profile_memory_prints_a_step_of_many_chunks_in_a_few_lines():
     [merged] = [line for line in lines if line.startswith("phase 2: 128 chunks, 512 rows")]
     assert merged.split()[6:] == ["1280.0", "10.0", "12.0", "2.00"]  # ms summed; memory and graph the largest
     assert "largest autograd graph: phase 2: chunk of 4 rows (2.00 MB)" in lines
+
+
+def test_a_ref_checkpoint_of_another_size_is_one_line_at_start_up(run, task, tmp_path, capsys):
+    save = tmp_path / "wider"
+    argv = _argv(task, save, "--mle-steps", "1", "--rl-steps", "1", "--objective", "policy", "--sampler", "sample",
+                 "--kl-beta", "0.1", "--ref-checkpoint", str(run / "checkpoint_last.pt"))
+    argv[argv.index("--hidden-size") + 1] = "12"
+    assert cli.main(argv) == 2
+    _one_line(capsys, f"--hidden-size: --ref-checkpoint {run / 'checkpoint_last.pt'}: its model was built with "
+                      "--hidden-size 8, not 12")
+    assert not (save / "metrics.jsonl").exists()  # refused before the MLE phase, not at the first RL step

@@ -164,17 +164,35 @@ def check_rebuilt(model, state: dict, where: str) -> None:
     """--resume / --resume-from (and their --eval-only) rebuild the task's own model: the checkpoint's parameters
     must fit it by name and shape (a run trained with a model of its own, `twophase.fit(config, model=...)`,
     continues only where its model is given again); ValueError, one line, saying how to continue it."""
-    saved = state["model"]
+    first = misfit(model, state["model"])
+    if first is None:
+        return
+    raise ValueError(f"{where}: its parameters do not fit the model task '{state['config'].get('task')}' builds "
+                     f"(the first: {first}): a run trained on a model of its own (twophase.fit(config, "
+                     f"model=...)) continues in Python, with {FIT_RESUME}")
+
+
+def misfit(model, saved: dict) -> str | None:
+    """The first parameter of a checkpoint's `saved` tensors that does not fit `model` (another name or shape, or
+    a trainable parameter of the model it lacks), or None."""
     built = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     wrong = [name for name, t in saved.items() if built.get(name) != tuple(getattr(t, "shape", ()))]
     lost = sorted(trainable - set(saved))
-    if not wrong and not lost:
+    return wrong[0] if wrong else (lost[0] if lost else None)
+
+
+def check_reference(cfg, model) -> None:
+    """--ref-checkpoint (with --kl-beta): its parameters must fit the model this run trains, checked at start-up,
+    not at the first RL step; ValueError, one line, naming the flag that differs where one does."""
+    if cfg.ref_checkpoint is None or not cfg.kl_beta:
         return
-    first = wrong[0] if wrong else lost[0]
-    raise ValueError(f"{where}: its parameters do not fit the model task '{state['config'].get('task')}' builds "
-                     f"(the first: {first}): a run trained on a model of its own (twophase.fit(config, "
-                     f"model=...)) continues in Python, with {FIT_RESUME}")
+    state = load_checkpoint(cfg.ref_checkpoint, "--ref-checkpoint")
+    first = misfit(model, state["model"])
+    if first is not None:
+        check_init(cfg, state, cfg.ref_checkpoint, "--ref-checkpoint")  # a model flag that differs: the cause
+        raise ValueError(f"--ref-checkpoint {cfg.ref_checkpoint}: its parameters do not fit the model this run "
+                         f"trains (the first: {first})")
 
 
 def unimportable(spec: str | None) -> list[str]:
