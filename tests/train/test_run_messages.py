@@ -164,3 +164,12 @@ def test_a_ref_checkpoint_of_another_size_is_one_line_at_start_up(run, task, tmp
     _one_line(capsys, f"--hidden-size: --ref-checkpoint {run / 'checkpoint_last.pt'}: its model was built with "
                       "--hidden-size 8, not 12")
     assert not (save / "metrics.jsonl").exists()  # refused before the MLE phase, not at the first RL step
+
+
+def test_compile_reports_what_compiling_cost_in_the_closing_lines(task, tmp_path, capsys):
+    assert cli.main(_argv(task, tmp_path / "c", "--mle-steps", "1", "--rl-steps", "0", "--compile", "eager")) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("compiled: ")]
+    graphs, seconds = int(line.split()[1]), float(line.split(" in ")[1].split()[0])
+    assert graphs >= 1 and seconds >= 0 and line.endswith("s (backend eager)"), line
+    assert cli.main(_argv(task, tmp_path / "e", "--mle-steps", "1", "--rl-steps", "0")) == 0
+    assert "compiled: " not in capsys.readouterr().out

@@ -20,6 +20,7 @@ from .build import PROG, UsageError, build
 from .start import StartupError, evaluate, flags_given, recipe_defaults, start_defaults
 from ..protocol import ModelError
 from .. import plot, rewards
+from ..compiling import compile_report
 from ..config import PRESETS, Config, OneLineParser, _flag, add_config_flags, config_from_args
 from .. import tasks
 from ..tasks.data import DataError
@@ -188,6 +189,9 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     print(result.table)
     for line in training.task.closing_lines():  # Karel: its baselines, beside the table
         print(line)
+    compiling = compile_report(training.model)  # --compile: what it cost, paid once at the start
+    if compiling is not None:
+        print(compiling)
     if best.best is not None:
         print(f"best {training.best_key}: {best.best:.4f} at step {training.best_step}: {best.best_path}")
     print(closing_paths(training, exported))
