@@ -173,3 +173,12 @@ def test_compile_reports_what_compiling_cost_in_the_closing_lines(task, tmp_path
     assert graphs >= 1 and seconds >= 0 and line.endswith("s (backend eager)"), line
     assert cli.main(_argv(task, tmp_path / "e", "--mle-steps", "1", "--rl-steps", "0")) == 0
     assert "compiled: " not in capsys.readouterr().out
+
+
+def test_progress_lines_show_each_metric_in_its_fmt():
+    from twophase.tasks import Metric
+    from twophase.train.report import fmt_scores
+
+    metrics = [Metric("len", "mean length", fmt="{:.2f}"), Metric("acc", "accuracy")]
+    assert fmt_scores({"len": 2.375, "acc": 0.5, "reward": 0.25, "len@4": 2.0, "n": 3.0}, metrics) == \
+        "len=2.38 acc=50.00% reward=0.2500 len@4=2.00"
