@@ -71,10 +71,3 @@ def test_the_run_gives_the_trainer_its_gradient(tmp_path):
                                save_dir=str(tmp_path / str(flag))))
         assert type(run.trainer.gradient) is part
 
-
-def test_train_holds_at_most_eighteen_modules_each_a_page_or_so():
-    """A newcomer reads train/ module by module: few of them (subfolders counted too), none much over a page."""
-    modules = sorted((ROOT / "train").rglob("*.py"))
-    assert len(modules) <= 18, [m.name for m in modules]
-    long = {m.name: n for m in modules if (n := len(m.read_text(encoding="utf-8").splitlines())) > 330}
-    assert not long, long

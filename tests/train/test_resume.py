@@ -383,3 +383,21 @@ def test_export_writes_a_file_that_decodes_as_its_checkpoint_without_the_run(tas
     assert len(out.read_text().splitlines()) == len(lines)
     assert cli.main(["--save-dir", str(copy), "--resume-from", str(copy / "best.pt")]) == 2
     _one_line(capsys, "a run's exported model (its parameters alone, --export)", "--init-from starts a new run")
+
+
+def test_decode_of_a_fit_run_with_its_own_model_says_how(task, tmp_path, capsys):
+    import twophase
+    from twophase import Seq2Seq
+    from twophase.tasks.text import TSV
+    from twophase.train import decode
+
+    cfg = _fit_config(task, tmp_path / "mine", rl_steps=0)
+    vocab = TSV(cfg)
+    vocab.load_data()
+    twophase.fit(cfg, model=Seq2Seq(len(vocab.src_vocab), len(vocab.tgt_vocab), 6, 10))
+    (tmp_path / "in.txt").write_text("a b\n")
+    capsys.readouterr()
+    assert decode.main(["--checkpoint", str(tmp_path / "mine" / "checkpoint_last.pt"), "--input",
+                        str(tmp_path / "in.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "twophase.fit(config, model=...)) decodes in Python" in err, err

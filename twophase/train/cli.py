@@ -165,8 +165,8 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     if training.is_main:
         test = f" / {len(training.test)} test" if training.test is not None else ""
         threads = torch.get_num_threads()
-        print(f"task {training.task.describe()}: {len(training.train)} train / {len(training.valid)} valid{test} sources; "
-              f"reward {training.reward.name}; "
+        print(f"task {training.task.describe()}: {len(training.train)} train / {len(training.valid)} valid{test} "
+              f"sources; reward {training.reward.name}; "
               f"{sum(p.numel() for p in training.model.parameters()):,} parameters{trainable(training.model)} on "
               f"{training.device}"
               + (f", {threads} CPU thread{'s' * (threads > 1)}" if training.device.type == "cpu" else "")
