@@ -299,7 +299,7 @@ def test_grad_accum_runs_from_the_command_line(task, tmp_path):
 def _fit_config(task, save, **more):
     return Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), save_dir=str(save), hidden_size=8,
                   embed_dim=4, batch_size=3, mle_batch_size=4, beam_size=3, rescore_chunk=5, max_len=7, eval_beam=1,
-                  mle_steps=1, rl_steps=1, **more)
+                  **{"mle_steps": 1, "rl_steps": 1, **more})
 
 
 def test_resume_of_a_fit_run_with_its_own_model_says_how_to_continue_it(task, tmp_path, capsys):
