@@ -158,3 +158,14 @@ def compiled(model, backend: str | Callable = "inductor", dynamic: bool | None =
 
 
 __all__ = ["Compiled", "compiled", "reason"]
+
+
+def compile_report(model: nn.Module) -> str | None:
+    """What compiling cost the run, for its closing lines: the graphs `model`'s `Compiled` step compiled and the
+    seconds it spent on them (or why it gave up and ran eagerly); None where nothing is compiled."""
+    found = next((m for m in model.modules() if isinstance(m, Compiled)), None)
+    if found is None or not found.enabled:
+        return None
+    text = (f"compiled: {found.compiles} graph{'s' * (found.compiles != 1)} of the decode step in "
+            f"{found.compile_seconds:.2f} s (backend {found.backend if isinstance(found.backend, str) else 'custom'})")
+    return text + (f"; then eager: {found.failure}" if found.failure else "")

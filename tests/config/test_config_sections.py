@@ -27,7 +27,7 @@ FROZEN_KEYS = (
     "top_p min_len lora_r lora_alpha lora_dropout lora_target_modules merge_lora rl_from_best include_reference "
     "karel_reward_pairs test_beam clip_norm eval_every eval_beam best_metric tensorboard picture log_every seed "
     "device deterministic tf32 save_dir save_every keep_last resume overwrite max_bad_steps threads resume_from "
-    "init_from eval_only export grad_accum fsdp amp compile teacher distill_beta").split()
+    "init_from eval_only export grad_accum fsdp amp compile teacher distill_beta target_vocab").split()
 FROZEN_DEFAULTS = dict(hidden_size=256, embed_dim=64, beam_size=8, rescore_chunk=128, eval_beam=5, mrt_alpha=0.5,
                        objective="beam", loss_type="dapo", sapo_temperature_neg=1.05, picture=True, compile="off")
 
@@ -175,5 +175,6 @@ def test_a_task_reading_a_trainer_setting_is_one_line_naming_it(monkeypatch):
 def test_the_shaping_flags_are_the_data_and_model_sections():
     # today's hand list, frozen: the fields of the data and model sections but --task and --valid-size
     assert config.SHAPING_FLAGS == {"train", "valid", "test", "char_source", "char_target", "lowercase_source",
-                                    "max_src_len", "too_long", "train_size", "hf_model", "embed_dim", "hidden_size",
+                                    "max_src_len", "too_long", "target_vocab", "train_size", "hf_model", "embed_dim",
+                                    "hidden_size",
                                     "bidirectional", "dropout"}

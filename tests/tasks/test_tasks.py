@@ -47,3 +47,21 @@ def test_bad_tasks_fail_in_one_line(spec, message, capsys, tmp_path):
 def test_g2p_refuses_files(capsys, tmp_path):
     assert cli.main(["--task", "g2p", "--train", "a.tsv", "--valid", "b.tsv", "--save-dir", str(tmp_path)]) == 2
     assert "--task g2p has its own data" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix", ["tsv", "jsonl"])
+def test_a_reference_longer_than_max_len_names_the_flag_and_its_eos(tmp_path, suffix):
+    from twophase.tasks.data import DataError
+
+    for split in ("train", "valid"):
+        (tmp_path / f"{split}.{suffix}").write_text(
+            "a b\tx\n" if suffix == "tsv" else '{"prompt": "a b", "completion": "x"}\n', encoding="utf-8")
+    task = tasks.build(Config(train=str(tmp_path / f"train.{suffix}"), valid=str(tmp_path / f"valid.{suffix}"),
+                              max_len=1))
+    with pytest.raises(DataError, match=r"train\.\w+:1: target has 1 tokens, more than --max-len 1 allows \(0 "
+                                        r"tokens and the EOS\)$"):
+        task.load_data()
+    task = tasks.build(Config(train=str(tmp_path / f"train.{suffix}"), valid=str(tmp_path / f"valid.{suffix}"),
+                              max_src_len=1))
+    with pytest.raises(DataError, match=r"train\.\w+:1: source has 2 tokens, more than --max-src-len 1$"):
+        task.load_data()

@@ -98,3 +98,14 @@ def test_tsv_lines_longer_than_training_allowed_are_refused():
     task = tasks.build(Config(train="t.tsv", valid="v.tsv", max_src_len=3))
     assert task.source_problem("a b c", 8) is None
     assert task.source_problem("a b c d", 8) == "source has 4 tokens, more than the training limit of --max-src-len 3"
+
+
+def test_init_from_a_plugin_run_finds_its_module_from_any_directory(run, monkeypatch, tmp_path, capsys):
+    """--init-from (and --resume) import the task's module from the folder training found it in, as decoding."""
+    monkeypatch.chdir(tmp_path)  # not the plug-in's folder
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    sys.modules.pop(PLUGIN, None)
+    assert cli.main(["--init-from", str(run / "run" / "checkpoint_last.pt"), "--save-dir", str(tmp_path / "next"),
+                     "--mle-steps", "0", "--rl-steps", "1"]) == 0
+    assert load(tmp_path / "next" / "checkpoint_last.pt")["config"]["task"] == f"{PLUGIN}:Verifier"
+    sys.modules.pop(PLUGIN, None)

@@ -111,6 +111,10 @@ def test_fit_with_a_users_task_and_model_resumes_it(data, capsys):
     assert scores.summary["valid"]["n"] == 8 and "examples" in scores.table
 
 
+def one_value(hyps, refs):
+    return [0.0]
+
+
 def test_bad_input_raises_train_pys_one_line(data):
     with pytest.raises(ValueError, match="^--train and --valid go together$"):
         twophase.fit(twophase.Config(train="train.tsv", save_dir="x"))
@@ -120,9 +124,9 @@ def test_bad_input_raises_train_pys_one_line(data):
         twophase.fit(config(save_dir="x", eval_only=True))
     with pytest.raises(ValueError, match="name two rewards: give one"):
         twophase.fit(config(reward="edit"), reward=overlap)
-    wrong = r"^reward 'test_fit:test_bad_input.*<lambda>' returned 1 values for 3 hypotheses"  # named by qualname
+    wrong = r"^reward 'test_fit:one_value' returned 1 values for 3 hypotheses"  # named by module:qualname
     with pytest.raises(twophase.rewards.RewardError, match=wrong):
-        twophase.fit(config(save_dir="y"), reward=lambda hyps, refs: [0.0])
+        twophase.fit(config(save_dir="y"), reward=one_value)
     assert not (data / "x").exists()
 
 

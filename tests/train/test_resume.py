@@ -2,6 +2,7 @@
 (the declared table of the resume rules, config.rules.RULES), --resume-from any checkpoint (later ones set
 aside, never deleted), --init-from, --eval-only, --export, config.json, and save-dir failures in one line."""
 import json
+import shutil
 from dataclasses import asdict, fields
 from types import SimpleNamespace
 
@@ -293,3 +294,111 @@ def test_grad_accum_runs_from_the_command_line(task, tmp_path):
     rows = [json.loads(x) for x in (save / "metrics.jsonl").read_text().splitlines()]
     assert [r["candidates"] for r in rows if r["phase"] == "rl"] == [2 * 3 * 3]  # 2 batches of 3 sources, K = 3
     assert load(save / "checkpoint_last.pt")["mle_batches"] != load(save / "checkpoint_last.pt")["rl_batches"]
+
+
+# ---- a run of twophase.fit's own parts, resumed from the command line
+def _fit_config(task, save, **more):
+    return Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), save_dir=str(save), hidden_size=8,
+                  embed_dim=4, batch_size=3, mle_batch_size=4, beam_size=3, rescore_chunk=5, max_len=7, eval_beam=1,
+                  **{"mle_steps": 1, "rl_steps": 1, **more})
+
+
+def test_resume_of_a_fit_run_with_its_own_model_says_how_to_continue_it(task, tmp_path, capsys):
+    import twophase
+    from twophase import Seq2Seq
+    from twophase.tasks.text import TSV
+
+    cfg = _fit_config(task, tmp_path / "mine")
+    vocab = TSV(cfg)
+    vocab.load_data()  # the task's vocabularies: what a model of one's own is built for
+    twophase.fit(cfg, model=Seq2Seq(len(vocab.src_vocab), len(vocab.tgt_vocab), 6, 10))
+    capsys.readouterr()
+    for flags in (["--resume"], ["--resume", "--eval-only"], ["--resume-from", str(tmp_path / "mine" /
+                                                                                     "checkpoint_last.pt")]):
+        assert cli.main(["--save-dir", str(tmp_path / "mine"), *flags]) == 2
+        err = _one_line(capsys, "its parameters do not fit the model task 'tsv' builds",
+                        "twophase.fit(..., model=a_fresh_copy, resume=True)")
+        assert err.startswith(f"train.py: error: {flags[0]}: ") and "--hidden-size" not in err
+    # its model into a run of the built-in LSTM: no LSTM size is the checkpoint's
+    assert cli.main(["--init-from", str(tmp_path / "mine" / "checkpoint_last.pt"), "--save-dir", str(tmp_path / "l"),
+                     "--embed-dim", "5"]) == 2
+    _one_line(capsys, "--embed-dim 5: --init-from ", "holds a model other than the built-in LSTM", "leave it out")
+
+
+def script_reward(hypotheses, references):
+    return [float(len(h) > 0) for h in hypotheses]
+
+
+def test_resume_of_a_fit_run_whose_reward_is_a_scripts_says_so(task, tmp_path, capsys, monkeypatch):
+    import twophase
+
+    monkeypatch.setattr(script_reward, "__module__", "__main__")  # defined in a script, or a notebook
+    twophase.fit(_fit_config(task, tmp_path / "script"), reward=script_reward)
+    capsys.readouterr()
+    assert cli.main(["--save-dir", str(tmp_path / "script"), "--resume", "--rl-steps", "2"]) == 2
+    err = _one_line(capsys, "--resume: ", "its reward __main__:script_reward was given to twophase.fit",
+                    "twophase.fit(..., reward=script_reward, resume=True)")
+    assert "--reward" not in err  # a flag not typed
+
+
+def test_fit_refuses_a_lambda_reward_for_a_run_that_saves_checkpoints(task, tmp_path):
+    import twophase
+
+    with pytest.raises(ValueError, match=r"^reward test_resume:test_fit_refuses_.*<lambda>: a lambda or a function "
+                                         r"defined inside another has no name"):
+        twophase.fit(_fit_config(task, tmp_path / "lambda"), reward=lambda hypotheses, references: [0.0] * len(
+            hypotheses))
+    assert not (tmp_path / "lambda").exists()
+
+
+# ---- --export last|best for a model without an export of its task's own: <save-dir>/model_final.pt
+def test_export_writes_a_file_that_decodes_as_its_checkpoint_without_the_run(task, tmp_path, capsys):
+    from twophase.train import decode
+
+    save = tmp_path / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "3", "--rl-steps", "1", "--eval-every", "1")) == 0
+    assert not (save / "model_final.pt").exists()  # not asked for: the checkpoints are the model
+    capsys.readouterr()
+    lines = [" ".join(line.split("\t")[0].split()) for line in (task / "valid.tsv").read_text().splitlines()]
+    for which, checkpoint in (("best", "checkpoint_best.pt"), ("last", "checkpoint_last.pt")):
+        assert cli.main(["--save-dir", str(save), "--resume", "--export", which]) == 0  # a finished run: no step
+        assert f"final model: {save / 'model_final.pt'}" in capsys.readouterr().out
+        moved = tmp_path / f"{which}.pt"
+        (save / "model_final.pt").replace(moved)
+        exported, _, _ = decode.load_model(str(moved), torch.device("cpu"))
+        model, task_of, cfg = decode.load_model(str(save / checkpoint), torch.device("cpu"))
+        saved = load(save / checkpoint)["model"]
+        assert all(torch.equal(exported.state_dict()[k], saved[k]) for k in saved)
+        assert decode.decode_lines(exported, task_of, lines, 3, cfg["max_len"], 8, torch.device("cpu"),
+                                   nbest=2, scores=True)[0] == \
+            decode.decode_lines(model, task_of, lines, 3, cfg["max_len"], 8, torch.device("cpu"), nbest=2,
+                                scores=True)[0]
+    copy = tmp_path / "alone"
+    copy.mkdir()
+    (tmp_path / "best.pt").replace(copy / "best.pt")
+    shutil.rmtree(save)  # nothing of the run is needed
+    out = tmp_path / "out.txt"
+    (tmp_path / "in.txt").write_text("\n".join(lines) + "\n")
+    assert decode.main(["--checkpoint", str(copy / "best.pt"), "--input", str(tmp_path / "in.txt"), "--output",
+                        str(out)]) == 0
+    assert len(out.read_text().splitlines()) == len(lines)
+    assert cli.main(["--save-dir", str(copy), "--resume-from", str(copy / "best.pt")]) == 2
+    _one_line(capsys, "a run's exported model (its parameters alone, --export)", "--init-from starts a new run")
+
+
+def test_decode_of_a_fit_run_with_its_own_model_says_how(task, tmp_path, capsys):
+    import twophase
+    from twophase import Seq2Seq
+    from twophase.tasks.text import TSV
+    from twophase.train import decode
+
+    cfg = _fit_config(task, tmp_path / "mine", rl_steps=0)
+    vocab = TSV(cfg)
+    vocab.load_data()
+    twophase.fit(cfg, model=Seq2Seq(len(vocab.src_vocab), len(vocab.tgt_vocab), 6, 10))
+    (tmp_path / "in.txt").write_text("a b\n")
+    capsys.readouterr()
+    assert decode.main(["--checkpoint", str(tmp_path / "mine" / "checkpoint_last.pt"), "--input",
+                        str(tmp_path / "in.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "twophase.fit(config, model=...)) decodes in Python" in err, err

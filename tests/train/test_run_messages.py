@@ -113,3 +113,72 @@ def test_a_run_of_no_steps_names_no_checkpoint(task, tmp_path, capsys):
     assert not (tmp_path / "run" / "checkpoint_last.pt").exists()
     assert "checkpoint_last.pt" not in last and "metrics.jsonl" not in last
     assert last == "no training step taken (--mle-steps 0 --rl-steps 0): no checkpoint written"
+
+
+def test_loss_type_gspo_points_to_the_sequence_level_ratio(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.parse(["--loss-type", "gspo", "--save-dir", str(tmp_path)])
+    assert stop.value.code == 2
+    _one_line(capsys, "--loss-type: GSPO is a loss type's ratio per sequence: --importance-sampling-level sequence")
+
+
+def test_init_from_a_hugging_face_run_into_lstm_sizes_names_the_model(task, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import hf_tiny
+
+    folder = hf_tiny.save(tmp_path / "t5", "t5", seed=1)
+    save = tmp_path / "t5run"
+    assert cli.main(["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--hf-model", folder,
+                     "--save-dir", str(save), "--batch-size", "3", "--mle-batch-size", "6", "--beam-size", "2",
+                     "--max-len", "8", "--mle-steps", "1", "--rl-steps", "0", "--no-compare-mle"]) == 0
+    capsys.readouterr()
+    assert cli.main(_argv(task, tmp_path / "lstm", "--init-from", str(save / "checkpoint_last.pt"))) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"holds a Hugging Face model (--hf-model {folder}), which --" in err, err
+    assert "built with" not in err
+
+
+def test_profile_memory_prints_a_step_of_many_chunks_in_a_few_lines():
+    import torch
+    from twophase.system.profiling import StepProfiler
+
+    prof = StepProfiler(torch.device("cpu"))
+    chunk = {"rss_mb": 10.0, "rss_peak_mb": 12.0}
+    prof.rows = [{"section": "phase 1: search", "seconds": 0.5, "rss_mb": 9.0, "rss_peak_mb": 9.5, "graph_mb": 0.0}]
+    prof.rows += [{"section": f"phase 2: chunk of 4 rows", "seconds": 0.01, **chunk, "graph_mb": 1.0 + (k == 7)}
+                  for k in range(128)]
+    prof.rows += [{"section": "optimizer step", "seconds": 0.1, "rss_mb": 9.0, "rss_peak_mb": 9.0, "graph_mb": 0.0}]
+    lines = prof.table().splitlines()
+    assert len(lines) < 10, "\n".join(lines)
+    [merged] = [line for line in lines if line.startswith("phase 2: 128 chunks, 512 rows")]
+    assert merged.split()[6:] == ["1280.0", "10.0", "12.0", "2.00"]  # ms summed; memory and graph the largest
+    assert "largest autograd graph: phase 2: chunk of 4 rows (2.00 MB)" in lines
+
+
+def test_a_ref_checkpoint_of_another_size_is_one_line_at_start_up(run, task, tmp_path, capsys):
+    save = tmp_path / "wider"
+    argv = _argv(task, save, "--mle-steps", "1", "--rl-steps", "1", "--objective", "policy", "--sampler", "sample",
+                 "--kl-beta", "0.1", "--ref-checkpoint", str(run / "checkpoint_last.pt"))
+    argv[argv.index("--hidden-size") + 1] = "12"
+    assert cli.main(argv) == 2
+    _one_line(capsys, f"--hidden-size: --ref-checkpoint {run / 'checkpoint_last.pt'}: its model was built with "
+                      "--hidden-size 8, not 12")
+    assert not (save / "metrics.jsonl").exists()  # refused before the MLE phase, not at the first RL step
+
+
+def test_compile_reports_what_compiling_cost_in_the_closing_lines(task, tmp_path, capsys):
+    assert cli.main(_argv(task, tmp_path / "c", "--mle-steps", "1", "--rl-steps", "0", "--compile", "eager")) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("compiled: ")]
+    graphs, seconds = int(line.split()[1]), float(line.split(" in ")[1].split()[0])
+    assert graphs >= 1 and seconds >= 0 and line.endswith("s (backend eager)"), line
+    assert cli.main(_argv(task, tmp_path / "e", "--mle-steps", "1", "--rl-steps", "0")) == 0
+    assert "compiled: " not in capsys.readouterr().out
+
+
+def test_progress_lines_show_each_metric_in_its_fmt():
+    from twophase.tasks import Metric
+    from twophase.train.report import fmt_scores
+
+    metrics = [Metric("len", "mean length", fmt="{:.2f}"), Metric("acc", "accuracy")]
+    assert fmt_scores({"len": 2.375, "acc": 0.5, "reward": 0.25, "len@4": 2.0, "n": 3.0}, metrics) == \
+        "len=2.38 acc=50.00% reward=0.2500 len@4=2.00"

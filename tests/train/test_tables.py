@@ -113,7 +113,7 @@ def test_the_lstm_trains_on_a_prompt_table(tmp_path, monkeypatch, capsys, one_th
     _jsonl(tmp_path / "train.jsonl", [rows[0], {"prompt": "a b c d e f g"}])
     _fails_with_one_line(["--train", "train.jsonl", "--valid", "valid.jsonl", "--save-dir", "run2", "--mle-steps",
                           "0", "--reward", "rec:reward", "--max-src-len", "3"], capsys,
-                         "train.jsonl:2: source has 7 tokens, more than the limit of 3")
+                         "train.jsonl:2: source has 7 tokens, more than --max-src-len 3")
 
 
 def test_too_long_rows_are_skipped_and_counted(tmp_path):

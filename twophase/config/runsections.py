@@ -104,8 +104,11 @@ class RunConfig:
     eval_only: bool = arg(False, "evaluate the checkpoint of --resume, --resume-from or --init-from on the "
                                  "validation and test data, print the table, write nothing", resume=FREE,
                           inherited=False)
-    export: str = arg("last", "the model a task's own export holds (--hf-model's <save-dir>/hf_final): the run's "
-                              "last, or its checkpoint_best.pt", choices=("last", "best"), resume=FREE)
+    export: str | None = arg(None, "export the run's last model, or its checkpoint_best.pt's, at the end: into "
+                                   "the task's own export (--hf-model's <save-dir>/hf_final) or, for every other "
+                                   "model, <save-dir>/model_final.pt, what twophase-decode reads without the run "
+                                   "(default: --hf-model's hf_final of the last model; nothing else)",
+                             choices=("last", "best"), resume=FREE)
 
 
 RunConfig.title = "run: directory, checkpoints, logs"

@@ -21,6 +21,16 @@ _HF_SPLIT = Only("hf_model", None, "--hf-model: {flag} splits text for the built
                                    "tokenizer splits it")
 
 
+
+def parse_loss_type(text: str) -> str:
+    """--loss-type's name; GSPO is not a loss type of its own (TRL's neither): it says what is."""
+    if text.lower() == "gspo":
+        import argparse
+        raise argparse.ArgumentTypeError("GSPO is a loss type's ratio per sequence: --importance-sampling-level "
+                                         "sequence (with --loss-type grpo, say; docs/policy.md)")
+    return text
+
+
 @dataclass
 class DataConfig:
     """The data: which task, its files and how their text is split and limited."""
@@ -45,6 +55,10 @@ class DataConfig:
     too_long: str = arg("error", "a TSV line longer than --max-src-len, or whose target does not fit in --max-len "
                                  "with its EOS: 'error' (stop, naming FILE:LINE) or 'skip' (leave out, counted)",
                         choices=("error", "skip"))
+    target_vocab: str | None = arg(None, "the built-in LSTM's output tokens, whitespace-separated in this file, "
+                                         "beside the references' (without references, in place of the prompts' "
+                                         "tokens): a token a reward wants that no training reference holds "
+                                         "(docs/tasks.md)", path=True, only=_HF_SPLIT)
     valid_size: int = arg(0, "validate on the first N validation sources only (0: all); --task karel generates "
                              "N validation tasks and a test split of 2N instead (0: 500 and 1,000; docs/karel.md)",
                           minimum=0, task_reads=False)
@@ -224,7 +238,8 @@ class PolicyConfig:
 
     loss_type: str = arg("dapo", "TRL's loss types (grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo) or "
                                  "sequence (per-sequence sums, averaged per source)",
-                         choices=("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo", "sequence"))
+                         choices=("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo", "sequence"),
+                         parse=parse_loss_type)
     updates_per_generation: int = arg(1, "optimizer steps per phase one (TRL's num_iterations), each a phase two "
                                          "over the same candidates", minimum=1)
     clip_epsilon: float = arg(0.2, "the ratio is clipped to [1 - eps, 1 + eps_high]", minimum=0.0)

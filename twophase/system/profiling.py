@@ -18,6 +18,7 @@ Letters: N candidate rows, C rows per chunk, T target length, S source length.
 from __future__ import annotations
 
 import json
+import re
 import time
 from contextlib import contextmanager
 
@@ -74,13 +75,47 @@ class StepProfiler:
                     ("peak_reserved_mb", "peak resv MB")) if cuda else
                    (("rss_mb", "RSS MB"), ("rss_peak_mb", "RSS peak MB")))
         lines = [f"{'section':34}{'ms':>9}" + "".join(f"{head:>15}" for _, head in columns) + f"{'graph MB':>10}"]
-        for r in self.rows:
+        shown = summarised(self.rows)
+        for r in shown:
             cells = "".join(f"{r[key]:>15.1f}" for key, _ in columns)
             lines.append(f"{r['section']:34}{1000 * r['seconds']:>9.1f}{cells}{r['graph_mb']:>10.2f}")
         top = max(self.rows, key=lambda r: r["graph_mb"], default=None)
         if top is not None and top["graph_mb"] > 0:
             lines.append(f"largest autograd graph: {top['section']} ({top['graph_mb']:.2f} MB)")
+        if len(shown) < len(self.rows):
+            lines.append("(a line of N chunks: their time summed, their memory the largest of them; every chunk is in "
+                         "memory_profile.jsonl)")
         return "\n".join(lines)
+
+
+CHUNK = "phase 2: chunk"
+SHOWN_CHUNKS = 3  # a step of more phase-two chunks prints them as one line
+
+
+def summarised(rows: list[dict]) -> list[dict]:
+    """The rows of the printed table: each run of more than SHOWN_CHUNKS phase-two chunks as one row (time
+    summed, every memory figure the largest of the run); other sections as they are."""
+    out, run = [], []
+
+    def flush():
+        if len(run) > SHOWN_CHUNKS:
+            counts = [re.search(r"of (\d+) rows", r["section"]) for r in run]
+            rows_of = sum(int(m.group(1)) for m in counts if m)
+            merged = {k: max(r[k] for r in run) for k in run[0] if k not in ("section", "seconds")}
+            out.append({"section": f"phase 2: {len(run)} chunks, {rows_of} rows", **merged,
+                        "seconds": sum(r["seconds"] for r in run)})
+        else:
+            out.extend(run)
+        run.clear()
+
+    for r in rows:
+        if r["section"].startswith(CHUNK):
+            run.append(r)
+            continue
+        flush()
+        out.append(r)
+    flush()
+    return out
 
 
 class ChunkPlanner:

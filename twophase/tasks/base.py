@@ -149,6 +149,11 @@ class Task:
         """The metrics from summed `metric_sums`."""
         return {}
 
+    def describe(self) -> str:
+        """The task as train.py's first line names it: its spec (`tsv`, `module:Class`), with what it reads where
+        the name does not say it (the `tsv` task on JSONL prompts, say)."""
+        return getattr(self, "spec", self.name)
+
     def closing_lines(self) -> list[str]:
         """Lines printed after a run's closing table (Karel: its baselines' figures); none by default."""
         return []

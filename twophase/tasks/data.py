@@ -117,15 +117,24 @@ def _parse_line(path: str, number: int, line: str, char_source: bool, char_targe
     return source, target
 
 
-def _check_length(name: str, number: int, side: str, count: int, limit: int | None, too_long: str) -> bool:
-    """True if the line may stay; False to skip it; DataError to refuse it. `count`: the side's tokens."""
+def limit_names(cfg) -> tuple[str, str]:
+    """The source and target limits as the flags set them, for the messages: a target has --max-len positions,
+    one of them its EOS's."""
+    return (f"--max-src-len {cfg.max_src_len}",
+            f"--max-len {cfg.max_len} allows ({cfg.max_len - 1} tokens and the EOS)")
+
+
+def _check_length(name: str, number: int, side: str, count: int, limit: int | None, too_long: str,
+                  named: str | None = None) -> bool:
+    """True if the line may stay; False to skip it; DataError to refuse it. `count`: the side's tokens; `named`:
+    the limit as the user set it (the flag), in the message."""
     if not count:  # only a subword tokenizer's count can be 0 (an empty side is refused when parsed)
         raise DataError(f"{name}:{number}: {side} has no tokens")
     if limit is None or count <= limit:
         return True
     if too_long == "skip":
         return False
-    raise DataError(f"{name}:{number}: {side} has {count} tokens, more than the limit of {limit}")
+    raise DataError(f"{name}:{number}: {side} has {count} tokens, more than {named or f'the limit of {limit}'}")
 
 
 def split_utf8_lines(raw: bytes, name: str) -> list[str]:
@@ -160,14 +169,16 @@ def read_lines(path: str | PathLike) -> list[str]:
 def load_tsv(path: str | PathLike, char_source: bool = False, char_target: bool = False,
              max_source_len: int | None = None, max_target_len: int | None = None,
              too_long: str = "error", lowercase_source: bool = False,
-             lengths: Callable[[list[Tokens], list[Tokens]], tuple[list[int], list[int]]] | None = None) -> Dataset:
+             lengths: Callable[[list[Tokens], list[Tokens]], tuple[list[int], list[int]]] | None = None,
+             limit_names: tuple[str | None, str | None] = (None, None)) -> Dataset:
     """A UTF-8 `source<TAB>target` file; repeated sources become several references. See DataError messages.
 
     Lines whose source or target exceeds max_source_len / max_target_len tokens are refused with FILE:LINE
     (too_long="error") or left out and counted in Dataset.skipped (too_long="skip"). lowercase_source lower-cases
     the sources (so "Hello" and "hello" become one source with the references of both). `lengths` counts the
     tokens of all lines' sources and targets at once where the model's tokens are not the whitespace tokens (a
-    subword tokenizer's); a side it counts as 0 tokens is refused.
+    subword tokenizer's); a side it counts as 0 tokens is refused. `limit_names`: the two limits as the user set
+    them (their flags), for the messages.
     """
     name = str(path)
     lines = [(number, *_parse_line(name, number, line, char_source, char_target, lowercase_source))
@@ -176,8 +187,8 @@ def load_tsv(path: str | PathLike, char_source: bool = False, char_target: bool 
     source_counts, target_counts = lengths(sources, targets) if lengths else (map(len, sources), map(len, targets))
     pairs, skipped = [], 0
     for (number, source, target), n_source, n_target in zip(lines, source_counts, target_counts):
-        if (_check_length(name, number, "source", n_source, max_source_len, too_long)
-                and _check_length(name, number, "target", n_target, max_target_len, too_long)):
+        if (_check_length(name, number, "source", n_source, max_source_len, too_long, limit_names[0])
+                and _check_length(name, number, "target", n_target, max_target_len, too_long, limit_names[1])):
             pairs.append((source, target))
         else:
             skipped += 1

@@ -10,7 +10,7 @@ has no reference, validation reports the reward(s) only (the task's metrics comp
 from __future__ import annotations
 
 from .base import Example
-from .data import DataError, _check_length
+from .data import DataError, _check_length, limit_names
 from .table import Row, is_table, read_table
 
 
@@ -38,13 +38,17 @@ class PromptTables:
         if len(kinds) > 1:
             raise DataError("the prompts mix strings and chat messages; give every row one kind")
         self.chat = kinds == {True}
-        if not all(ex.references for ex in self.train + self.valid):
+        rows = self.train + self.valid
+        if not all(ex.references for ex in rows):
             self.metrics = ()  # an instance's own: the task's metrics need a reference for every example
-            self.notes.append("some training or validation rows have no reference (completion/target): "
-                              "validation reports the reward only")
+            missing = sum(not ex.references for ex in rows)
+            some = "no training or validation row has a reference" if missing == len(rows) else \
+                f"{missing} of the {len(rows)} training and validation rows have no reference"
+            self.notes.append(f"{some} (completion/target): validation reports the reward only")
 
     def _examples(self, flag: str, rows: list[Row]) -> list[Example]:
         cfg = self.cfg
+        named = limit_names(cfg)
         for r in rows:
             self.prompt_text(r.prompt, r.where)  # a prompt it cannot render is refused naming its row
         source_counts, ref_counts = self.count_tokens([r.prompt for r in rows], [r.references for r in rows])
@@ -52,8 +56,8 @@ class PromptTables:
         for row, n_source, n_refs in zip(rows, source_counts, ref_counts):
             where = row.where.rpartition(":")
             line = where[2].removeprefix("row ")
-            keep = _check_length(where[0], line, "source", n_source, cfg.max_src_len, cfg.too_long)
-            keep = keep and all(_check_length(where[0], line, "target", n, cfg.max_len - 1, cfg.too_long)
+            keep = _check_length(where[0], line, "source", n_source, cfg.max_src_len, cfg.too_long, named[0])
+            keep = keep and all(_check_length(where[0], line, "target", n, cfg.max_len - 1, cfg.too_long, named[1])
                                 for n in n_refs)
             if keep:
                 out.append(Example(row.prompt, row.references, row.fields))

@@ -5,10 +5,13 @@ a reward sees target tokens joined by single spaces, and `sources` as the source
 """
 from __future__ import annotations
 
+import os
+
 from ..models.seq2seq import Seq2Seq
 from ..vocab import Vocab
 from .base import Example, Metric, Task
-from .data import Dataset, DataError, load_cmudict, load_tsv, pad_batch, tokenize_source
+from .data import (Dataset, DataError, limit_names, load_cmudict, load_tsv, pad_batch, read_lines,
+                   tokenize_source)
 from .metrics import evaluate_sums, scores_from_sums, stress_free_correct
 from .prompts import PromptTables
 from .table import is_table
@@ -45,7 +48,23 @@ class TextTask(Task):
         self.test = examples(test, self.char_source) if test is not None else []
         if self.src_vocab is None:  # a fresh run; --resume and decode restore the saved ids instead
             self.src_vocab = Vocab.build(self.source_tokens(e.source) for e in self.train)
-            self.tgt_vocab = Vocab.build(r.split() for e in self.train for r in e.references)
+            self.tgt_vocab = Vocab.build([*(r.split() for e in self.train for r in e.references),
+                                          self.output_tokens()])
+
+    def output_tokens(self) -> list[str]:
+        """--target-vocab's tokens (split as the targets are), beside the references' in the output vocabulary;
+        none without the flag."""
+        path = getattr(self.cfg, "target_vocab", None)
+        if not path:
+            return []
+        try:
+            lines = read_lines(path)
+        except DataError as err:
+            raise DataError(f"--target-vocab: {err}") from None
+        tokens = [t for line in lines for t in tokenize_source(line, self.char_target)]
+        if not tokens:
+            raise DataError(f"--target-vocab {path}: no tokens (whitespace-separated, one or more a line)")
+        return tokens
 
     def state_dict(self) -> dict:
         return {"src_vocab": self.src_vocab.itos, "tgt_vocab": self.tgt_vocab.itos, "char_source": self.char_source,
@@ -119,13 +138,14 @@ class G2P(TextTask):
 class TSV(PromptTables, TextTask):
     """`--train FILE --valid FILE [--test FILE]`: UTF-8 `source<TAB>target` lines; repeated sources are several
     references. Or prompt tables (.jsonl, .json, .csv, .parquet: `twophase.tasks.prompts`), one example per row;
-    the built-in LSTM takes string prompts, and without references its target vocabulary is the prompts'. With
+    the built-in LSTM takes string prompts, and its output vocabulary is the references' tokens and those of
+    --target-vocab FILE (without either, the prompts' tokens: a reward wanting another token needs the file). With
     --hf-model, `twophase.tasks.build` makes it a Hugging Face model's TSV task instead (`twophase.tasks.hf.HFTSV`),
     whichever way `tsv` was found (built-in or entry point)."""
 
     name = "tsv"
     flags = LSTM_FLAGS | {"train", "valid", "test", "char_source", "char_target", "lowercase_source", "max_src_len",
-                          "too_long", "hf_model"}
+                          "too_long", "hf_model", "target_vocab"}
     # Exact match can be near zero on such data (translation, say): the best checkpoint is the best reward.
     main_metric = None
 
@@ -145,7 +165,17 @@ class TSV(PromptTables, TextTask):
         if self.src_vocab is None:
             self.src_vocab = Vocab.build(self.source_tokens(e.source) for e in self.train)
             refs = [r.split() for e in self.train for r in e.references]
-            self.tgt_vocab = Vocab.build(refs or [self.source_tokens(e.source) for e in self.train])
+            given = self.output_tokens()  # --target-vocab: the tokens a reward wants
+            if not refs and not given:  # prompts alone: the outputs are spelt in the prompts' tokens
+                refs = [self.source_tokens(e.source) for e in self.train]
+            self.tgt_vocab = Vocab.build([*refs, given])
+
+    def describe(self) -> str:
+        """`tsv`, or on prompt tables `tsv (JSONL prompts)`: the files' format, which the name does not say."""
+        if not is_table(self.cfg.train):
+            return super().describe()
+        kind = os.path.splitext(str(self.cfg.train))[1].lstrip(".").upper()
+        return f"{super().describe()} ({kind} prompts{', chat messages' if self.chat else ''})"
 
     def prompt_text(self, prompt, where: str) -> str:
         if isinstance(prompt, list):
@@ -170,7 +200,7 @@ class TSV(PromptTables, TextTask):
         if cfg.train is None or cfg.valid is None:
             raise DataError("the tsv task needs --train FILE and --valid FILE")
         limits = dict(max_source_len=cfg.max_src_len, max_target_len=cfg.max_len - 1, too_long=cfg.too_long,
-                      lowercase_source=self.fold_case, lengths=self.lengths)
+                      lowercase_source=self.fold_case, lengths=self.lengths, limit_names=limit_names(cfg))
         out = []
         for flag, path in (("--train", cfg.train), ("--valid", cfg.valid), ("--test", cfg.test)):
             data = load_tsv(path, self.char_source, self.char_target, **limits) if path else None

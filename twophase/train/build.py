@@ -56,8 +56,9 @@ def check_reward(reward, task) -> None:
     try:
         score(reward, hyps, examples + examples[:1], ids)
     except rewards.RewardError as err:
-        raise rewards.RewardError(f"{err} (start-up check: {len(examples)} training references scored against "
-                                  "themselves and an empty hypothesis)") from None
+        refs = sum(bool(ex.references) for ex in examples)
+        checked = f"{refs} training references scored against themselves and " if refs else ""
+        raise rewards.RewardError(f"{err} (start-up check: {checked}an empty hypothesis)") from None
 
 
 def load_task_data(task, state: dict | None) -> None:
@@ -133,11 +134,15 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     task = tasks.build(run_cfg) if task is None else adopt_task(task, run_cfg.task)  # cheap: no data yet
     check_task_flags(task, given)
     reward_spec = cfg.reward or task.default_reward
+    run_cfg = derived(run_cfg, save_dir=run_dir(cfg, task), reward=reward_spec)
+    try:
+        resume.check_reward_names(run_cfg, reward is not None)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     causal = getattr(task, "causal", False)  # a reward model scores prompt + completion, else (source, hypothesis)
     reward = weighted.from_flags(reward_spec, cfg.reward_weights, device, causal) if reward is None else \
         reward_of(reward, reward_spec, cfg.reward_weights)  # before loading data: a typo fails in a second
-    run_cfg = derived(run_cfg, save_dir=run_dir(cfg, task), reward=reward_spec,
-                      best_metric=resolve_best_metric(cfg, task))
+    run_cfg = derived(run_cfg, best_metric=resolve_best_metric(cfg, task))
     if cfg.tensorboard:
         try:
             report.writer_class()
@@ -160,15 +165,19 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     threads = cpu_threads(cfg, getattr(task, "model_width", None))
     if threads:
         torch.set_num_threads(threads)
+    own_model = model is not None  # twophase.fit(model=...): a model the task does not build
     model = (task.build_model() if model is None else model).to(device)
     base = resume.record(model, run_cfg.hf_model)  # the frozen part's base, if any
     try:  # a --lora-r checkpoint's adapters need the base they were trained on
         if state is not None:
             where = f"{'--resume-from' if cfg.resume_from else '--resume'}: {resume.resume_path(run_cfg)}"
             resume.check(state.get("base_model"), base, where, run_cfg.hf_model)
+            if not own_model:
+                resume.check_rebuilt(model, state, where)
         if init is not None:  # --init-from: its weights (a --lora-r run's: its adapters); step 0, a fresh optimizer
             resume.check(init.get("base_model"), base, f"--init-from {cfg.init_from}", run_cfg.hf_model)
             resume.load_init(model, init, cfg.init_from)
+        resume.check_reference(cfg, model)  # --ref-checkpoint: now, not at the first RL step
     except ValueError as err:
         raise UsageError(str(err)) from None
     check_model_on_a_batch(task, model, device)  # a broken model named now, not trained silently

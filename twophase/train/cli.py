@@ -23,6 +23,7 @@ from .. import plot, rewards
 from ..config import PRESETS, Config, OneLineParser, _flag, add_config_flags, config_from_args  # noqa: F401
 from ..config import layers
 from ..config.layers import Layer, merged
+from ..compiling import compile_report
 from .. import tasks
 from ..tasks.data import DataError
 from .evaluation import test_beams
@@ -204,7 +205,7 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     if training.is_main:
         test = f" / {len(t.test)} test" if t.test is not None else ""
         threads = torch.get_num_threads()
-        print(f"task {t.task.spec}: {len(t.train)} train / {len(t.valid)} valid{test} sources; "
+        print(f"task {t.task.describe()}: {len(t.train)} train / {len(t.valid)} valid{test} sources; "
               f"reward {t.reward.name}; "
               f"{sum(p.numel() for p in t.model.parameters()):,} parameters{trainable(t.model)} on "
               f"{t.device}"
@@ -226,6 +227,9 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
     print(result.table)
     for line in t.task.closing_lines():  # Karel: its baselines, beside the table
         print(line)
+    compiling = compile_report(t.model)  # --compile: what it cost, paid once at the start
+    if compiling is not None:
+        print(compiling)
     if best.best is not None:
         print(f"best {training.best_key}: {best.best:.4f} at step {training.state.best_step}: {best.best_path}")
     print(closing_paths(training, exported))
@@ -262,8 +266,11 @@ def save_final(training: Run):
     if not training.is_main:
         return None
     try:
-        return t.task.save_final(plain or resume.export_model(t.model, t.cfg.export, training.checkpoints.best_path),
-                                 training.save_dir)
+        model = plain or resume.export_model(t.model, t.cfg.export, training.checkpoints.best_path)
+        best = t.cfg.export == "best" and training.checkpoints.best_path.exists()
+        return t.task.save_final(model, training.save_dir) or resume.save_export(
+            model, t.cfg, t.task, training.save_dir, training.state.best_step if best else training.state.step,
+            training.base_model)
     except ValueError as err:  # --export best: a checkpoint_best.pt that does not fit
         raise UsageError(str(err)) from None
     except OSError as err:

@@ -100,8 +100,11 @@ def load_model(path: str, device: torch.device, hf_model: str | None = None):
     try:
         load_saved(model, state["model"])
     except RuntimeError as err:  # --hf-model naming another architecture than the one trained, say
+        own = "" if cfg.hf_model else ("; a run trained on a model of its own (twophase.fit(config, model=...)) "
+                                       "decodes in Python: that model with the checkpoint's 'model' state dict "
+                                       "loaded, and twophase.beam_search")
         raise CheckpointError(f"{path}: its parameters do not fit the model its task builds "
-                              f"({str(err).strip().splitlines()[-1].strip()})") from None
+                              f"({str(err).strip().splitlines()[-1].strip()}){own}") from None
     return model.eval(), task, saved
 
 

@@ -202,7 +202,7 @@ class MleContinued:
                   "since_branch_s": round(time.monotonic() - start, 3), **scores,
                   "train_s": round(state.stats[CONTINUED].get(budget_clock(self.trainer.device), 0.0), 3)})
         if self.speaks:
-            print(f"MLE continued +{k} steps valid " + fmt_scores(scores), flush=True)
+            print(f"MLE continued +{k} steps valid " + fmt_scores(scores, self.trainer.task.metrics), flush=True)
         return scores
 
     def test_model(self, name: str, state_dict) -> dict:

@@ -33,9 +33,12 @@ def compact(fmt: str, value: float, width: int = 15) -> str:
     return f"{value:.4g}" if len(text) > width or hidden else text
 
 
-def fmt_scores(scores: dict) -> str:
-    """The floats of a validation's scores; a reward that scored nothing (None) as `reward=-`, not a number."""
-    return " ".join(f"{k}={compact('{:.4f}', v)}" if isinstance(v, float) else f"{k}=-" for k, v in scores.items()
+def fmt_scores(scores: dict, metrics=()) -> str:
+    """The floats of a validation's scores, each task metric in its `Metric.fmt` (also at a further test beam,
+    key@K), the others in 4 decimals; a reward that scored nothing (None) as `reward=-`, not a number."""
+    fmts = {m.key: m.fmt for m in metrics}
+    return " ".join(f"{k}={compact(fmts.get(k.partition('@')[0], '{:.4f}'), v)}" if isinstance(v, float) else
+                    f"{k}=-" for k, v in scores.items()
                     if (isinstance(v, float) or (k == "reward" and v is None)) and k != "n")
 
 

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from . import checkpoint
 from .checkpoint import CheckpointError, load
-from ..system.fsdp import load_saved
+from ..system.fsdp import load_saved, saved_state
 from ..config.rules import same, show
 
 # Flags that give the model its shape and ids: --init-from takes them from the checkpoint and refuses others.
@@ -69,7 +71,31 @@ def load_checkpoint(path, flag: str) -> dict:
         raise ValueError(f"{flag}: {err}") from None
     if not isinstance(state.get("config"), dict):
         raise ValueError(f"{flag}: {path}: not a twophase checkpoint (no 'config' entry)")
+    plugin_folder(state)
+    if "export" in state and flag in ("--resume", "--resume-from"):
+        raise ValueError(f"{flag}: {path}: a run's exported model (its parameters alone, --export), not a "
+                         "checkpoint a run continues from: --init-from starts a new run from it")
     return state
+
+
+def plugin_folder(state: dict) -> None:
+    """A checkpoint of a task plug-in (--task module:callable) whose module does not import from here: the folder
+    training imported it from (the checkpoint records it) goes on sys.path, as twophase-decode does, so that
+    --init-from and --resume find it from any directory."""
+    task = state.get("task") if isinstance(state.get("task"), dict) else {}
+    spec, origin = str(task.get("spec") or ""), task.get("origin")
+    if ":" not in spec or not origin or not Path(origin).is_dir() or origin in sys.path:
+        return
+    module = spec.partition(":")[0]
+    top = module.partition(".")[0]
+    if (Path.cwd() / f"{top}.py").is_file() or (Path.cwd() / top).is_dir():
+        return  # the working directory's (the plug-in loader looks there first)
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        sys.path.append(origin)
 
 
 def init_defaults(state: dict, known) -> dict:
@@ -78,15 +104,47 @@ def init_defaults(state: dict, known) -> dict:
     return {k: state["config"][k] for k in MODEL_SHAPE + INIT_DATA if k in state["config"] and k in known}
 
 
+LSTM_SIZE = ("embed_dim", "hidden_size", "bidirectional")  # the built-in LSTM's shape: no other model's
+
+
 def check_init(cfg, state: dict, path, flag: str = "--init-from") -> None:
     """--init-from (and --eval-only): a model flag other than the checkpoint's would build another model."""
     saved = state["config"]
     for name in MODEL_SHAPE:
         if name in saved and not same(name, saved[name], getattr(cfg, name)):
-            flag = "--" + name.replace("_", "-")
+            given = "--" + name.replace("_", "-")
+            if name in LSTM_SIZE and not sized_by_flags(state):
+                model = (f"a Hugging Face model (--hf-model {saved['hf_model']})" if saved.get("hf_model") else
+                         "a model other than the built-in LSTM (its task's own, or one given to twophase.fit)")
+                raise ValueError(f"{given} {show(getattr(cfg, name))}: {flag} {path} holds {model}, which "
+                                 f"{given} does not size: leave it out")
             hint = LORA_HINT if name in LORA_SHAPE else ""
-            raise ValueError(f"{flag} {path}: its model was built with {flag} {show(saved[name])}, not "
+            raise ValueError(f"{given}: {flag} {path}: its model was built with {given} {show(saved[name])}, not "
                              f"{show(getattr(cfg, name))}{hint}")
+
+
+def sized_by_flags(state: dict) -> bool:
+    """Whether the LSTM size flags describe a checkpoint's model: not a Hugging Face model's, and on the tasks
+    of the built-in LSTM (g2p, tsv) not a model given to twophase.fit (another task's model reads them as it
+    declares)."""
+    if state["config"].get("hf_model"):
+        return False
+    spec = (state.get("task") or {}).get("spec", "tsv" if state["config"].get("train") else "g2p")
+    return spec not in ("g2p", "tsv") or built_in_lstm(state)
+
+
+def built_in_lstm(state: dict) -> bool:
+    """Whether a checkpoint's parameters are the built-in LSTM its configuration describes (names and shapes: a
+    model given to twophase.fit may be another size, or another model)."""
+    saved, ids = state["config"], (state.get("task") or {}).get("state") or state
+    if saved.get("hf_model") or not all(isinstance(ids.get(k), list) for k in ("src_vocab", "tgt_vocab")):
+        return False
+    from ..models.seq2seq import Seq2Seq
+    with torch.device("meta"):  # shapes only, nothing allocated
+        lstm = Seq2Seq(len(ids["src_vocab"]), len(ids["tgt_vocab"]), saved.get("embed_dim", 0),
+                       saved.get("hidden_size", 0), 0.0, bool(saved.get("bidirectional")))
+    shapes = {name: tuple(t.shape) for name, t in lstm.state_dict().items()}
+    return shapes == {name: tuple(t.shape) for name, t in state["model"].items()}
 
 
 def load_init(model, state: dict, path) -> None:
@@ -97,6 +155,77 @@ def load_init(model, state: dict, path) -> None:
     except RuntimeError as err:
         raise ValueError(f"--init-from {path}: its parameters do not fit the model this run builds "
                          f"({str(err).strip().splitlines()[-1].strip()})") from None
+
+
+FIT_RESUME = "twophase.fit(..., model=a_fresh_copy, resume=True)"
+
+
+def check_rebuilt(model, state: dict, where: str) -> None:
+    """--resume / --resume-from (and their --eval-only) rebuild the task's own model: the checkpoint's parameters
+    must fit it by name and shape (a run trained with a model of its own, `twophase.fit(config, model=...)`,
+    continues only where its model is given again); ValueError, one line, saying how to continue it."""
+    first = misfit(model, state["model"])
+    if first is None:
+        return
+    raise ValueError(f"{where}: its parameters do not fit the model task '{state['config'].get('task')}' builds "
+                     f"(the first: {first}): a run trained on a model of its own (twophase.fit(config, "
+                     f"model=...)) continues in Python, with {FIT_RESUME}")
+
+
+def misfit(model, saved: dict) -> str | None:
+    """The first parameter of a checkpoint's `saved` tensors that does not fit `model` (another name or shape, or
+    a trainable parameter of the model it lacks), or None."""
+    built = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    wrong = [name for name, t in saved.items() if built.get(name) != tuple(getattr(t, "shape", ()))]
+    lost = sorted(trainable - set(saved))
+    return wrong[0] if wrong else (lost[0] if lost else None)
+
+
+def check_reference(cfg, model) -> None:
+    """--ref-checkpoint (with --kl-beta): its parameters must fit the model this run trains, checked at start-up,
+    not at the first RL step; ValueError, one line, naming the flag that differs where one does."""
+    if cfg.ref_checkpoint is None or not cfg.kl_beta:
+        return
+    state = load_checkpoint(cfg.ref_checkpoint, "--ref-checkpoint")
+    first = misfit(model, state["model"])
+    if first is not None:
+        check_init(cfg, state, cfg.ref_checkpoint, "--ref-checkpoint")  # a model flag that differs: the cause
+        raise ValueError(f"--ref-checkpoint {cfg.ref_checkpoint}: its parameters do not fit the model this run "
+                         f"trains (the first: {first})")
+
+
+def unimportable(spec: str | None) -> list[str]:
+    """The names in a reward spec (Config.reward) that no other program can import: a function of `__main__` (a
+    script or notebook given to twophase.fit), a lambda, a function defined inside another."""
+    names = [s.strip() for s in (spec or "").split(",")]
+    return [s for s in names if s.partition(":")[0] == "__main__" or "<locals>" in s or "<lambda>" in s]
+
+
+def check_reward_names(cfg, given_reward: bool) -> None:
+    """A reward recorded by a name that cannot be imported again: refused at start-up where the run saves
+    checkpoints (a lambda or a nested function, given to twophase.fit: no later run could find it by name),
+    and named as such on --resume from the command line (a function of a script or notebook); ValueError, one
+    line."""
+    names = unimportable(cfg.reward)
+    if not names:
+        return
+    if given_reward:  # twophase.fit(reward=fn)
+        nested = [s for s in names if "<locals>" in s or "<lambda>" in s]
+        if nested and not cfg.eval_only:
+            raise ValueError(f"reward {nested[0]}: a lambda or a function defined inside another has no name a "
+                             "checkpoint can record, so this run could not be resumed: define it with def at the "
+                             "top level of a module (or of the script)")
+        return
+    path = resume_path(cfg)
+    if path is None:  # --reward __main__:fn typed: the plug-in loader says it does not import
+        return
+    flag = "--resume-from" if cfg.resume_from else "--resume"
+    fn = names[0].partition(":")[2]
+    raise ValueError(f"{flag}: {path}: its reward {names[0]} was given to twophase.fit from a script or notebook "
+                     f"(__main__), which does not import here: continue it in Python with twophase.fit(..., "
+                     f"reward={fn.rpartition('.')[2]}, resume=True), or move it into a module (module:{fn} imports "
+                     "from anywhere)")
 
 
 def export_model(model, export: str, path):
@@ -123,6 +252,26 @@ def export_model(model, export: str, path):
         raise ValueError(f"--export best: {path}: its parameters do not fit this run's model "
                          f"({str(err).strip().splitlines()[-1].strip()})") from None
     return best
+
+
+EXPORT = "model_final.pt"  # --export's file for a model without an export of its task's own
+
+
+def save_export(model, cfg, task, save_dir, step: int, base_model: dict | None):
+    """--export last|best where the task writes no export of its own (the built-in LSTM, Karel's model, a task
+    plug-in's): <save-dir>/model_final.pt, the model's parameters with what `twophase-decode` needs to rebuild and
+    decode it without the run's folder (the configuration, the task's spec and ids, a --lora-r base's record);
+    `step`: the exported parameters' step. Returns its path, or None where --export was not given (the
+    checkpoints are the model)."""
+    if cfg.export is None:
+        return None
+    state = {"export": cfg.export, "step": step, "config": asdict(cfg),
+             "task": {"spec": task.spec, "state": task.state_dict(), "origin": getattr(task, "origin", None)},
+             "model": checkpoint.host_copy(saved_state(model)),
+             **({"base_model": base_model} if base_model else {})}
+    path = Path(save_dir) / EXPORT
+    checkpoint.save_atomic(state, path)
+    return path
 
 
 # ------------------------------------------------------------------ the frozen base model

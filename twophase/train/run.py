@@ -241,7 +241,7 @@ class Run:
         for name, scores in tests.items():
             self.log({"step": steps[name], "phase": "test", "model": name, **scores})
             if self.is_main:
-                tqdm.write(f"step {state.step} test ({name}) " + fmt_scores(scores))
+                tqdm.write(f"step {state.step} test ({name}) " + fmt_scores(scores, self.trainer.task.metrics))
 
     def after_step(self, phase: str, bar) -> None:
         """Validation (and checkpoint_best.pt when it improves, and the --lr-decay schedule during MLE), phase
@@ -253,7 +253,7 @@ class Run:
             self.log({"step": state.step, "phase": "eval", "after": phase, **scores,
                       "train_s": round(state.stats[phase].get(budget_clock(self.trainer.device), 0.0), 3)})
             if self.is_main:
-                bar.write(f"step {state.step} [{phase}] valid " + fmt_scores(scores))
+                bar.write(f"step {state.step} [{phase}] valid " + fmt_scores(scores, self.trainer.task.metrics))
             self.save_best(scores)
             if phase == "mle":
                 self.schedule(scores, bar)

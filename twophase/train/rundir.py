@@ -28,13 +28,16 @@ import torch
 from .checkpoint import SaveError
 
 LOGS = ("metrics.jsonl", "memory_profile.jsonl")
-FOLDERS = ("hf_final",)  # a task's own copy of the final model (Task.save_final: --hf-model's save_pretrained)
+# the final model's export: a task's own (Task.save_final: --hf-model's save_pretrained), or --export's file
+# for the other models (resume.save_export)
+FOLDERS = ("hf_final", "model_final.pt")
 RECORD = "config.json"  # every command's resolved flags (write_config)
 PICTURE = "curves.png"  # the end-of-run picture (--picture)
 TENSORBOARD = "tensorboard"  # --tensorboard's folder; only its event files are the run's
 # The temporary file of an atomic write, left behind by a process killed mid-write: mkstemp's
 # ".<name><random>.tmp" beside the checkpoint, config.json or log it was to replace (hf_final's ".hf_final.tmp").
-_RESIDUE = re.compile(r"\.(checkpoint_[^/]*\.pt|config\.json|metrics\.jsonl|memory_profile\.jsonl|hf_final)[^/]*\.tmp")
+_RESIDUE = re.compile(r"\.(checkpoint_[^/]*\.pt|config\.json|metrics\.jsonl|memory_profile\.jsonl|hf_final"
+                      r"|model_final\.pt)[^/]*\.tmp")
 _ASIDE = re.compile(r"after_step\d+(\.\d+)?")  # --resume-from's folders of the checkpoints it set aside
 _EVENTS = "events.out.tfevents.*"
 LATER = ("checkpoint_last.pt", "checkpoint_best.pt", "checkpoint_crash.pt", "checkpoint_mle_end.pt",
@@ -142,8 +145,8 @@ def set_aside(save_dir, step: int) -> Path | None:
             later.append(p)
     if not later:
         return None
-    if (folder / "hf_final").is_dir():  # a task's export of the final model: the later branch's end
-        later.append(folder / "hf_final")
+    later += [folder / name for name in FOLDERS if (folder / name).exists()]  # the final model's export: the
+    #                                                                          later branch's end
     aside = folder / f"after_step{step}"
     n = 1
     while aside.exists():

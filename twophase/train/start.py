@@ -53,9 +53,10 @@ def check_references(cfg: Config, task, given: frozenset[str]) -> bool:
     default comparison is off there (the Config is left as it is; the run records the control it ran)."""
     if any(ex.references for ex in task.train):
         return cfg.compare_mle
-    where = f"task '{task.spec}' has no references to train MLE on (its reward reads the sources)"
+    where = f"task '{task.spec}' has no references to train MLE on"
     if cfg.mle_steps > 0:
-        raise StartupError(f"--mle-steps {cfg.mle_steps}: {where}; train RL only with --mle-steps 0")
+        default = "" if "mle_steps" in given else " (the default)"
+        raise StartupError(f"--mle-steps {cfg.mle_steps}{default}: {where}; train RL only with --mle-steps 0")
     if cfg.mle_weight > 0:
         raise StartupError(f"--mle-weight {cfg.mle_weight:g}: {where}; leave it at 0")
     if cfg.compare_mle and cfg.rl_steps > 0:
