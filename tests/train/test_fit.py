@@ -162,7 +162,7 @@ def test_the_config_given_is_unchanged_by_build_and_fit(data):
     cfg, start, flags = fit.resolved(given)
     resolved = dataclasses.asdict(cfg)
     training = cli.build(cfg, start, flags)
-    assert (training.cfg.task, training.cfg.reward, training.cfg.best_metric) == ("tsv", "edit", "reward")
+    assert (training.trainer.cfg.task, training.trainer.cfg.reward, training.trainer.cfg.best_metric) == ("tsv", "edit", "reward")
     assert (cfg.task, cfg.reward, cfg.best_metric) == (None, None, "auto")
     assert dataclasses.asdict(cfg) == resolved and cfg == Config(**resolved)
     result = twophase.fit(given)

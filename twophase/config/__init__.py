@@ -190,7 +190,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         # %(default)s: the help shows the defaults the parser ends with (a task's recipe with --task, a preset's)
         text = f.metadata["help"].replace("%", "%%") + ("" if default is None else " (default: %(default)s)")
         if f.metadata["parse"] is not None:
-            group.add_argument(_flag(f.name), type=f.metadata["parse"], default=default, help=text)
+            group.add_argument(_flag(f.name), type=f.metadata["parse"], default=default, help=text,
+                               choices=f.metadata.get("choices"))  # checked after the parser's own words
         elif kind is bool and (default or f.metadata["inherited"] and not f.name.startswith("no_")):
             # --FLAG / --no-FLAG: a recipe or a preset may turn it on (Karel's --rl-from-best), and the user's
             # --no-FLAG, equal to Config's default, still wins over it

@@ -177,7 +177,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         if init is not None:  # --init-from: its weights (a --lora-r run's: its adapters); step 0, a fresh optimizer
             resume.check(init.get("base_model"), base, f"--init-from {cfg.init_from}", run_cfg.hf_model)
             resume.load_init(model, init, cfg.init_from)
-        resume.check_reference(cfg, model)  # --ref-checkpoint: now, not at the first RL step
+        resume.check_reference(run_cfg, model)  # --ref-checkpoint: now, not at the first RL step
     except ValueError as err:
         raise UsageError(str(err)) from None
     check_model_on_a_batch(task, model, device)  # a broken model named now, not trained silently
