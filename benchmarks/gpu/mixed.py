@@ -118,7 +118,7 @@ def score_differences(model, source, cand, sizes: dict, mode: str, device: torch
             log_p = rescore_backward(model, source, cand, one_hot, sizes["chunk"])
         tree.append(abs(log_p - float(cand.scores[i])))
     model.zero_grad(set_to_none=True)
-    with amp.autocast(mode, device), torch.no_grad(), protocol.scoring_mode(model):
+    with amp.autocast(mode, device), torch.no_grad(), protocol.eval_mode(model):
         scored = protocol.score(model, model.encode(source), cand.tokens, cand.owner).float()  # (N,)
     diff = (scored - cand.scores.float()).abs()  # (N,)
     return {"rescore_max_abs_diff_nats": max(tree), "rescore_rows": rows,

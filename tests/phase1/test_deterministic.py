@@ -108,10 +108,7 @@ def test_a_deterministic_training_run_that_samples_runs_under_cudas_rules(sample
 
 def test_the_gpu_checks_gradient_section_runs_under_cudas_rules():
     """Section (a) of the GPU check (every model, default and deterministic algorithms), its CPU dry run's sizes."""
-    import importlib
-    import importlib.util
-    package = "benchmarks.gpu" if importlib.util.find_spec("benchmarks") else "twophase.bench.gpu"
-    gradients = importlib.import_module(f"{package}.gradients")
+    from benchmarks.gpu import gradients
     with guards.cuda_deterministic_ops():
         result = gradients.run({"device": "cpu", "quick": True})
     assert result["failed_cases"] == 0, [r for r in result["rows"] if "error" in r]

@@ -55,7 +55,7 @@ class Distillation:
         """The objective of samples' N rows: the teacher's encoder output for source (once, no graph), every
         row's normaliser 1 / num_items (default: the rows' scored positions)."""
         check_compatible(model, self.teacher)
-        with torch.no_grad(), protocol.scoring_mode(self.teacher):
+        with torch.no_grad(), protocol.eval_mode(self.teacher):
             enc = self.teacher.encode(source)
         lengths = samples.lengths
         items = lengths.sum() if self.num_items is None else torch.as_tensor(self.num_items, device=lengths.device)
@@ -105,7 +105,7 @@ class DistillationLoss:
     def decoded(self, tokens: Tensor, owner: Tensor) -> "DistillationLoss":
         """This chunk's objective with the teacher's output-layer inputs at every position of rows tokens (C, T)
         of sources owner (C,): teacher-forced in evaluation mode, without a graph."""
-        with torch.no_grad(), protocol.scoring_mode(self.teacher):
+        with torch.no_grad(), protocol.eval_mode(self.teacher):
             states = head_states(self.teacher, self.enc, tokens, owner)
         return replace(self, states=states)
 
