@@ -112,10 +112,11 @@ def test_no_picture_flag_and_environment(run, monkeypatch):
     class Stub:
         save_dir = save
 
-        class cfg:
-            picture = False
+        class trainer:
+            class cfg:
+                picture = False
     assert cli.draw_picture(Stub) is None
-    Stub.cfg.picture = True
+    Stub.trainer.cfg.picture = True
     monkeypatch.setenv("TWOPHASE_PICTURE", "off")
     assert cli.draw_picture(Stub) is None
     monkeypatch.setenv("TWOPHASE_PICTURE", "on")
