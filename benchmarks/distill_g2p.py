@@ -9,7 +9,8 @@ the validation beam), written as `word<TAB>phonemes`; the CPU seconds of the dec
 `kd`: MLE on that file from the student's weights: the g2p task with its training references replaced by the
 teacher's outputs (validation and test are CMUdict's), through `twophase.fit`, so the run is train.py's.
 `table`: test word accuracy and PER of every arm, per seed and the mean, with the CPU seconds each arm trained
-(RUNS/{distill-b1,distill-b0.5,kd}-s{1,2}/metrics.jsonl).
+(RUNS/{distill-b1,distill-b0.5,kd,kd-half}-s{1,2}/metrics.jsonl; a kd run's teacher seconds from
+RUNS/<run>-s<seed>.tsv.json).
 """
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def table(args) -> None:
     arms = [("student start (MLE warm start)", "distill-b1", "mle"),
             ("(a) MLE continued", "distill-b1", "mle-continued"),
             ("(b) sequence-level KD", "kd", "mle"),
+            ("(b') sequence-level KD, the teacher's decoding inside the budget", "kd-half", "mle"),
             ("(c) on-policy distillation, beta 1", "distill-b1", "rl"),
             ("(d) on-policy distillation, beta 0.5", "distill-b0.5", "rl")]
     seeds = args.seeds
@@ -104,8 +106,8 @@ def table(args) -> None:
             except IndexError:
                 cells.append("unfinished")
                 continue
-            if run == "kd" and model == "mle":
-                info = json.loads((runs / f"kd-s{s}.tsv.json").read_text())
+            if run.startswith("kd"):
+                info = json.loads((runs / f"{run}-s{s}.tsv.json").read_text())
                 cpu_text = f"{cpu:.0f} (+{info['decode_cpu_s']:.0f} teacher)"
             else:
                 cpu_text = "0" if model == "mle" else f"{cpu:.0f}"
