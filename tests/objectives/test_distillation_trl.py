@@ -19,21 +19,13 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 import hf_tiny  # noqa: E402
 from conftest import take_grads  # noqa: E402
 from test_distillation import BETAS, _close, _ours, _reference  # noqa: E402
+from test_hf import _batch  # noqa: E402
 from twophase import protocol, sample  # noqa: E402
 from twophase.models.hf import HFCausalLM, HFSeq2Seq  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[5, 6, 7, 8], [10, 11], [4, 8, 11]]
 MAX_LEN, K = 6, 4
-
-
-def _left_padded(rows):
-    P = max(map(len, rows))
-    ids = torch.full((len(rows), P), hf_tiny.PAD)
-    mask = torch.zeros(len(rows), P, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, P - len(r):], mask[i, P - len(r):] = torch.tensor(r), 1
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +35,7 @@ def causal_pair():
 
     student, teacher = hf_tiny.causal("llama", seed=0), hf_tiny.causal("llama", seed=3, width=24)
     wrapper, teacher_wrapper = HFCausalLM(student), HFCausalLM(teacher)
-    source = _left_padded(PROMPTS)
+    source = _batch(PROMPTS, hf_tiny.PAD, left=True)
     s = sample(wrapper, source, K, MAX_LEN, generator=torch.Generator().manual_seed(0))
     ended = s.tokens.gather(1, (s.lengths - 1)[:, None]).squeeze(1) == wrapper.eos_id
     assert bool(ended.any()) and bool((~ended).any())  # completions with and without EOS
@@ -100,12 +92,7 @@ def t5_pair():
     teacher = HFSeq2Seq(hf_tiny.seq2seq("t5", seed=2, width=24, layers=2))
     assert student.head is not None and teacher.head is not None  # the streamed output layer
     rows = [[5, 6, 7, hf_tiny.EOS], [9, 10, hf_tiny.EOS], [4, 8, 11, 6, 5, hf_tiny.EOS]]
-    P = max(map(len, rows))
-    ids = torch.full((len(rows), P), hf_tiny.PAD)
-    mask = torch.zeros(len(rows), P, dtype=torch.long)
-    for i, r in enumerate(rows):  # right-padded, as a T5 tokenizer pads
-        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
-    source = {"input_ids": ids, "attention_mask": mask}
+    source = _batch(rows, hf_tiny.PAD)  # right-padded, as a T5 tokenizer pads
     s = sample(student, source, K, 5, generator=torch.Generator().manual_seed(1))
     return student, teacher, source, s
 

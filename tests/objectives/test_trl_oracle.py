@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import hf_tiny  # noqa: E402
 from conftest import take_grads  # noqa: E402
+from test_hf import _batch  # noqa: E402
 from test_policy_rescoring import _moved  # noqa: E402
 from twophase import protocol, rescore_backward, sample  # noqa: E402
 from twophase.models.hf import HFCausalLM  # noqa: E402
@@ -34,12 +35,7 @@ def setup():
 
     model = hf_tiny.causal("llama", seed=0)
     wrapper = HFCausalLM(model)
-    P = max(map(len, PROMPTS))
-    ids = torch.full((len(PROMPTS), P), hf_tiny.PAD)
-    mask = torch.zeros(len(PROMPTS), P, dtype=torch.long)
-    for i, r in enumerate(PROMPTS):  # left-padded, as TRL's prompts
-        ids[i, P - len(r):], mask[i, P - len(r):] = torch.tensor(r), 1
-    source = {"input_ids": ids, "attention_mask": mask}
+    source = _batch(PROMPTS, hf_tiny.PAD, left=True)  # left-padded, as TRL's prompts
     s = sample(wrapper, source, K, MAX_LEN, generator=torch.Generator().manual_seed(0))
     _moved(wrapper, scale=1.5)  # the current policy, away from phase one's
     # beta 0 at construction: TRL would otherwise load a reference model by name; compute_loss reads self.beta
