@@ -84,6 +84,14 @@ def test_teacher_of_another_vocabulary_is_refused(data, tmp_path, capsys, one_th
                           "1", "--rl-steps", "1", "--save-dir", str(tmp_path / "x")], capsys, "vocabulary")
 
 
+def test_a_folder_that_is_no_model_is_refused_before_loading(data, tmp_path, capsys):
+    flags, _, _ = data
+    (tmp_path / "empty").mkdir()
+    _fails_with_one_line([*flags, *TINY, *DISTILL, "--teacher", str(tmp_path / "empty"), "--mle-steps", "1",
+                          "--rl-steps", "1", "--save-dir", str(tmp_path / "x")], capsys,
+                         f"--teacher {tmp_path / 'empty'}: no config.json")
+
+
 def test_a_hugging_face_folder_teaches_a_t5_student(tmp_path, one_thread, monkeypatch):
     """--hf-model student, --teacher a wider T5 folder of the same tokenizer: one MLE and two RL steps."""
     pytest.importorskip("transformers")

@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .. import hffolder
 from .errors import RewardError
 
 BATCH = 64  # texts per forward: all of a step's candidates at once could exceed a large reward model's memory
 PREFIX = "hf:"
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")  # save_pretrained writes the first, always
 
 
 def is_folder_spec(spec: str) -> bool:
@@ -80,8 +80,6 @@ class RewardModel:
 def load(folder: str, flag: str):
     """(model in evaluation mode, float32, without gradients; tokenizer with a pad token) of a save_pretrained
     sequence-classification folder with one label; RewardError (one line naming `flag`) where it is not one."""
-    import torch
-
     try:
         import transformers as T
         from transformers.models.auto import modeling_auto as auto
@@ -89,14 +87,9 @@ def load(folder: str, flag: str):
         raise RewardError(f"{flag}: a reward model needs transformers ({err}): pip install 'twophase[hf]'") from None
     from ..plugins import brief
 
-    if not os.path.isdir(folder):
-        raise RewardError(f"{flag}: no such directory (a save_pretrained folder of a sequence-classification model "
-                    "is expected)")
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise RewardError(f"{flag}: no config.json (a model's save_pretrained folder is expected)")
-    if not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
-        raise RewardError(f"{flag}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); save the reward model's tokenizer "
-                    "into the same folder with tokenizer.save_pretrained")
+    wrong = hffolder.problem(folder)
+    if wrong is not None:
+        raise RewardError(f"{flag}: {wrong}")
     try:
         config = T.AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as exc:
@@ -110,18 +103,13 @@ def load(folder: str, flag: str):
     if config.num_labels != 1:
         raise RewardError(f"{flag}: the model has num_labels={config.num_labels}; a reward model has one (its logit "
                     "is the reward)")
-    dtype = "dtype" if int(T.__version__.split(".")[0]) >= 5 else "torch_dtype"  # renamed in 5.0
-    was_enabled = T.utils.logging.is_progress_bar_enabled()
-    T.utils.logging.disable_progress_bar()  # one line per event in a training log
     try:
-        tokenizer = T.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        model, info = T.AutoModelForSequenceClassification.from_pretrained(
-            folder, local_files_only=True, output_loading_info=True, **{dtype: torch.float32})
+        with hffolder.quiet_progress_bars():  # one line per event in a training log
+            tokenizer = T.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            model, info = T.AutoModelForSequenceClassification.from_pretrained(
+                folder, output_loading_info=True, **hffolder.offline_float32())
     except Exception as exc:
         raise RewardError(f"{flag}: cannot load the model or its tokenizer ({brief(exc)})") from None
-    finally:
-        if was_enabled:
-            T.utils.logging.enable_progress_bar()
     if info.get("missing_keys"):  # a head initialised at random would score noise
         raise RewardError(f"{flag}: the folder's weights lack {', '.join(sorted(info['missing_keys'])[:3])}; save the "
                     "trained sequence-classification model with save_pretrained")

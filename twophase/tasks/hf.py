@@ -23,7 +23,6 @@ with the tokenizer, into <save-dir>/hf_final.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .. import hffolder
 from ..models.hf import HFCausalLM, HFSeq2Seq, lora
 from ..plugins import brief
 from .base import Example, TaskError
@@ -39,7 +39,6 @@ from .table import is_table
 from .text import TSV, examples
 
 FINAL = "hf_final"
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")  # save_pretrained writes the first, always
 
 
 def _transformers():
@@ -50,32 +49,13 @@ def _transformers():
     return transformers
 
 
-@contextlib.contextmanager
-def _quiet():
-    """No "Loading weights" progress bars on stderr: a training log shows one line per event."""
-    logging = _transformers().utils.logging
-    was_enabled = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            logging.enable_progress_bar()
-
-
 def load_folder(folder: str):
     """(config, tokenizer, auto model class) of a save_pretrained folder; TaskError naming --hf-model if any is
     missing or the model is neither a seq2seq nor a causal LM."""
     T = _transformers()
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise TaskError(f"--hf-model {folder}: not a directory (a model's save_pretrained folder is expected)")
-    if not os.path.isdir(folder):
-        raise TaskError(f"--hf-model {folder}: no such directory")
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise TaskError(f"--hf-model {folder}: no config.json (a model's save_pretrained folder is expected)")
-    if not any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
-        raise TaskError(f"--hf-model {folder}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); save the tokenizer "
-                        "into the same folder with tokenizer.save_pretrained")
+    wrong = hffolder.problem(folder)
+    if wrong is not None:
+        raise TaskError(f"--hf-model {folder}: {wrong}")
     try:
         config = T.AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as exc:
@@ -90,7 +70,7 @@ def load_folder(folder: str):
         raise TaskError(f"--hf-model {folder}: model type '{config.model_type}' has no {kind} language model "
                         "(AutoModelForSeq2SeqLM for encoder-decoders, AutoModelForCausalLM otherwise)")
     try:
-        with _quiet():
+        with hffolder.quiet_progress_bars():
             tokenizer = T.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as exc:
         raise TaskError(f"--hf-model {folder}: cannot load the tokenizer ({brief(exc)})") from None
@@ -205,11 +185,9 @@ class HFTSV(TSV):
 
     # ---- model
     def build_model(self):
-        T = _transformers()
-        dtype = "dtype" if int(T.__version__.split(".")[0]) >= 5 else "torch_dtype"  # renamed in 5.0
         try:
-            with _quiet():
-                model = self.model_class.from_pretrained(self.folder, local_files_only=True, **{dtype: torch.float32})
+            with hffolder.quiet_progress_bars():
+                model = self.model_class.from_pretrained(self.folder, **hffolder.offline_float32())
         except Exception as exc:
             raise TaskError(f"--hf-model {self.folder}: cannot load the model ({brief(exc)})") from None
         if self.cfg.lora_r:
@@ -278,7 +256,7 @@ class HFTSV(TSV):
         final, tmp = Path(save_dir) / FINAL, Path(save_dir) / f".{FINAL}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            with _quiet():
+            with hffolder.quiet_progress_bars():
                 if model.adapter is not None:  # --lora-r: the adapters (--merge-lora: merged into a copy of the model)
                     lora.save(model.adapter, tmp, self.cfg.merge_lora)
                 else:

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from .. import hffolder
 from ..models.seq2seq import Seq2Seq
 from ..objectives.distill import check_compatible, distillation
 from ..system import distributed
@@ -50,6 +51,9 @@ def objective(teacher, cfg, rows):
 def _hugging_face(path: str, student, task):
     from ..models.hf import HFCausalLM, HFSeq2Seq
 
+    wrong = hffolder.problem(path, tokenizer=False)  # the run's tokenizer is the teacher's
+    if wrong is not None:
+        raise StartupError(f"--teacher {path}: {wrong}")
     causal = isinstance(student, HFCausalLM)
     if not causal and not isinstance(student, HFSeq2Seq):
         raise StartupError(f"--teacher {path}: a Hugging Face folder teaches a --hf-model run; this run's model is "
@@ -58,7 +62,8 @@ def _hugging_face(path: str, student, task):
 
     kind = T.AutoModelForCausalLM if causal else T.AutoModelForSeq2SeqLM
     try:
-        model = kind.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)
+        with hffolder.quiet_progress_bars():
+            model = kind.from_pretrained(path, **hffolder.offline_float32())
     except Exception as exc:  # noqa: BLE001 - whatever from_pretrained raises, the folder is not a model
         raise StartupError(f"--teacher {path}: cannot load the model ({str(exc).splitlines()[0]})") from None
     return HFCausalLM(model, getattr(task, "tokenizer", None)) if causal else HFSeq2Seq(model)
