@@ -34,15 +34,20 @@ def _rl_rows(save):
     return [r for r in rows if r.get("phase") == "rl" and "loss" in r]
 
 
-def test_distils_a_checkpoint_with_compare_mle_and_resumes(data, tmp_path, one_thread):
-    flags, teacher, _ = data
-    run = [*flags, *TINY, *DISTILL, "--teacher", teacher, "--mle-steps", "3"]
+def test_distils_a_checkpoint_with_compare_mle_and_resumes(data, tmp_path, one_thread, monkeypatch):
+    """A relative --teacher is recorded as an absolute path: --resume from another directory finds it."""
+    flags, teacher, d = data
+    run = [*flags, *TINY, *DISTILL, "--mle-steps", "3"]
     full = tmp_path / "full"
-    assert cli.main([*run, "--rl-steps", "3", "--save-dir", str(full)]) == 0  # --compare-mle: on by default
+    assert cli.main([*run, "--teacher", teacher, "--rl-steps", "3", "--save-dir", str(full)]) == 0  # --compare-mle
     rl = _rl_rows(full)
     assert len(rl) == 3 and all(r["loss"] > 0 and r["grad_norm"] > 0 for r in rl)
     part = tmp_path / "part"
-    assert cli.main([*run, "--rl-steps", "2", "--no-compare-mle", "--save-dir", str(part)]) == 0
+    monkeypatch.chdir(d)
+    assert cli.main([*run, "--teacher", "teacher/checkpoint_last.pt", "--rl-steps", "2", "--no-compare-mle",
+                     "--save-dir", str(part)]) == 0
+    assert json.loads((part / "config.json").read_text())["config"]["teacher"] == teacher
+    monkeypatch.chdir(tmp_path)
     assert cli.main([*run, "--rl-steps", "3", "--no-compare-mle", "--save-dir", str(part), "--resume"]) == 0
     a = torch.load(full / "checkpoint_last.pt", weights_only=True)["model"]
     b = torch.load(part / "checkpoint_last.pt", weights_only=True)["model"]

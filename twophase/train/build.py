@@ -127,10 +127,11 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if distributed.rank() == 0:  # once, not once per process
         for warning in cfg.warnings():
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
-    # recorded as resolved: the task's name; --hf-model as an absolute path (--resume and decoding find it
-    # from anywhere)
+    # recorded as resolved: the task's name; --hf-model and --teacher as absolute paths (--resume and decoding
+    # find them from anywhere)
     run_cfg = derived(cfg, task=tasks.default_name(cfg),
-                      hf_model=os.path.abspath(cfg.hf_model) if cfg.hf_model is not None else None)
+                      hf_model=os.path.abspath(cfg.hf_model) if cfg.hf_model is not None else None,
+                      teacher=os.path.abspath(cfg.teacher) if cfg.teacher is not None else None)
     task = tasks.build(run_cfg) if task is None else adopt_task(task, run_cfg.task)  # cheap: no data yet
     check_task_flags(task, given)
     reward_spec = cfg.reward or task.default_reward
