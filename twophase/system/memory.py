@@ -112,6 +112,11 @@ def _storage_key(t: Tensor) -> tuple[int, int]:
         return id(t), t.numel() * t.element_size()
 
 
+def storage_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the distinct storages of tensors: what holding them keeps alive (views of one buffer counted once)."""
+    return sum(dict(_storage_key(t) for t in tensors).values())
+
+
 class _Held:
     """What the graph stores in place of a saved tensor; its death tells the meter the graph let go."""
 
