@@ -1,8 +1,8 @@
-"""--rescore-chunk auto under distillation: each chunk holds the teacher's output-layer inputs (C, T, H_teacher)
-beside the student's graph, so the planned chunk makes room for them. Checked against the teacher's width (what
-its states cost per row-step), against phase two itself run at the planned chunk with every chunk's graph and
-teacher states measured as they happen (the planner's few-row probe is not that run), and end to end: a wider
-teacher gives a run smaller chunks."""
+"""--rescore-chunk auto under distillation: each chunk first runs the teacher's decode (without a graph), then
+holds its output-layer inputs (C, T, H_teacher) beside the student's graph, so the planned chunk makes room for
+both. Checked against the teacher's width (what its states cost per row-step) and the profiler's allocation
+record of its decode, against phase two itself run at the planned chunk with every chunk measured as it runs (the
+planner's few-row probe is not that run), and end to end: a wider teacher gives a run smaller chunks."""
 import json
 
 import pytest
@@ -12,7 +12,7 @@ from conftest import toy_batch
 from taskfiles import write_task
 from twophase import Seq2Seq, beam_search, nested, rescore_backward
 from twophase.objectives import distillation
-from twophase.system.memory import SavedTensorMeter
+from twophase.system.memory import AllocationPeak, SavedTensorMeter, TensorPeak
 from twophase.system.profiling import ChunkPlanner
 from twophase.train import cli
 
@@ -32,11 +32,11 @@ def batch():
 
 
 def chunk_peaks(student, teacher, source, s, chunk, prefix_sharing):
-    """Per chunk of one `rescore_backward` with distillation at `chunk`: the bytes the student's graph saved
-    (its decoder's, the output layer being differentiated by hand) plus the teacher's states decoded for the
-    chunk, both measured as the chunk runs (the teacher decodes each chunk before the student's graph exists
-    and its states live until the chunk ends)."""
-    graphs, states = [], []
+    """Per chunk of one `rescore_backward` with distillation at `chunk`, its peak, measured as it runs: the
+    teacher's decode (tensor bytes by the profiler's allocation record, `AllocationPeak`), or after it the bytes
+    the student's graph saved (its decoder's: the output layer is differentiated by hand) beside the teacher's
+    states, whichever is larger."""
+    graphs, decodes, states = [], [], []
     resident = list(student.parameters()) + list(student.buffers())
     decoders = {name: getattr(student, name) for name in ("decoder_states", "tree_decoder_states")}
     teacher_states = teacher.head_states
@@ -52,7 +52,9 @@ def chunk_peaks(student, teacher, source, s, chunk, prefix_sharing):
         return run
 
     def kept(enc, tokens, owner):
-        out = teacher_states(enc, tokens, owner)
+        with AllocationPeak() as peak:
+            out = teacher_states(enc, tokens, owner)
+        decodes.append(peak.peak_bytes)
         states.append(out.hidden.untyped_storage().nbytes())
         return out
 
@@ -66,11 +68,11 @@ def chunk_peaks(student, teacher, source, s, chunk, prefix_sharing):
             delattr(student, name)
         del teacher.head_states
     assert len(graphs) == len(states) > 0  # one teacher decode per chunk
-    return [g + t for g, t in zip(graphs, states)]
+    return [max(d, g + t) for d, g, t in zip(decodes, graphs, states)]
 
 
 @pytest.mark.parametrize("width", [32, 96])
-def test_the_teachers_states_shrink_the_chunk_by_their_cost(batch, width):
+def test_the_teachers_pass_shrinks_the_chunk_by_its_cost(batch, width):
     student, source, s = batch
     teacher = _lstm(width, 8, seed=1).requires_grad_(False)
     budget, T = 60_000, s.tokens.shape[1]
@@ -79,18 +81,27 @@ def test_the_teachers_states_shrink_the_chunk_by_their_cost(batch, width):
     distilled = planner.chunk_size(student, source, s, distillation(teacher))
     # the teacher's states: H_teacher float32 numbers per row-step, whatever the student
     assert planner.held_per_row_step == width * 4
-    # the student's graph is its decoder's either way (the divergence is differentiated by hand, without one)
-    assert planner.objective_per_row_step == planner.per_row_step + width * 4
+    # its decode's peak, as the profiler's allocation record has it, on the probe's rows
+    rows = s.select(torch.arange(planner.probe_rows))
+    longest = int(rows.lengths.max())
+    bound = distillation(teacher).bind(student, source, rows)
+    with AllocationPeak() as decode:
+        bound.decoded(rows.tokens[:, :longest], rows.owner)
+    assert planner.decode_per_row_step == pytest.approx(decode.peak_bytes / (len(rows) * longest), rel=0.02)
+    # the chunk's peak: the decode's, or the student's graph (its decoder's, the divergence being differentiated
+    # by hand) beside the states
+    assert planner.objective_per_row_step == max(planner.decode_per_row_step, planner.per_row_step + width * 4)
     assert plain == int(budget // (planner.per_row_step * T)) < len(s)
-    assert distilled == int(budget // ((planner.per_row_step + width * 4) * T)) < plain
+    assert distilled == int(budget // (planner.objective_per_row_step * T)) < plain
     # coefficient rows after distillation's are planned as before: the two probes do not mix
     assert planner.chunk_size(student, source, s) == plain
 
 
+@pytest.mark.parametrize("width", [32, 96])
 @pytest.mark.parametrize("prefix_sharing", [False, True])
-def test_the_planned_chunk_holds_graph_and_teacher_states_within_the_budget(batch, prefix_sharing):
+def test_the_planned_chunk_keeps_graph_and_teacher_within_the_budget(batch, width, prefix_sharing):
     student, source, s = batch
-    teacher = _lstm(96, 8, seed=1).requires_grad_(False)
+    teacher = _lstm(width, 8, seed=1).requires_grad_(False)
     budget = 60_000
     chunk = ChunkPlanner(budget).chunk_size(student, source, s, distillation(teacher))
     assert 1 < chunk < len(s)
@@ -100,6 +111,21 @@ def test_the_planned_chunk_holds_graph_and_teacher_states_within_the_budget(batc
     assert graph_only > chunk
     if not prefix_sharing:  # (a tree's chunk may decode fewer nodes than the rows-by-T the planner prices)
         assert max(chunk_peaks(student, teacher, source, s, graph_only, prefix_sharing)) > budget
+
+
+def test_tensor_peak_counts_what_the_block_creates():
+    before = torch.ones(1000)  # exists already: neither it nor its views count
+    with TensorPeak() as meter:
+        a = before * 2  # 4000 bytes
+        view = a[:10]
+        b = torch.cat([a, a])  # 8000 more: 12000 at once
+        del a  # its storage lives on in view
+        c = before.view(10, 100).t()
+        del b
+        d = view + 1  # 40 bytes
+    assert meter.peak_bytes == 12000 and meter.live_bytes == 4040
+    del view, c, d
+    assert meter.live_bytes == 0
 
 
 def test_a_wider_teacher_gives_a_run_smaller_chunks(tmp_path):

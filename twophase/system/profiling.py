@@ -30,7 +30,7 @@ from ..phase2 import rescoring, tokenweights
 from ..phase2.rescoring import chunk_gradients
 from ..protocol import scoring_mode
 from . import memory
-from .memory import MB, SavedTensorMeter, rss_bytes, rss_peak_bytes
+from .memory import MB, SavedTensorMeter, TensorPeak, rss_bytes, rss_peak_bytes
 
 
 class StepProfiler:
@@ -119,20 +119,20 @@ def summarised(rows: list[dict]) -> list[dict]:
 
 
 class ChunkPlanner:
-    """Chooses the phase-two chunk size from a memory budget for what a chunk holds: its graph, and the states an
-    objective decodes for the chunk alone (a distillation teacher's output-layer inputs, `objectives.distill`).
+    """Chooses the phase-two chunk size from a memory budget for what a chunk holds: its graph, and what an
+    objective decodes for the chunk alone (a distillation teacher's pass and output-layer inputs,
+    `objectives.distill`).
 
     Graph bytes grow with rows x steps, so one probe (a few rows, teacher-forced with grad, measured by a
     saved-tensor meter, then dropped) gives bytes per row-step; a step's chunk is then budget / (that x T).
-    An objective that meets each chunk's rows itself (`bind`, then `decoded` per chunk) gets a probe of its own:
-    the same rows decoded by it and differentiated with it, its graph and the tensors it holds for the chunk
-    (`chunk_states`) both measured, so its rows' chunks make room for both. The probes are repeated when a batch
-    has larger sources (elements per source) than any probed so far (attention keeps S-sized tensors per
-    row-step), so the estimate never undercounts. The budget is for the graph and those states: the output
-    layers' transient logit blocks (fused.py, at most a fixed block of rows at a time, the teacher's beside the
-    student's), a teacher's transient activations while it decodes (before the chunk's graph exists, freed as
-    it goes) and the gradients come on top, except the chunk-time copy of the gradients that CUDA's
-    out-of-memory retry makes, which the budget includes.
+    An objective that meets each chunk's rows itself (`bind`, then `decoded` per chunk) gets a probe of its own,
+    the same rows decoded by it and differentiated with it: the peak of its decode (a pass without a graph,
+    measured by `memory.TensorPeak`), and its graph beside the tensors it holds for the chunk (`chunk_states`),
+    whichever is larger, per row-step. The probes are repeated when a batch has larger sources (elements per
+    source) than any probed so far (attention keeps S-sized tensors per row-step), so the estimate never
+    undercounts. The output layers' transient logit blocks (fused.py, at most a fixed block of rows at a time,
+    a teacher's beside the student's) and the gradients come on top of the budget, except the chunk-time copy
+    of the gradients that CUDA's out-of-memory retry makes, which the budget includes.
     """
 
     def __init__(self, budget_bytes: int, probe_rows: int = 8):
@@ -141,7 +141,7 @@ class ChunkPlanner:
         self.per_row_step = 0.0  # the graph of rows with fixed coefficients
         self.probed_source_size = 0.0
         # an objective that decodes each chunk itself: its chunk's graph and, of that, the states it holds
-        self.objective_per_row_step = self.held_per_row_step = 0.0
+        self.objective_per_row_step = self.held_per_row_step = self.decode_per_row_step = 0.0
         self.objective_source_size = 0.0
 
     def chunk_size(self, model, source, samples, objective=None) -> int:
@@ -173,16 +173,18 @@ class ChunkPlanner:
 
     def _probe(self, model, source, samples, objective=None) -> None:
         """One phase-two chunk of a few rows, forward and backward, its gradients returned and dropped. With an
-        objective that decodes each chunk, the chunk is its: bound to the probe rows, decoded (without a graph),
-        the tensors it then holds for the chunk counted beside the graph."""
+        objective that decodes each chunk, the chunk is its: bound to the probe rows, decoded (without a graph,
+        its peak measured), the tensors it then holds for the chunk counted beside the graph."""
         rows = samples.select(torch.arange(min(self.probe_rows, len(samples)), device=samples.tokens.device))
         T = int(rows.lengths.max())
         tokens = rows.tokens[:, :T]
-        weights, held = torch.ones(len(rows), dtype=torch.float64, device=rows.tokens.device), []
+        weights, held, decode_bytes = torch.ones(len(rows), dtype=torch.float64, device=rows.tokens.device), [], 0
         if objective is not None:  # as rescore_backward meets it: bound to the rows, decoded per chunk
             chunk = objective.bind(model, source, rows)
             if callable(getattr(chunk, "decoded", None)):
-                chunk = chunk.decoded(tokens, rows.owner)
+                with TensorPeak() as decode:  # (no graph: the saved-tensor meter would see nothing)
+                    chunk = chunk.decoded(tokens, rows.owner)
+                decode_bytes = decode.peak_bytes
             held = chunk.chunk_states() if callable(getattr(chunk, "chunk_states", None)) else []
             weights = tokenweights.ChunkLoss(chunk)
         with torch.enable_grad(), scoring_mode(model):
@@ -196,9 +198,13 @@ class ChunkPlanner:
         if objective is None:
             self.per_row_step = max(self.per_row_step, meter.peak_bytes / row_steps)
             return
+        # the chunk's peak: while the objective decodes (its states among what it creates), or later, its
+        # states beside the graph
         held_bytes = memory.storage_bytes(held)
         self.held_per_row_step = max(self.held_per_row_step, held_bytes / row_steps)
-        self.objective_per_row_step = max(self.objective_per_row_step, (meter.peak_bytes + held_bytes) / row_steps)
+        self.decode_per_row_step = max(self.decode_per_row_step, decode_bytes / row_steps)
+        self.objective_per_row_step = max(self.objective_per_row_step,
+                                          max(decode_bytes, meter.peak_bytes + held_bytes) / row_steps)
 
 
 def _source_size(source) -> float:
