@@ -149,3 +149,42 @@ def test_a_wider_teacher_gives_a_run_smaller_chunks(tmp_path):
         chunks[width] = [(r["candidates"], r["chunk"]) for r in rows if r.get("phase") == "rl" and "chunk" in r]
     assert [c for c, _ in chunks[8]] == [c for c, _ in chunks[96]] and len(chunks[8]) == 2
     assert all(1 <= wide < narrow < rows for (rows, narrow), (_, wide) in zip(chunks[8], chunks[96])), chunks
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_hugging_face_teachers_are_counted_too(kind):
+    """A causal and an encoder-decoder pair: the teacher's states (float64, width 48), its decode's peak as
+    the profiler records it, and the student's graph with the divergence itself (a causal LM's first completion
+    token reads its prompt's whole distribution with autograd's graph)."""
+    pytest.importorskip("transformers")
+    import hf_tiny
+    from twophase import sample
+    from twophase.models.hf import HFCausalLM, HFSeq2Seq
+
+    if kind == "llama":
+        student, teacher = HFCausalLM(hf_tiny.causal(kind, seed=0)), HFCausalLM(hf_tiny.causal(kind, seed=3, width=48))
+        rows, left = [[5, 6, 7, 8], [10, 11], [4, 8, 11]], True
+    else:
+        student, teacher = HFSeq2Seq(hf_tiny.seq2seq(kind, seed=0)), HFSeq2Seq(hf_tiny.seq2seq(kind, seed=3, width=48))
+        rows, left = [[4, 5, 6, 1], [7, 8, 1], [9, 1]], False
+    teacher.requires_grad_(False)
+    width = max(map(len, rows))
+    ids, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):  # padded as a tokenizer pads
+        at = slice(width - len(r), width) if left else slice(0, len(r))
+        ids[i, at], mask[i, at] = torch.tensor(r), 1
+    source = {"input_ids": ids, "attention_mask": mask}
+    s = sample(student, source, 8, 6, generator=torch.Generator().manual_seed(0))
+    budget, T = 100_000, s.tokens.shape[1]
+    planner = ChunkPlanner(budget)
+    plain = planner.chunk_size(student, source, s)
+    distilled = planner.chunk_size(student, source, s, distillation(teacher))
+    assert planner.held_per_row_step == 48 * 8
+    probe = s.select(torch.arange(planner.probe_rows))
+    longest = int(probe.lengths.max())
+    bound = distillation(teacher).bind(student, source, probe)
+    with AllocationPeak() as decode:
+        bound.decoded(probe.tokens[:, :longest], probe.owner)
+    assert planner.decode_per_row_step == pytest.approx(decode.peak_bytes / (len(probe) * longest), rel=0.02)
+    assert planner.objective_per_row_step >= planner.per_row_step + 48 * 8
+    assert distilled == int(budget // (planner.objective_per_row_step * T)) <= plain
