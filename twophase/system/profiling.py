@@ -23,6 +23,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from .. import nested
@@ -178,7 +179,10 @@ class ChunkPlanner:
         rows = samples.select(torch.arange(min(self.probe_rows, len(samples)), device=samples.tokens.device))
         T = int(rows.lengths.max())
         tokens = rows.tokens[:, :T]
-        weights, held, decode_bytes = torch.ones(len(rows), dtype=torch.float64, device=rows.tokens.device), [], 0
+        weights: Tensor | tokenweights.ChunkLoss = torch.ones(len(rows), dtype=torch.float64,
+                                                              device=rows.tokens.device)
+        held: list[Tensor] = []  # what the objective holds for the chunk alone
+        decode_bytes = 0
         if objective is not None:  # as rescore_backward meets it: bound to the rows, decoded per chunk
             chunk = objective.bind(model, source, rows)
             if callable(getattr(chunk, "decoded", None)):
