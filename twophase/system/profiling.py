@@ -141,7 +141,7 @@ class ChunkPlanner:
         self.probe_rows = probe_rows
         self.per_row_step = 0.0  # the graph of rows with fixed coefficients
         self.probed_source_size = 0.0
-        # an objective that decodes each chunk itself: its chunk's graph and, of that, the states it holds
+        # an objective that decodes each chunk itself: its chunk's peak, the states it holds, its decode's peak
         self.objective_per_row_step = self.held_per_row_step = self.decode_per_row_step = 0.0
         self.objective_source_size = 0.0
 
