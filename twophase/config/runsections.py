@@ -14,9 +14,11 @@ class PhaseTwoConfig:
     back-propagated and freed."""
 
     rescore_chunk: int | str = arg(128, "phase two re-decodes at most this many candidates at a time; 'auto': "
-                                        "the most whose graph fits in --memory-budget", parse=parse_chunk,
+                                        "the most whose graph (and --objective distill's teacher pass and states) "
+                                        "fits in --memory-budget", parse=parse_chunk,
                                    resume=FREE)
-    memory_budget: str | None = arg(None, "bytes phase two's graph may use with --rescore-chunk auto, e.g. 2GiB",
+    memory_budget: str | None = arg(None, "bytes a phase-two chunk may use with --rescore-chunk auto: its graph, and "
+                                          "under --objective distill the teacher's decode and states, e.g. 2GiB",
                                     parse=check_size, resume=FREE, only=Only("rescore_chunk", "auto"))
     profile_memory: bool = arg(False, "report time, allocated/peak memory and autograd graph bytes of each part "
                                       "of a step (encoder, phase one, every phase-two chunk, optimizer step)",

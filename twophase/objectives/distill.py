@@ -109,6 +109,12 @@ class DistillationLoss:
             states = head_states(self.teacher, self.enc, tokens, owner)
         return replace(self, states=states)
 
+    def chunk_states(self) -> list[Tensor]:
+        """The tensors `decoded` made for this chunk's rows alone, held beside the student's graph through the
+        chunk: the teacher's hidden states (C, T, H_teacher). `--rescore-chunk auto` counts them
+        (`system.profiling.ChunkPlanner`)."""
+        return [] if self.states is None else [self.states.hidden]
+
     def derivative(self, logp: Tensor, row: Tensor, col: Tensor):
         """(loss, d loss / d log p(target), statistics) at the positions: 0, the divergence ignores the target."""
         zero = torch.zeros_like(logp)

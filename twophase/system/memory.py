@@ -23,6 +23,10 @@ they are tallied in `resident_bytes`, not in the peak.
 tensors, read from the profiler's record of every allocation and free. It leaves out what the C allocator keeps
 mapped after tensors are freed, which the process's resident set (RSS) includes.
 
+`TensorPeak` is a cheap, device-agnostic counterpart for a short block run without a graph (a teacher's decode,
+which saves nothing for backward): the peak bytes of the tensors its operations create, alive at once, seen
+through a dispatch mode (every operation's outputs, counted by storage while a reference to them lives).
+
 `graph_bytes` measures phase two as training runs it: the largest per-chunk graph of one `rescore_backward`
 call.
 
@@ -36,6 +40,8 @@ from typing import Iterable
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .. import nested
 from ..phase2.rescoring import rescore_backward
@@ -110,6 +116,11 @@ def _storage_key(t: Tensor) -> tuple[int, int]:
         return s.data_ptr(), s.nbytes()
     except (RuntimeError, NotImplementedError):  # no ordinary storage (e.g. sparse): fall back to identity
         return id(t), t.numel() * t.element_size()
+
+
+def storage_bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of the distinct storages of tensors: what holding them keeps alive (views of one buffer counted once)."""
+    return sum(dict(_storage_key(t) for t in tensors).values())
 
 
 class _Held:
@@ -201,6 +212,46 @@ class AllocationPeak:
             self.peak_bytes = max(self.peak_bytes, live)
         self.end_bytes = live
         del self._prof
+
+
+class TensorPeak(TorchDispatchMode):
+    """Context manager: peak_bytes / live_bytes of the tensors created by the operations inside the block, alive
+    at once (a storage counted once however many views of it live, until the last of them dies: `live_bytes` is
+    still updated after the block). A storage an operation reads before any creates it existed before the block
+    and is not counted. Every operation passes through Python while it is active: for a probe, not a loop."""
+
+    def __init__(self):
+        super().__init__()
+        self._refs: dict[int, int] = {}  # storage address -> live tensors created in the block on it
+        self._sizes: dict[int, int] = {}
+        self._before: set[int] = set()
+        self.live_bytes = self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, Tensor) and _storage_key(t)[0] not in self._refs:
+                self._before.add(_storage_key(t)[0])
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor):
+                self._created(t)
+        return out
+
+    def _created(self, t: Tensor) -> None:
+        key, nbytes = _storage_key(t)
+        if key in self._before or nbytes == 0:
+            return
+        if self._refs.get(key, 0) == 0:
+            self._sizes[key] = nbytes
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            self.live_bytes -= self._sizes.pop(key)
 
 
 def graph_bytes(model, source, samples, coefficients: Tensor, chunk_size: int, prefix_sharing: bool = True) -> int:

@@ -23,14 +23,15 @@ import time
 from contextlib import contextmanager
 
 import torch
+from torch import Tensor
 from tqdm import tqdm
 
 from .. import nested
-from ..phase2 import rescoring
+from ..phase2 import rescoring, tokenweights
 from ..phase2.rescoring import chunk_gradients
 from ..protocol import scoring_mode
 from . import memory
-from .memory import MB, SavedTensorMeter, rss_bytes, rss_peak_bytes
+from .memory import MB, SavedTensorMeter, TensorPeak, rss_bytes, rss_peak_bytes
 
 
 class StepProfiler:
@@ -119,31 +120,49 @@ def summarised(rows: list[dict]) -> list[dict]:
 
 
 class ChunkPlanner:
-    """Chooses the phase-two chunk size from a memory budget for the chunk's graph.
+    """Chooses the phase-two chunk size from a memory budget for what a chunk holds: its graph, and what an
+    objective decodes for the chunk alone (a distillation teacher's pass and output-layer inputs,
+    `objectives.distill`).
 
     Graph bytes grow with rows x steps, so one probe (a few rows, teacher-forced with grad, measured by a
     saved-tensor meter, then dropped) gives bytes per row-step; a step's chunk is then budget / (that x T).
-    The probe is repeated when a batch has larger sources (elements per source) than any probed so far
-    (attention keeps S-sized tensors per row-step), so the estimate never undercounts. The budget is for the graph: the output layer's
-    transient logit blocks (fused.py, at most a fixed block of rows at a time) and the gradients come on top, except
-    the chunk-time copy of the gradients that CUDA's out-of-memory retry makes, which the budget includes.
+    An objective that meets each chunk's rows itself (`bind`, then `decoded` per chunk) gets a probe of its own,
+    the same rows decoded by it and differentiated with it: the peak of its decode (a pass without a graph,
+    measured by `memory.TensorPeak`), and its graph beside the tensors it holds for the chunk (`chunk_states`),
+    whichever is larger, per row-step. The probes are repeated when a batch has larger sources (elements per
+    source) than any probed so far (attention keeps S-sized tensors per row-step), so the estimate never
+    undercounts. The output layers' transient logit blocks (fused.py, at most a fixed block of rows at a time,
+    a teacher's beside the student's) and the gradients come on top of the budget, except the chunk-time copy
+    of the gradients that CUDA's out-of-memory retry makes, which the budget includes.
     """
 
     def __init__(self, budget_bytes: int, probe_rows: int = 8):
         self.budget = budget_bytes
         self.probe_rows = probe_rows
-        self.per_row_step = 0.0
+        self.per_row_step = 0.0  # the graph of rows with fixed coefficients
         self.probed_source_size = 0.0
+        # an objective that decodes each chunk itself: its chunk's peak, the states it holds, its decode's peak
+        self.objective_per_row_step = self.held_per_row_step = self.decode_per_row_step = 0.0
+        self.objective_source_size = 0.0
 
-    def chunk_size(self, model, source, samples) -> int:
+    def chunk_size(self, model, source, samples, objective=None) -> int:
+        """The rows per chunk of phase two over samples; objective: what phase two is given for them (the
+        coefficients, or an objective such as `objectives.distillation`), whose own chunk costs are counted."""
         if len(samples) == 0:
             return 1
         size = _source_size(source)
-        if size > self.probed_source_size:
-            self._probe(model, source, samples)
-            self.probed_source_size = size
+        if callable(getattr(objective, "bind", None)):  # it decodes each chunk's rows itself
+            if size > self.objective_source_size:
+                self._probe(model, source, samples, objective)
+                self.objective_source_size = size
+            per_row_step = self.objective_per_row_step
+        else:
+            if size > self.probed_source_size:
+                self._probe(model, source, samples)
+                self.probed_source_size = size
+            per_row_step = self.per_row_step
         T = max(int(samples.tokens.shape[1]), 1)
-        return max(1, min(len(samples), int(self.graph_budget(model, samples) // max(self.per_row_step * T, 1.0))))
+        return max(1, min(len(samples), int(self.graph_budget(model, samples) // max(per_row_step * T, 1.0))))
 
     def graph_budget(self, model, samples) -> float:
         """The budget left for the chunk's graph: on a device where phase two retries out-of-memory chunks
@@ -153,19 +172,43 @@ class ChunkPlanner:
             return self.budget
         return max(0.0, self.budget - rescoring.collected_bytes(model))
 
-    def _probe(self, model, source, samples) -> None:
-        """One phase-two chunk of a few rows, forward and backward, its gradients returned and dropped."""
+    def _probe(self, model, source, samples, objective=None) -> None:
+        """One phase-two chunk of a few rows, forward and backward, its gradients returned and dropped. With an
+        objective that decodes each chunk, the chunk is its: bound to the probe rows, decoded (without a graph,
+        its peak measured), the tensors it then holds for the chunk counted beside the graph."""
         rows = samples.select(torch.arange(min(self.probe_rows, len(samples)), device=samples.tokens.device))
         T = int(rows.lengths.max())
+        tokens = rows.tokens[:, :T]
+        weights: Tensor | tokenweights.ChunkLoss = torch.ones(len(rows), dtype=torch.float64,
+                                                              device=rows.tokens.device)
+        held: list[Tensor] = []  # what the objective holds for the chunk alone
+        decode_bytes = 0
+        if objective is not None:  # as rescore_backward meets it: bound to the rows, decoded per chunk
+            chunk = objective.bind(model, source, rows)
+            if callable(getattr(chunk, "decoded", None)):
+                with TensorPeak() as decode:  # (no graph: the saved-tensor meter would see nothing)
+                    chunk = chunk.decoded(tokens, rows.owner)
+                decode_bytes = decode.peak_bytes
+            held = chunk.chunk_states() if callable(getattr(chunk, "chunk_states", None)) else []
+            weights = tokenweights.ChunkLoss(chunk)
         with torch.enable_grad(), scoring_mode(model):
             boundary = nested.cut_floating(model.encode(source))
             params = [p for p in model.parameters() if p.requires_grad]
-            resident = list(model.parameters()) + list(model.buffers()) + nested.floating(boundary)
+            resident = list(model.parameters()) + list(model.buffers()) + nested.floating(boundary) + held
             inputs = params + [x for x in nested.floating(boundary) if x.requires_grad]
-            ones = torch.ones(len(rows), dtype=torch.float64, device=rows.tokens.device)
             with SavedTensorMeter(resident) as meter:  # phase two's graph, as rescore_backward builds it
-                chunk_gradients(model, boundary, rows.tokens[:, :T], rows.owner, ones, inputs, collect=True)
-        self.per_row_step = max(self.per_row_step, meter.peak_bytes / (len(rows) * T))
+                chunk_gradients(model, boundary, tokens, rows.owner, weights, inputs, collect=True)
+        row_steps = len(rows) * T
+        if objective is None:
+            self.per_row_step = max(self.per_row_step, meter.peak_bytes / row_steps)
+            return
+        # the chunk's peak: while the objective decodes (its states among what it creates), or later, its
+        # states beside the graph
+        held_bytes = memory.storage_bytes(held)
+        self.held_per_row_step = max(self.held_per_row_step, held_bytes / row_steps)
+        self.decode_per_row_step = max(self.decode_per_row_step, decode_bytes / row_steps)
+        self.objective_per_row_step = max(self.objective_per_row_step,
+                                          max(decode_bytes, meter.peak_bytes + held_bytes) / row_steps)
 
 
 def _source_size(source) -> float:

@@ -214,7 +214,7 @@ class Trainer:
         with self.timed(self.autocast(), "phase two"):
             chunk = self.cfg.rescore_chunk
             if chunk == "auto":
-                chunk = self.chunk_planner.chunk_size(self.model, source, rows)
+                chunk = self.chunk_planner.chunk_size(self.model, source, rows, coef)  # a teacher's states too
                 self.last_chunk = chunk
             stats = {} if stats is None else stats
             loss = rescore_backward(self.model, source, rows, coef, chunk, profiler=self.profiler,
