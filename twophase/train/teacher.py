@@ -5,7 +5,9 @@ config describes, with the checkpoint's parameters) or a Hugging Face model fold
 --hf-model is, of the same kind). Either way the teacher must read this run's sources and write its targets: a
 checkpoint's vocabularies must be the run's, a folder's vocabulary size the model's (checked again on the first
 batch by `objectives.distill.check_compatible`). The teacher is in evaluation mode, its parameters frozen, on
-the run's device. The divergence (`objectives.distill`) is TRL's DistillationTrainer loss with --distill-beta as its beta
+the run's device; under --fsdp it is sharded as the model is (each process keeps 1/W of its parameters) and
+gathered for the step's phase two alone (`Trainer.distill_batches`), as the KL reference is for its scoring
+pass. The divergence (`objectives.distill`) is TRL's DistillationTrainer loss with --distill-beta as its beta
 and --temperature (with --sampler sample, else 1) as its temperature, normalised as TRL's: by the scored tokens
 of the step's whole generation, all --grad-accum batches of all processes.
 """
@@ -17,7 +19,7 @@ import torch
 
 from ..models.seq2seq import Seq2Seq
 from ..objectives.distill import check_compatible, distillation
-from ..system import distributed
+from ..system import distributed, fsdp
 from .start import StartupError
 
 
@@ -37,7 +39,7 @@ def load(cfg, task, student, device):
         check_compatible(student, teacher)
     except ValueError as err:
         raise StartupError(f"--teacher {path}: {err}") from None
-    return teacher
+    return fsdp.shard_model(teacher) if cfg.fsdp else teacher
 
 
 def objective(teacher, cfg, rows: list):
