@@ -6,6 +6,8 @@ One RL step reads like the algorithm:
     3. objective  - turn rewards and search scores into one coefficient per candidate;
     4. phase two  - rescore_backward: chunked teacher-forced re-decoding, exact gradient of sum c_i log p_i;
     5. update     - clip and take the optimizer step.
+With --grad-accum, steps 1-4 run for each batch in turn; --objective distill runs steps 1-3 of every batch first,
+as TRL generates once per accumulation: its normaliser is the whole step's scored tokens (`distill_batches`).
 
 Steps 1 and 4 are the trainer's `gradient` part: `PhaseTwo` here, or a baseline a benchmark puts in its place
 (`onephase.OnePhase`, --one-phase). The task (twophase.tasks) supplies the data, the model's sources, target ids
@@ -201,7 +203,7 @@ class Trainer:
             return [(self.gradient.backward(self, f.source, f.rows, objective, f.search), f.rewards, f.parts)
                     for f in found]
 
-    def rl_rows(self, batch: list[int]) -> "BatchRows":
+    def rl_rows(self, batch: list[int]) -> BatchRows:
         """Steps 1-3 of the algorithm on one batch: what its phase two re-decodes, with which coefficients
         (--objective distill: none, its objective is the step's, `distill_batches`)."""
         cfg = self.cfg
