@@ -121,16 +121,25 @@ def _two_process_runs(d: Path, cases: dict) -> list:
 
 
 def _teacher_is_sharded(argv: list) -> None:
-    """Under --fsdp each process keeps its half of the teacher's parameters, before and after a step (gathered
-    whole for the step's phase two alone), and the teacher gets no gradient."""
+    """Under --fsdp each process keeps its half of the teacher's parameters, before and after a step and during
+    its phase ones, and the whole of them for its phase twos alone; the teacher gets no gradient."""
     trainer = cli.build_from_flags(argv).trainer
-    teacher = trainer.teacher
+    teacher, held = trainer.teacher, []
+
+    def kept():  # the teacher's parameter elements this process holds now
+        return sum(fsdp.local(p).numel() for p in teacher.parameters())
+
+    search, backward = trainer.gradient.search, trainer.gradient.backward
+    trainer.gradient.search = lambda *args: held.append(("search", kept())) or search(*args)
+    trainer.gradient.backward = lambda *args: held.append(("backward", kept())) or backward(*args)
     whole = sum(p.numel() for p in teacher.parameters())
     for _ in range(2):
-        assert fsdp.is_sharded(teacher) and all(not p.requires_grad and p.grad is None for p in teacher.parameters())
-        assert sum(fsdp.local(p).numel() for p in teacher.parameters()) < 0.6 * whole
+        assert fsdp.is_sharded(teacher) and kept() < 0.6 * whole
         trainer.start_step(1, 0.01)
         assert trainer.rl_step()["grad_norm"] > 0
+        assert all(not p.requires_grad and p.grad is None for p in teacher.parameters())
+    assert [part for part, _ in held] == ["search", "search", "backward", "backward"] * 2  # --grad-accum 2
+    assert all((n == whole) == (part == "backward") for part, n in held), held
 
 
 def test_fsdp_on_two_processes_equals_one_and_resumes_exactly(tmp_path, monkeypatch):
