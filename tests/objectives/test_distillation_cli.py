@@ -1,15 +1,19 @@
 """--objective distill end to end: a tiny LSTM teacher trained here, a narrower student distilled from its
-checkpoint with references mixed in, resumed bit-identically, through twophase.fit too; its flags refused in one
-line where they would do nothing or where the teacher cannot teach (another vocabulary)."""
+checkpoint with references mixed in, resumed bit-identically, through twophase.fit too; --grad-accum's step
+normalised by its whole generation's tokens as TRL's (against a float64 autograd); its flags refused in one line
+where they would do nothing or where the teacher cannot teach (another vocabulary)."""
 import json
 
 import pytest
 import torch
 
 import twophase
+from conftest import take_grads
 from taskfiles import write_task
 from test_cli import _fails_with_one_line
-from twophase.train import cli
+from test_distillation import jsd, step_distributions
+from twophase import protocol
+from twophase.train import cli, trainer
 
 TINY = ["--embed-dim", "8", "--batch-size", "4", "--mle-batch-size", "8", "--beam-size", "3", "--rescore-chunk",
         "5", "--max-len", "8", "--eval-every", "100", "--save-every", "100", "--lr", "0.05", "--rl-lr", "0.01"]
@@ -61,6 +65,49 @@ def test_fit_distils_too(data, tmp_path, one_thread):
                                           max_len=8, mle_steps=2, rl_steps=2, compare_mle=False, eval_every=100,
                                           save_every=100, save_dir=str(tmp_path / "fit")))
     assert result is not None and (tmp_path / "fit" / "checkpoint_last.pt").is_file()
+
+
+def test_grad_accum_divides_by_the_whole_generations_tokens(data, tmp_path, one_thread):
+    """--grad-accum 2: TRL generates once per accumulation and divides every micro-batch's summed divergence by
+    the generation's scored tokens (num_items_in_batch). The step's gradient equals a float64 autograd of the
+    divergence summed over both batches' rows (references mixed in) over their tokens together; the batches'
+    token counts differ, so a per-batch normaliser (each batch's tokens times 2) would not."""
+    flags, teacher, _ = data
+    cfg = twophase.Config(train=flags[1], valid=flags[3], objective="distill", teacher=teacher, hidden_size=12,
+                          embed_dim=8, batch_size=3, grad_accum=2, beam_size=3, sampler="sample", temperature=0.7,
+                          distill_beta=0.5, include_reference=True, max_len=8, rescore_chunk=5, compare_mle=False,
+                          save_dir=str(tmp_path))
+    tr = cli.build(cfg).trainer  # its steps, taken directly
+    tr.model.double(), tr.teacher.double()
+    tr.step_counts = {}  # set by start_step, which this test goes around
+    seen, grads = [], []
+
+    class Recorded(trainer.PhaseTwo):
+        def backward(self, trainer_, source, rows, coef, graph):
+            seen.append((source, rows))
+            return super().backward(trainer_, source, rows, coef, graph)
+
+    tr.gradient = Recorded()
+    tr.update = lambda loss: grads.append(take_grads(tr.model)) or {"grad_norm": 0.0, "skipped": 0}
+    loss = tr.rl_step()["loss"]
+
+    student, teacher_model = tr.model, tr.teacher
+    allowed = ~student.banned  # banned tokens: probability 0 in both, left out (kl_div would read 0 * (-inf))
+    total, tokens = 0.0, []
+    with protocol.scoring_mode(student), protocol.scoring_mode(teacher_model):
+        for source, rows in seen:
+            ls = step_distributions(student, student.encode(source), rows.tokens, rows.owner)
+            with torch.no_grad():
+                lt = step_distributions(teacher_model, teacher_model.encode(source), rows.tokens, rows.owner)
+            mask = protocol.target_mask(rows.tokens, student.pad_id, student.eos_id)
+            total = total + jsd(ls[..., allowed], lt[..., allowed], 0.5, 0.7)[mask].sum()
+            tokens.append(int(mask.sum()))
+    assert len(seen) == 2 and tokens[0] != tokens[1]
+    want_loss = total / sum(tokens)
+    want_loss.backward()
+    assert loss == pytest.approx(want_loss.item(), rel=1e-9)
+    for got, want in zip(grads[0], take_grads(student)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("extra,match", [

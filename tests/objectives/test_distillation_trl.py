@@ -3,7 +3,8 @@ for a causal student-teacher pair (tiny random Llamas of two widths, RoPE: TRL p
 left-padded prompts score at shifted positions, which rotary attention does not see): prompts of unequal length,
 completions cut with and without EOS, beta 0, 0.25, 0.5 and 1, temperature 1 and 0.7, chunks of 1, 5 and all
 rows; the gradients agree to TRL's float32 rounding, and to 1e-9 with a float64 autograd of the divergence over
-the models' full logits. A T5 pair (a wider teacher) against the same float64 autograd."""
+the models' full logits; TRL's micro-batches of one generation, each divided by the generation's tokens, as phase
+two of each with that normaliser. A T5 pair (a wider teacher) against the same float64 autograd."""
 import importlib.util
 import os
 import tempfile
@@ -20,8 +21,9 @@ import hf_tiny  # noqa: E402
 from conftest import take_grads  # noqa: E402
 from test_distillation import BETAS, _close, _ours, _reference  # noqa: E402
 from test_hf import _batch  # noqa: E402
-from twophase import protocol, sample  # noqa: E402
+from twophase import protocol, rescore_backward, sample  # noqa: E402
 from twophase.models.hf import HFCausalLM, HFSeq2Seq  # noqa: E402
+from twophase.objectives import distillation  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[5, 6, 7, 8], [10, 11], [4, 8, 11]]
@@ -83,6 +85,37 @@ def test_gradient_equals_trls(causal_pair, beta, temperature):
         _close(got, trl, rtol=1e-5, atol=1e-7)
         assert value == pytest.approx(want_loss, rel=1e-9)
         _close(got, want, rtol=1e-9, atol=1e-12)
+    assert all(p.grad is None for p in teacher.parameters())
+
+
+def test_micro_batches_divide_by_the_whole_generations_tokens_as_trls(causal_pair):
+    """TRL's training path with gradient accumulation: the generation batch split in micro-batches (rows 0-4 and
+    5-11, of unequal token counts), each compute_loss dividing its summed divergence by the whole generation's
+    scored tokens (num_items_in_batch, in every split), backward each (loss_is_scaled_for_ga: no further
+    division). The accumulated gradient equals phase two of each micro-batch with `distillation(num_items=)` that
+    count, which is what train.teacher.objective hands every batch of a --grad-accum step."""
+    trainer, wrapper, teacher, source, s = causal_pair
+    trainer.beta, trainer.temperature = 0.5, 0.7
+    assert type(trainer).loss_is_scaled_for_ga is True
+    mask = protocol.target_mask(s.tokens, wrapper.pad_id, wrapper.eos_id)
+    parts = [torch.arange(0, 5), torch.arange(5, len(s))]
+    assert int(mask[parts[0]].sum()) != int(mask[parts[1]].sum())
+    wrapper.zero_grad(set_to_none=True)
+    wrapper.train()  # TRL's training mode: num_items_in_batch is read (the tiny Llama has no dropout)
+    try:
+        for rows in parts:
+            owner = s.owner[rows]
+            inputs = {"prompt_ids": source["input_ids"][owner], "prompt_mask": source["attention_mask"][owner],
+                      "completion_ids": s.tokens[rows], "completion_mask": mask[rows].long(),
+                      "num_items_in_batch": mask.sum()}
+            trainer.compute_loss(trainer.model, inputs).backward()
+    finally:
+        wrapper.eval()
+    trl = take_grads(wrapper)
+    for rows in parts:
+        rescore_backward(wrapper, source, s.select(rows), distillation(teacher, 0.5, 0.7, num_items=mask.sum()),
+                         chunk_size=5)
+    _close(take_grads(wrapper), trl, rtol=1e-5, atol=1e-7)
     assert all(p.grad is None for p in teacher.parameters())
 
 

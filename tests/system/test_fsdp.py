@@ -1,9 +1,12 @@
 """--fsdp (FSDP2 sharding under torchrun): 2 gloo processes train the same parameters as 1 process on the same
 global batches (the LSTM with and without prefix sharing, the Karel model with --grammar on, beam-RL and
---objective policy, a tiny GPT-2 and T5, chunks smaller than a rank's rows, MLE and RL steps, --compare-mle), and
---objective policy with sampled candidates the same as data-parallel training; their checkpoints hold a single
+--objective policy, a tiny GPT-2 and T5, chunks smaller than a rank's rows, MLE and RL steps, --compare-mle;
+--objective distill with --grad-accum 2, an LSTM and a GPT-2 pair, its teacher sharded, and on the LSTM pair
+data-parallel training too), and --objective policy with sampled candidates the same as data-parallel training;
+their checkpoints hold a single
 process's layout (a plain process resumes one, twophase-decode reads one), --resume on 2 processes continues
 bit-exactly (mid-generation too), hf_final is written once; and the one-line refusals."""
+import functools
 import json
 import os
 import shutil
@@ -42,6 +45,10 @@ def _cases(d: Path) -> dict:
     karel = ["--task", "karel", "--train-size", "8", "--valid-size", "2", "--hidden-size", "16", "--embed-dim", "8",
              "--mle-batch-size", "6", "--batch-size", "3", "--beam-size", "2", "--max-len", "31", "--rescore-chunk",
              "2", "--eval-beam", "2", "--no-compare-mle", "--eval-every", "100", "--grammar", "on"]
+    # distillation of a wider teacher, each step two batches of 5 sources (split 3 + 2) whose scored tokens, all
+    # batches' and all processes', are TRL's normaliser: a rank's own would change the gradient's direction
+    distill = ["--objective", "distill", "--mle-weight", "0", "--distill-beta", "0.5", "--grad-accum", "2",
+               "--rl-steps", "2", "--no-compare-mle"]
     return {
         # 5 sources x 3 beams + references split 3+2: a rank's 9+ rows in chunks of 4 / 2
         "tree": [*lstm, "--rescore-chunk", "4", "--mle-steps", "2", "--rl-steps", "2"],  # --compare-mle on
@@ -53,6 +60,9 @@ def _cases(d: Path) -> dict:
                          "--updates-per-generation", "2", "--kl-beta", "0.04", "--beam-size", "3"],
         "gpt2": [*hf, "--hf-model", str(d / "gpt2")],
         "t5": [*hf, "--hf-model", str(d / "t5")],
+        "distill": [*lstm, *distill, "--teacher", str(d / "teacher" / "checkpoint_last.pt"), "--include-reference",
+                    "--rescore-chunk", "4", "--mle-steps", "1"],
+        "gpt2_distill": [*hf, "--hf-model", str(d / "gpt2"), *distill, "--teacher", str(d / "gpt2_teacher")],
     }
 
 
@@ -72,7 +82,8 @@ def _free_port() -> int:
 
 
 def _two(rank: int, port: int, runs: list, out: str) -> None:
-    """A torchrun worker's environment, then every command of `runs` in the one process group."""
+    """A torchrun worker's environment, then every command of `runs` in the one process group (a callable: a
+    check run there)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -80,7 +91,10 @@ def _two(rank: int, port: int, runs: list, out: str) -> None:
     sys.stdout = open(out % rank, "w")
     try:
         for argv in runs:
-            assert cli.main(argv) == 0, argv
+            if callable(argv):
+                argv()
+            else:
+                assert cli.main(argv) == 0, argv
     finally:
         sys.stdout.close()
         finish()
@@ -97,10 +111,35 @@ def _two_process_runs(d: Path, cases: dict) -> list:
     # and --resume under --fsdp from step 3, inside the second generation
     policy = ["--train", str(d / "train.tsv"), "--valid", str(d / "valid.tsv"), *LSTM, "--rescore-chunk", "2",
               *POLICY]
+    # --objective distill: data-parallel training (a whole teacher on each process); the sharded teacher
+    runs += [[*cases["distill"], "--save-dir", str(d / "distill_ddp")],
+             functools.partial(_teacher_is_sharded, [*cases["distill"], "--fsdp", "--save-dir", str(d / "sharded")])]
     return runs + [[*policy, "--rl-steps", "4", "--fsdp", "--save-dir", str(d / "policy_fsdp")],
                    [*policy, "--rl-steps", "4", "--save-dir", str(d / "policy_ddp")],
                    [*policy, "--rl-steps", "3", "--fsdp", "--save-dir", str(d / "policy_cut")],
                    ["--resume", "--rl-steps", "4", "--fsdp", "--save-dir", str(d / "policy_cut")]]
+
+
+def _teacher_is_sharded(argv: list) -> None:
+    """Under --fsdp each process keeps its half of the teacher's parameters, before and after a step and during
+    its phase ones, and the whole of them for its phase twos alone; the teacher gets no gradient."""
+    trainer = cli.build_from_flags(argv).trainer
+    teacher, held = trainer.teacher, []
+
+    def kept():  # the teacher's parameter elements this process holds now
+        return sum(fsdp.local(p).numel() for p in teacher.parameters())
+
+    search, backward = trainer.gradient.search, trainer.gradient.backward
+    trainer.gradient.search = lambda *args: held.append(("search", kept())) or search(*args)
+    trainer.gradient.backward = lambda *args: held.append(("backward", kept())) or backward(*args)
+    whole = sum(p.numel() for p in teacher.parameters())
+    for _ in range(2):
+        assert fsdp.is_sharded(teacher) and kept() < 0.6 * whole
+        trainer.start_step(1, 0.01)
+        assert trainer.rl_step()["grad_norm"] > 0
+        assert all(not p.requires_grad and p.grad is None for p in teacher.parameters())
+    assert [part for part, _ in held] == ["search", "search", "backward", "backward"] * 2  # --grad-accum 2
+    assert all((n == whole) == (part == "backward") for part, n in held), held
 
 
 def test_fsdp_on_two_processes_equals_one_and_resumes_exactly(tmp_path, monkeypatch):
@@ -112,6 +151,10 @@ def test_fsdp_on_two_processes_equals_one_and_resumes_exactly(tmp_path, monkeypa
     (tmp_path / "hvalid.tsv").write_text("b a\ta b\nc d e\te d c\n")
     hf_tiny.save(tmp_path / "gpt2", "gpt2")
     hf_tiny.save(tmp_path / "t5", "t5", seed=1)
+    hf_tiny.causal("gpt2", seed=2, width=24).save_pretrained(tmp_path / "gpt2_teacher")  # its tokenizer: gpt2's
+    assert cli.main(["--train", str(tmp_path / "train.tsv"), "--valid", str(tmp_path / "valid.tsv"), *LSTM,
+                     "--hidden-size", "24", "--mle-steps", "2", "--rl-steps", "0", "--no-compare-mle",
+                     "--save-dir", str(tmp_path / "teacher")]) == 0  # the LSTM student's teacher, wider
     cases = _cases(tmp_path)
     runs = _two_process_runs(tmp_path, cases)
     port = _free_port()
@@ -151,6 +194,7 @@ def test_fsdp_on_two_processes_equals_one_and_resumes_exactly(tmp_path, monkeypa
         assert all(torch.equal(resumed["optimizer"]["state"][i][key], v) for key, v in s.items()), i
     _check_karel(tmp_path)
     _check_policy(tmp_path)
+    _check_distill(tmp_path)
 
 
 def _rows(run: Path, phases=("mle", "rl")) -> list:
@@ -178,6 +222,22 @@ def _check_karel(d: Path) -> None:
     assert _relative(refs[0], refs[1]) < 1e-4 and all(type(v) is torch.Tensor for v in refs[1].values())
     kl = [_rl_rows(d / f"{run}_karel_policy")[1]["kl"] for run in ("one", "two")]
     assert kl[0] > 1e-8 and kl[1] == pytest.approx(kl[0], rel=1e-2)
+
+
+def _check_distill(d: Path) -> None:
+    """--objective distill: every RL step's loss (the divergence over the global batch's tokens) and gradient
+    norm one process's, under --fsdp and data-parallel training; the parameters too (checked above for --fsdp)."""
+    ddp = _load(d / "distill_ddp")
+    assert _relative(_load(d / "one_distill")["model"], ddp["model"]) < 1e-5
+    for name in ("distill", "gpt2_distill"):
+        runs = [_rl_rows(d / f"{run}_{name}") for run in ("one", "two")]
+        if name == "distill":
+            runs.append(_rl_rows(d / "distill_ddp"))
+        assert len(runs[0]) == 2 and all(r["loss"] > 0 for r in runs[0])
+        for rows in runs[1:]:
+            for a, b in zip(runs[0], rows, strict=True):
+                assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and \
+                    b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), name
 
 
 def _check_policy(d: Path) -> None:

@@ -67,8 +67,9 @@ def distillation(teacher, beta: float = 1.0, temperature: float = 1.0,
                  num_items: float | Tensor | None = None) -> Distillation:
     """TRL 1.16's on-policy distillation loss (see the module docstring) for `rescore_backward`: beta 0 forward
     KL(teacher || student), 1 reverse KL(student || teacher), between the generalized JSD; temperature divides
-    both models' logits. num_items: the generation's scored tokens the sum is divided by (TRL's
-    num_items_in_batch, over all processes divided by their number); default the rows' own."""
+    both models' logits. num_items: what the sum is divided by, the generation's scored tokens (TRL's
+    num_items_in_batch: every accumulated batch's and every process's, whose gradients are summed; TRL divides it
+    by the number of processes because DDP averages theirs); default the rows' own."""
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     if not temperature > 0:

@@ -28,7 +28,8 @@ A wrapper that is itself a `SequenceModel` (`--grammar on`'s `Constrained`) wrap
 sharded model, not the wrapper, that `fully_shard` turns into an FSDP module, so the wrapper's state_dict (the
 model's) is a plain run's. Every function here takes either and finds the sharded module (`sharded_root`).
 A frozen copy (`copy_model`: --objective policy's KL reference) is sharded too, and gathered for its own
-scoring pass only.
+scoring pass only; so is --objective distill's teacher (`shard_model` once loaded), gathered for the step's phase
+two.
 
 Checkpoints hold whole tensors (`full_model_state`, `full_optimizer_state`: collectives, every process calls
 them), in a single process's layout: a plain run, `twophase-decode` and `--resume` on the same number of

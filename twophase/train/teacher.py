@@ -1,12 +1,15 @@
-"""--objective distill's teacher: loaded from --teacher, frozen, and the objective of a batch's rows.
+"""--objective distill's teacher: loaded from --teacher, frozen, and the objective of a step's rows.
 
 --teacher names a twophase checkpoint (a run of the built-in LSTM, or of --hf-model without LoRA: the model its
 config describes, with the checkpoint's parameters) or a Hugging Face model folder (loaded as the run's
 --hf-model is, of the same kind). Either way the teacher must read this run's sources and write its targets: a
 checkpoint's vocabularies must be the run's, a folder's vocabulary size the model's (checked again on the first
-batch by `objectives.distill.check_compatible`). The teacher is in evaluation mode, its parameters
-frozen, on the run's device; the divergence (`objectives.distill`) is TRL's DistillationTrainer loss with
---distill-beta as its beta and --temperature (with --sampler sample, else 1) as its temperature.
+batch by `objectives.distill.check_compatible`). The teacher is in evaluation mode, its parameters frozen, on
+the run's device; under --fsdp it is sharded as the model is (each process keeps 1/W of its parameters) and
+gathered for the step's phase two alone (`Trainer.distill_batches`), as the KL reference is for its scoring
+pass. The divergence (`objectives.distill`) is TRL's DistillationTrainer loss with --distill-beta as its beta
+and --temperature (with --sampler sample, else 1) as its temperature, normalised as TRL's: by the scored tokens
+of the step's whole generation, all --grad-accum batches of all processes.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 from .. import hffolder
 from ..models.seq2seq import Seq2Seq
 from ..objectives.distill import check_compatible, distillation
-from ..system import distributed
+from ..system import distributed, fsdp
 from .start import StartupError
 
 
@@ -37,15 +40,16 @@ def load(cfg, task, student, device):
         check_compatible(student, teacher)
     except ValueError as err:
         raise StartupError(f"--teacher {path}: {err}") from None
-    return teacher
+    return fsdp.shard_model(teacher) if cfg.fsdp else teacher
 
 
-def objective(teacher, cfg, rows):
-    """The distillation objective of a batch's rows: TRL's normaliser, the scored tokens of the step's whole
-    generation (every process's, each of the --grad-accum batches counted as this one)."""
-    tokens = distributed.reduce_sums({"tokens": float(rows.lengths.sum())})["tokens"]
+def objective(teacher, cfg, rows: list):
+    """The distillation objective of a step whose --grad-accum batches' rows (this process's) are `rows`: TRL's
+    normaliser, the scored tokens of the step's whole generation (every batch's, every process's: TRL's
+    num_items_in_batch, gathered over its generation batch), the same for each batch's phase two."""
+    tokens = distributed.reduce_sums({"tokens": float(sum(r.lengths.sum() for r in rows))})["tokens"]
     temperature = cfg.temperature if cfg.sampler == "sample" else 1.0
-    return distillation(teacher, cfg.distill_beta, temperature, num_items=tokens * cfg.grad_accum)
+    return distillation(teacher, cfg.distill_beta, temperature, num_items=tokens)
 
 
 def _hugging_face(path: str, student, task):

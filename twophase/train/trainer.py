@@ -6,6 +6,8 @@ One RL step reads like the algorithm:
     3. objective  - turn rewards and search scores into one coefficient per candidate;
     4. phase two  - rescore_backward: chunked teacher-forced re-decoding, exact gradient of sum c_i log p_i;
     5. update     - clip and take the optimizer step.
+With --grad-accum, steps 1-4 run for each batch in turn; --objective distill runs steps 1-3 of every batch first,
+as TRL generates once per accumulation: its normaliser is the whole step's scored tokens (`distill_batches`).
 
 Steps 1 and 4 are the trainer's `gradient` part: `PhaseTwo` here, or a baseline a benchmark puts in its place
 (`onephase.OnePhase`, --one-phase). The task (twophase.tasks) supplies the data, the model's sources, target ids
@@ -18,7 +20,7 @@ import contextlib
 import functools
 import math
 import random
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -40,6 +42,20 @@ from .checkpoint import (host_copy, python_rng_state, rng_state, set_generator_s
 from .evaluation import completion_ids, score, validate, with_references
 from .policy_step import PolicyStep
 from .report import RewardLog
+
+
+@dataclass
+class BatchRows:
+    """One batch after steps 1-3 (`Trainer.rl_rows`): its sources, the rows phase two re-decodes and their
+    coefficients (None: --objective distill's, the step's), what the search leaves step 4 (`PhaseTwo`: nothing),
+    the (N,) rewards of its candidates and, with several rewards, each one's values."""
+
+    source: object
+    rows: Samples
+    coef: object
+    search: object
+    rewards: torch.Tensor
+    parts: dict | None
 
 
 class PhaseTwo:
@@ -147,18 +163,22 @@ class Trainer:
         return {"loss": loss, **self.update(loss)}
 
     def rl_step(self) -> dict:
-        """One update from --grad-accum batches of B sources, every loss averaged over all N*B of them."""
+        """One update from --grad-accum batches of B sources, every loss averaged over all N*B of them
+        (--objective distill: over the scored tokens of all of them, `distill_batches`)."""
         if self.policy is not None:  # token-level objective, several updates per generation (policy_step)
             return self.policy.step(self.number)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, rewards, parts = 0.0, [], {}
         with fsdp.gathered(self.model, reduce=True):  # --fsdp: whole parameters for the step, one reduction after
-            for _ in range(self.cfg.grad_accum):
-                part, batch_rewards, batch_parts = self.rl_batch(next(self.rl_batches))
-                loss += part
-                rewards.append(batch_rewards)
-                for name, values in (batch_parts or {}).items():  # several rewards: each one's values, for the log
-                    parts.setdefault(name, []).extend(values)
+            if self.teacher is None:  # each batch's phase two right after its phase one
+                done = [self.rl_batch(next(self.rl_batches)) for _ in range(self.cfg.grad_accum)]
+            else:
+                done = self.distill_batches()
+        loss, rewards, parts = 0.0, [], {}
+        for part, batch_rewards, batch_parts in done:
+            loss += part
+            rewards.append(batch_rewards)
+            for name, values in (batch_parts or {}).items():  # several rewards: each one's values, for the log
+                parts.setdefault(name, []).extend(values)
         # 5. Update (several processes: statistics summed here, gradients in update).
         total = distributed.reduce_sums({"loss": loss})
         return {"loss": total["loss"], **self.reward_log.row(torch.cat(rewards), parts, self.number),
@@ -167,6 +187,25 @@ class Trainer:
     def rl_batch(self, batch: list[int]):
         """Steps 1-4 of the algorithm on one batch: .grad += its share of the step's loss gradient; returns the
         loss, the (N,) rewards of its candidates and, with several rewards, each one's values."""
+        found = self.rl_rows(batch)
+        # 4. Phase two: chunked teacher-forced re-decoding; .grad = d/dtheta sum_i c_i log p_i, exactly.
+        loss = self.gradient.backward(self, found.source, found.rows, found.coef, found.search)
+        return loss, found.rewards, found.parts
+
+    def distill_batches(self) -> list:
+        """--objective distill's --grad-accum batches in TRL's order, which generates once per accumulation:
+        steps 1-3 of every batch (the step's whole generation), then TRL's normaliser (the generation's scored
+        tokens, every process's: its num_items_in_batch), then step 4 of each batch with that one objective,
+        the teacher gathered for them all (--fsdp: sharded otherwise). rl_batch's returns, one per batch."""
+        found = [self.rl_rows(next(self.rl_batches)) for _ in range(self.cfg.grad_accum)]
+        objective = teacher.objective(self.teacher, self.cfg, [f.rows for f in found])
+        with fsdp.gathered(self.teacher):
+            return [(self.gradient.backward(self, f.source, f.rows, objective, f.search), f.rewards, f.parts)
+                    for f in found]
+
+    def rl_rows(self, batch: list[int]) -> BatchRows:
+        """Steps 1-3 of the algorithm on one batch: what its phase two re-decodes, with which coefficients
+        (--objective distill: none, its objective is the step's, `distill_batches`)."""
         cfg = self.cfg
         B = len(batch) * cfg.grad_accum  # B counts every source of the update, across processes and batches
         idx = distributed.shard(batch)  # this process's share
@@ -188,14 +227,14 @@ class Trainer:
             with self.section("references: score and reward", "references"), self.autocast():
                 rows, row_rewards = with_references(self.model, source, cand, rewards, refs,
                                                     self.rewards_of(refs.tokens, refs.owner.tolist(), examples))
+        if self.teacher is not None:  # the teacher's distributions are the signal, not the rewards
+            return BatchRows(source, rows, None, search, rewards, parts)
         coef = self.coefficients(rows, row_rewards, source, examples, B)
         if cfg.mle_weight > 0:  # the MLE term rides along as extra rows, chunked like the candidates
             refs = self._reference_rows(idx)
             rows = Samples.cat([rows, refs], self.model.pad_id)
             coef = objectives.mix(coef, objectives.mle(refs.owner, B), cfg.mle_weight)
-        # 4. Phase two: chunked teacher-forced re-decoding; .grad = d/dtheta sum_i c_i log p_i, exactly.
-        loss = self.gradient.backward(self, source, rows, coef, search)
-        return loss, rewards, parts
+        return BatchRows(source, rows, coef, search, rewards, parts)
 
     def search(self, source) -> Samples:
         """Phase one without a graph: K candidates per source by --sampler (beam, sample, sbs)."""
@@ -241,8 +280,6 @@ class Trainer:
     def coefficients(self, cand: Samples, rewards, source, examples: list[Example], num_sources: int) -> torch.Tensor:
         """num_sources: the global batch size, which every loss is averaged over (cand.owner indexes src)."""
         cfg, B = self.cfg, num_sources
-        if cfg.objective == "distill":  # the teacher's distributions are the signal, not the rewards
-            return teacher.objective(self.teacher, cfg, cand)
         if cfg.objective == "beam":
             return objectives.beam(rewards, cand.scores, cand.owner, B, tokens=cand.tokens)
         if cfg.objective == "mrt":
