@@ -5,6 +5,7 @@ pairs for encoder-decoder tasks; one-line refusals of folders that are not rewar
 with it, alone and beside another reward through --reward-weights."""
 import importlib.util
 import json
+import os
 import math
 import re
 import subprocess
@@ -204,6 +205,19 @@ def _tsv(path, pairs):
     path.write_text("".join(f"{s}\t{t}\n" for s, t in pairs))
 
 
+def test_a_reward_models_folder_is_recorded_as_an_absolute_path(folders, monkeypatch):
+    """What a run records of --reward: a folder as hf:ABSOLUTE (resumed from anywhere), a reward's name as
+    given even where a folder of that name holds a config.json (the reward wins, as rewards.get finds it)."""
+    d = folders["root"]
+    monkeypatch.chdir(d)
+    (d / "edit").mkdir(exist_ok=True)
+    (d / "edit" / "config.json").write_text("{}")
+    assert weighted.recorded("hf:bert, edit,bert,tests.x:fn") == \
+        f"hf:{d / 'bert'},edit,hf:{d / 'bert'},tests.x:fn"
+    assert weighted.recorded(f"hf:{d / 'bert'}") == f"hf:{d / 'bert'}"
+    assert weighted.recorded("bleu,,edit") == "bleu,,edit"  # an empty name is from_flags' to refuse
+
+
 @pytest.mark.parametrize("kind", ["lstm", "gpt2"])
 def test_a_tiny_run_trains_with_a_reward_model_beside_edit(kind, folders, monkeypatch, one_thread):
     """An encoder-decoder (the built-in LSTM, the BERT pair model) and a causal LM (--hf-model GPT-2, the GPT-2
@@ -226,7 +240,8 @@ def test_a_tiny_run_trains_with_a_reward_model_beside_edit(kind, folders, monkey
     rm = folders["gpt2" if kind == "gpt2" else "bert"]
     save = d / f"run_{kind}"
     assert cli.main(["--train", "train.tsv", "--valid", "valid.tsv", *model, *TINY, "--save-dir", str(save),
-                     "--reward", f"hf:{rm},edit", "--reward-weights", "1,0.5", "--overwrite"]) == 0
+                     "--reward", f"hf:{os.path.basename(rm)},edit", "--reward-weights", "1,0.5", "--overwrite"]) == 0
+    assert json.loads((save / "config.json").read_text())["config"]["reward"] == f"hf:{rm},edit"  # absolute
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     name = "gpt2" if kind == "gpt2" else "bert"
     assert [r["step"] for r in rows if r["phase"] == "rl"] == [3, 4]

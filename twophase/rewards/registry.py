@@ -28,6 +28,7 @@ import functools
 import inspect
 import math
 import numbers
+import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -121,6 +122,19 @@ def _load_entry_point(name: str) -> Any | None:
         return ep.load()
     except Exception as exc:
         raise RewardError(f"reward '{name}': cannot load entry point '{ep.value}' ({brief(exc)})") from exc
+
+
+def recorded(name: str) -> str:
+    """How a run records the reward ``name``: a reward model's folder as ``hf:`` and its absolute path (--resume
+    and decoding find it from anywhere, whatever the working directory), any other name as given."""
+    from . import hfmodel
+
+    if name.startswith(hfmodel.PREFIX):
+        return hfmodel.PREFIX + os.path.abspath(name[len(hfmodel.PREFIX):])
+    if name and ":" not in name and name not in BUILTINS and hfmodel.is_folder_spec(name) \
+            and _load_entry_point(name) is None:  # as `get` finds it: a folder never hides a reward's name
+        return hfmodel.PREFIX + os.path.abspath(name)
+    return name
 
 
 def get(name: str, device: Any = None, causal: bool = False) -> Reward:

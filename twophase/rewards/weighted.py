@@ -74,6 +74,13 @@ def mean_std(sums: dict[str, float], names: list[str]) -> dict[str, float | None
     return out
 
 
+def recorded(spec: str) -> str:
+    """`--reward spec` as a run records it: each of its comma-separated rewards as `registry.recorded` does."""
+    from .registry import recorded as one
+
+    return ",".join(one(s.strip()) for s in spec.split(","))
+
+
 def from_flags(spec: str, weights: str | None, device: Any = None, causal: bool = False):
     """The reward `--reward spec [--reward-weights weights]` names: one plug-in, or a WeightedSum of the
     comma-separated plug-ins (weights 1 unless given, one per reward); a reward model among them on `device`,

@@ -135,6 +135,8 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     task = tasks.build(run_cfg) if task is None else adopt_task(task, run_cfg.task)  # cheap: no data yet
     check_task_flags(task, given)
     reward_spec = cfg.reward or task.default_reward
+    if reward is None:  # a reward model's folder recorded as an absolute path, as --hf-model is
+        reward_spec = weighted.recorded(reward_spec)
     run_cfg = derived(run_cfg, save_dir=run_dir(cfg, task), reward=reward_spec)
     try:
         resume.check_reward_names(run_cfg, reward is not None)
