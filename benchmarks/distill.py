@@ -95,9 +95,10 @@ def _kind(functions: tuple, size: int, gradient: bool, parameter_sizes: set) -> 
         return "gradients"
     if size in parameter_sizes:
         return "gradient-sized"
-    if {"_first", "_prompt", "divergence_terms"} & set(functions):
+    if {"_first", "_prompt", "divergence_terms"} & set(functions) or functions[-1:] in (
+            ("_weighted_score_backward",), ("log_softmax",)):
         # the prompts' forward (its graph, their last (B, V) logits) and the first completion tokens' (rows, V)
-        # distributions read from them
+        # distributions read from them (made by the causal LM's phase two itself, or its log_softmax)
         return "prompts, first tokens"
     if "decoded" in functions:
         return "teacher states"
