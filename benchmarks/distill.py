@@ -8,8 +8,12 @@ student-teacher pair (random Llamas, the teacher twice as wide), over the same c
 For each method: the step's CPU time (process time of loss + backward, the median of --repeats after one warm-up
 step) and its peak tensor memory (`twophase.system.memory.AllocationPeak`: the CPU bytes tensors hold above those
 held when the step began, measured on a separate, untimed step), and the gradients' largest difference from
-TRL's. Then twophase's peak against its chunk size (rows per chunk) and against the vocabulary: bounded by the
-chunk, flat in V beside TRL's, whose CPU path projects every position's logits tile by tile.
+TRL's. Then twophase's peak against the vocabulary and the chunk size (rows per chunk), broken down by what
+holds it at that moment (`breakdown`: one more step under the profiler, its Python stacks naming the function
+each live tensor was made in): the parameters' gradients, other tensors of a V-sized parameter's size, the
+output layer's logit blocks (with the divergence's), the prompts' forward with the first completion tokens'
+(rows, V) distributions read from its logits, the teacher's states, the rest (the chunk's graph). "peak - parameter-sized" is the peak less the first two: what
+the step holds beyond what any gradient step of these parameters holds.
 
 Letters: B prompts, K completions per prompt, N = B K rows, P prompt length, T completion length, V vocabulary.
 """
@@ -80,6 +84,75 @@ def trl_step(trainer, source: dict, s, mask) -> None:
     trainer.compute_loss(trainer.model, inputs).backward()
 
 
+KINDS = ("gradients", "gradient-sized", "logit blocks", "prompts, first tokens", "teacher states", "graph and rest")
+
+
+def _kind(functions: tuple, size: int, gradient: bool, parameter_sizes: set) -> str:
+    """Which of KINDS a tensor live at the peak is: a parameter's gradient; as large as a V-sized parameter
+    (an embedding's dense gradient before it is added to .grad); else by the twophase functions it was made
+    under (innermost last)."""
+    if gradient:
+        return "gradients"
+    if size in parameter_sizes:
+        return "gradient-sized"
+    if {"_first", "_prompt", "divergence_terms"} & set(functions) or functions[-1:] in (
+            ("_weighted_score_backward",), ("log_softmax",)):
+        # the prompts' forward (its graph, their last (B, V) logits) and the first completion tokens' (rows, V)
+        # distributions read from them (made by the causal LM's phase two itself, or its log_softmax)
+        return "prompts, first tokens"
+    if "decoded" in functions:
+        return "teacher states"
+    if "target_log_probs_and_grads" in functions:
+        return "logit blocks"
+    return "graph and rest"
+
+
+def breakdown(step, model, vocab: int) -> dict:
+    """The peak of one more untimed step's tensor bytes (above those held when it began) and the bytes of the
+    tensors live at that moment by KINDS, in MiB, from the profiler's allocation record and Python stacks."""
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True,
+                                with_stack=True) as prof:
+        step()
+    made = []  # (time, address, bytes (negative: a free), the twophase functions the allocation was made under)
+
+    def walk(node, functions: tuple) -> None:
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            if fields.device.type == "cpu":
+                made.append((node.start_time_ns, fields.ptr, fields.alloc_size, functions))
+            return
+        if type(fields).__name__ == "_ExtraFields_PyCall" and "twophase/" in node.name:
+            functions = functions + (node.name.rsplit(": ", 1)[-1],)  # "twophase/x.py(12): f" -> "f"
+        for child in node.children:
+            walk(child, functions)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, ())
+    made.sort(key=lambda event: event[0])  # stable: events of one nanosecond keep their order
+    live: dict[int, int] = {}  # address -> index into made of the allocation there
+    total = peak = 0
+    at_peak: dict[int, int] = {}
+    for i, (_, ptr, size, _) in enumerate(made):
+        if size > 0:
+            live[ptr] = i
+        else:
+            live.pop(ptr, None)
+        total += size
+        if total > peak:
+            peak, at_peak = total, dict(live)
+    grads = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    sizes = {p.numel() * p.element_size() for p in model.parameters() if p.shape[0] == vocab}  # (V, H)
+    out = {kind: 0.0 for kind in KINDS}
+    for ptr, i in at_peak.items():
+        _, _, size, functions = made[i]
+        gradient = ptr in grads and live.get(ptr) == i  # the same allocation still holds it when the step ends
+        out[_kind(functions, size, gradient, sizes)] += size / 2**20
+    model.zero_grad(set_to_none=True)
+    return {"peak_mb": peak / 2**20, **out,
+            "beyond_parameters_mb": (peak / 2**20) - out["gradients"] - out["gradient-sized"]}
+
+
 def measure(step, model, repeats: int) -> dict:
     """{"cpu_s": median process seconds of step(), "peak_mb": its tensors' peak, "grads": the gradients}."""
     model.zero_grad(set_to_none=True)
@@ -103,7 +176,7 @@ def largest_difference(a: list, b: list) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b)) / scale
 
 
-def pair(args, vocab: int, with_trl: bool, chunks: list[int]) -> list[dict]:
+def pair(args, vocab: int, with_trl: bool, chunks: list[int], broken_down: bool = False) -> list[dict]:
     student = llama(vocab, args.width, args.layers, seed=0)
     teacher = llama(vocab, 2 * args.width, args.layers, seed=1)
     wrapper, teacher_wrapper = HFCausalLM(student), HFCausalLM(teacher)
@@ -125,6 +198,9 @@ def pair(args, vocab: int, with_trl: bool, chunks: list[int]) -> list[dict]:
         out.append({"method": "twophase rescore_backward", "chunk": chunk, **common, "cpu_s": ours["cpu_s"],
                     "peak_mb": ours["peak_mb"],
                     "grad_diff": largest_difference(ours["grads"], trl["grads"]) if trl else None})
+        if broken_down:
+            out[-1]["breakdown"] = breakdown(lambda: rescore_backward(wrapper, source, s, objective, chunk_size=chunk),
+                                             wrapper, vocab)
     return out
 
 
@@ -137,12 +213,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def breakdown_table(rows: list[dict]) -> str:
+    """twophase's rows: the peak and what held it (MiB)."""
+    lines = ["| V | chunk | peak | " + " | ".join(KINDS) + " | peak - parameter-sized |",
+             "|---" * (len(KINDS) + 4) + "|"]
+    for r in rows:
+        b = r.get("breakdown")
+        if b is not None:
+            lines.append(f"| {r['vocab']} | {r['chunk']} | {b['peak_mb']:.1f} | "
+                         + " | ".join(f"{b[k]:.1f}" for k in KINDS) + f" | {b['beyond_parameters_mb']:.1f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=4000, help="V of the side-by-side pair")
     parser.add_argument("--sweep-vocab", default="1000,4000,16000", help="V values of the memory sweep")
     parser.add_argument("--chunks", default="1,4,16", help="twophase's chunk sizes (rows)")
+    parser.add_argument("--sweep-chunks", default="4", help="twophase's chunk sizes in the vocabulary sweep")
     parser.add_argument("--width", type=int, default=64, help="the student's width (the teacher's is twice it)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=4, help="B")
@@ -160,9 +249,11 @@ def main(argv=None) -> int:
     side = pair(args, args.vocab, True, chunks)
     print(f"## The pair, V = {args.vocab}, beta {args.beta}, temperature {args.temperature}\n\n{table(side)}\n")
     sweep = []
+    sweep_chunks = [int(c) for c in args.sweep_chunks.split(",")]
     for vocab in (int(v) for v in args.sweep_vocab.split(",")):
-        sweep += pair(args, vocab, True, [chunks[len(chunks) // 2]])
-    print(f"## Peak against the vocabulary (twophase at chunk {chunks[len(chunks) // 2]})\n\n{table(sweep)}\n")
+        sweep += pair(args, vocab, True, sweep_chunks, broken_down=True)
+    print(f"## Peak against the vocabulary and the chunk\n\n{table(sweep)}\n")
+    print(f"## What holds twophase's peak (MiB)\n\n{breakdown_table(sweep)}\n", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "pair": side, "vocab": sweep}, indent=1))
     return 0

@@ -82,6 +82,7 @@ class TargetLogProbs(torch.autograd.Function):
             block_logits = logits(hm[i:i + block], wm, bias, banned).to(acc)  # (m, V)
             lse[i:i + block] = torch.logsumexp(block_logits, dim=1)
             picked[i:i + block] = block_logits.gather(1, target[i:i + block, None]).squeeze(1)
+            del block_logits  # freed before the next block's are made
         ctx.block = block
         ctx.save_for_backward(h, weight, bias, target, banned, lse)
         return picked - lse
@@ -111,6 +112,7 @@ class TargetLogProbs(torch.autograd.Function):
                 dh[rows] = dlogits @ wm  # (m, H)
             if need_w:
                 _add_product(dw, dlogits.t(), hm[rows])  # (V, H)
+            del dlogits  # freed before the next block's are made
         return dh, dw, db, None, None, None
 
 
@@ -180,13 +182,17 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
             if hasattr(w, "add_entropy"):  # adaptive entropy control's measured sum, on the device
                 w.add_entropy(rows, H)
             dz = logp.add_(H[:, None]).mul_(ew[:, None]).add_(w_rows[:, None]).mul_(p).neg_()
+            del logp, p  # (dz is logp's block, in z's)
         dz.scatter_add_(1, target[rows, None], w_tgt[:, None])
         if extra is not None:
             dz.add_(extra)
+        del extra  # (m, V): freed before the matmuls
         db += dz.sum(dim=0)
         dz = dz.to(mm)
         dh[rows] = dz @ wm  # (m, H)
         _add_product(dw, dz.t(), hm[rows])  # (V, H)
+        # this block's (m, V) tensors go now, not when the next block's replace them: one block's set at a time
+        del z, dz
     return tok, dh, dw, db
 
 

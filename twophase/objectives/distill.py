@@ -126,14 +126,13 @@ class DistillationLoss:
 
     def divergence(self, z: Tensor, row: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
         """((m,) D at positions (row, col) whose student logits are z (m, V), (m, V) dD/dz), without a graph."""
-        zt = self.states.logits(row, col)  # (m, V)
-        return divergence_and_gradient(z, zt, self.beta, self.temperature)
+        # the teacher's (m, V) logits go straight in, to be consumed there
+        return divergence_and_gradient(z, self.states.logits(row, col), self.beta, self.temperature)
 
     def divergence_terms(self, log_probs: Tensor, row: Tensor, col: Tensor) -> Tensor:
         """(P,) scale * D at positions (row, col) whose student log-distributions are log_probs (P, V), with
         autograd's graph (a causal LM's first completion token, read from its prompt's logits)."""
-        zt = self.states.logits(row, col)  # (P, V)
-        D = divergence_value(log_probs, zt, self.beta, self.temperature)
+        D = Divergence.apply(log_probs, self.states.logits(row, col), self.beta, self.temperature)  # (P,)
         return self.scale.index_select(0, row).to(D.dtype) * D
 
 
@@ -141,56 +140,75 @@ def _log_softmax(z: Tensor, temperature: float) -> Tensor:
     return torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)
 
 
-def _xlogy_gap(p: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """sum_v p (a - b) with 0 where p is 0 (a may be -inf there: a banned token)."""
-    return torch.where(p > 0, p * (a - b), torch.zeros_like(p)).sum(-1)
+class Divergence(torch.autograd.Function):
+    """(P,) D between the student's logits (or log-probabilities) z (P, V) and the teacher's zt (P, V), on
+    autograd's graph through z: `divergence_and_gradient`'s value, its gradient saved for backward, the one
+    (P, V) tensor the graph keeps (autograd through the formula's own steps would keep a handful)."""
 
+    @staticmethod
+    def forward(ctx, z: Tensor, zt: Tensor, beta: float, temperature: float) -> Tensor:
+        D, grad = divergence_and_gradient(z, zt, beta, temperature)  # in at least float32
+        ctx.save_for_backward(grad)
+        ctx.dtype = z.dtype
+        return D
 
-def divergence_value(z: Tensor, zt: Tensor, beta: float, temperature: float) -> Tensor:
-    """(m,) D between the student's logits (or log-probabilities) z (m, V) and the teacher's zt (m, V), with
-    autograd's graph through z (the module docstring's formula), in at least float32."""
-    dtype = torch.promote_types(z.dtype, torch.float32)
-    s, t = _log_softmax(z.to(dtype), temperature), _log_softmax(zt.to(dtype), temperature)
-    p, q = s.exp(), t.exp()
-    if beta == 0.0:
-        return _xlogy_gap(q, t, s)
-    if beta == 1.0:
-        return _xlogy_gap(p, s, t)
-    m = torch.logaddexp(s + math.log(1 - beta), t + math.log(beta))
-    return beta * _xlogy_gap(q, t, m) + (1 - beta) * _xlogy_gap(p, s, m)
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (grad,) = ctx.saved_tensors
+        return (grad * g[:, None].to(grad.dtype)).to(ctx.dtype), None, None, None
 
 
 def divergence_and_gradient(z: Tensor, zt: Tensor, beta: float, temperature: float) -> tuple[Tensor, Tensor]:
     """((m,) D, (m, V) dD/dz) at the student's logits z (m, V) and the teacher's zt (m, V), without a graph:
-    the closed forms of the module docstring, in place where it can (a handful of (m, V) blocks at once)."""
+    the closed forms of the module docstring. zt is consumed (normalised in place; the caller keeps no other
+    reference to it, so its block is freed as soon as the teacher's log-probabilities replace it). Every step
+    works in place on a block no longer needed, so beside z at most two (m, V) blocks are held at once for
+    beta 1, three for beta 0 and four between (with one boolean block for a moment, and one more block when the
+    temperature is not 1): a block pass's memory is a few blocks, whatever V."""
     with torch.no_grad():
         dtype = torch.promote_types(z.dtype, torch.float32)
-        s, t = _log_softmax(z.to(dtype), temperature), _log_softmax(zt.to(dtype), temperature)  # (m, V) each
-        p = s.exp()
-        zero = p == 0  # (m, V): no gradient there (a banned token, whose logit is a constant)
-        if beta == 0.0:
+        zt = zt.to(dtype)
+        if temperature != 1.0:
+            zt.div_(temperature)
+        t = torch.log_softmax(zt, dim=-1)  # (m, V)
+        del zt
+        s = _log_softmax(z.to(dtype), temperature)  # (m, V)
+        if beta == 1.0:
+            d = t.sub_(s).neg_()  # (m, V) s - t, in t's block
+            p = s.exp_()  # in s's block: s is not needed again
+            D = _weighted_sum_(d, p)  # d now holds p (s - t)
+            grad = d.addcmul_(p, D[:, None], value=-1.0)  # p (s - t - D): 0 where p is 0
+        elif beta == 0.0:
             q = t.exp()
-            D = _gap(q, t, s)
-            grad = p.sub_(q)
-        elif beta == 1.0:
-            D = _gap(p, s, t)
-            grad = s.sub_(t).sub_(D[:, None]).mul_(p)  # p (s - t - D)
+            D = _weighted_sum_(t.sub_(s), q)  # q (t - s)
+            del t
+            p = s.exp_()
+            zero = p == 0  # (m, V) no gradient there (a banned token, whose logit is a constant)
+            grad = p.sub_(q).masked_fill_(zero, 0.0)  # p - q
         else:
-            m = s + math.log(1 - beta)
-            torch.logaddexp(m, t + math.log(beta), out=m)  # (m, V) the mixture's log-probabilities
-            kl_student = _gap(p, s, m)
-            D = beta * _gap(t.exp(), t, m) + (1 - beta) * kl_student
-            grad = s.sub_(m).sub_(kl_student[:, None]).mul_(p).mul_(1 - beta)  # (1 - beta) p (s - m - KL)
-        grad.masked_fill_(zero, 0.0)  # (and 0 * -inf above)
+            # the mixture's log-probabilities log((1 - beta) p + beta q), as logaddexp in log space
+            shift = math.log(beta) - math.log(1 - beta)
+            m = t + shift
+            torch.logaddexp(s, m, out=m)
+            m.add_(math.log(1 - beta))  # (m, V)
+            q = t.exp()
+            kl_teacher = _weighted_sum_(t.sub_(m), q)  # q (t - m)
+            del t, q
+            p = s.exp()
+            d = s.sub_(m)  # (m, V) s - m
+            del m
+            kl_student = _weighted_sum_(d, p)  # d now holds p (s - m)
+            D = beta * kl_teacher + (1 - beta) * kl_student
+            grad = d.addcmul_(p, kl_student[:, None], value=-1.0).mul_(1 - beta)  # (1 - beta) p (s - m - KL)
         if temperature != 1.0:
             grad.div_(temperature)
         return D, grad
 
 
-def _gap(p: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """(m,) sum_v p (a - b), 0 where p is 0, without a graph: one (m, V) temporary."""
-    d = (a - b).mul_(p)
-    return d.masked_fill_(p == 0, 0.0).sum(-1)
+def _weighted_sum_(d: Tensor, p: Tensor) -> Tensor:
+    """(m,) sum_v p d, 0 where p is 0 (d may be -inf or nan there: a banned token), without a graph: d (m, V)
+    is overwritten with p d (and 0 where p is 0), which is then also the gradient's first term."""
+    return d.mul_(p).masked_fill_(p == 0, 0.0).sum(-1)
 
 
 def head_states(model, enc, tokens: Tensor, owner: Tensor):
