@@ -70,17 +70,6 @@ def test_an_error_other_than_out_of_memory_propagates():
         largestbeam.largest_fitting(fits, 64, 8192)
 
 
-def test_the_cpu_dry_run_searches_a_simulated_card(monkeypatch):
-    """On the CPU: the real steps at toy sizes, one-phase's graph outgrowing the simulated card, two-phase's not."""
-    monkeypatch.setattr(largestbeam, "QUICK_K_MAX", 16)
-    out = largestbeam.run({"device": "cpu", "limit_s": 120})
-    assert out["card"]["simulated"] and out["at_k"] == largestbeam.QUICK_AT_K
-    one, two = out["methods"]["one-phase"], out["methods"]["two-phase"]
-    assert one["stopped"] == "bisected" and one["first_failing_k"] <= 16
-    assert two["largest_k"] == 16 and two["stopped"] == "k_max"
-    assert one["at_k"]["fits"] and two["at_k"]["graph_peak_bytes"] < one["at_k"]["graph_peak_bytes"]
-
-
 def _fake(letters_to_functions: dict, monkeypatch):
     monkeypatch.setattr(runner, "section_function", lambda letter: letters_to_functions[letter])
 
