@@ -13,6 +13,7 @@ from twophase.train import cli, trainer as trainer_module
 from twophase.config import Config
 from twophase.train.runstate import Interrupted
 
+import forks
 import guards
 from taskfiles import task_dir
 
@@ -31,7 +32,7 @@ def _train(task, save, *flags, popen=False):
            str(task / "valid.tsv"), "--save-dir", str(save), *TINY, *flags]
     if popen:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = forks.run(argv=cmd[1:], timeout=120)  # a fresh interpreter, forked from one that imported torch
     assert proc.returncode == 0, proc.stderr
     return proc
 
