@@ -24,14 +24,19 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The server: reads a request per line ({"code" or "argv", "cwd", "input", "out", "err"}), forks, answers {"pid"}
-# then {"status"}.
+# The server: reads a request per line ({"code" or "argv", "cwd", "env", "input", "out", "err"}), forks, answers
+# {"pid"} then {"status"}.
 SERVER = r'''
 import atexit, json, os, runpy, sys, traceback
 import torch, twophase  # noqa: F401 (the imports every child starts with)
 
 def child(request):
     os.chdir(request["cwd"])
+    for name, value in request["env"].items():  # the program's own environment: set, or unset where None
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     for fd, path in ((1, request["out"]), (2, request["err"])):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(f, fd)
@@ -112,10 +117,10 @@ def _answer(server, timeout: float) -> dict:
 
 
 def run(code: str | None = None, cwd=None, timeout: float = 120, argv: list | None = None,
-        input: str | None = None) -> SimpleNamespace:
+        input: str | None = None, env: dict | None = None) -> SimpleNamespace:
     """`python -c code`, or `python *argv` (a script and its arguments, or "-m", a module and its), from `cwd`
-    (default: this process's working directory) with `input` on stdin, in a child of the server: returncode, stdout,
-    stderr."""
+    (default: this process's working directory) with `input` on stdin and `env`'s variables set (None: unset) over
+    the server's environment, in a child of the server: returncode, stdout, stderr."""
     global _server
     if _server is None or _server.poll() is not None:
         _server = _start()
@@ -124,8 +129,8 @@ def run(code: str | None = None, cwd=None, timeout: float = 120, argv: list | No
         if input is not None:
             given.write_text(input)
         request = {"code": code, "argv": None if argv is None else [str(a) for a in argv],
-                   "cwd": os.path.abspath(cwd or os.getcwd()), "input": str(given) if input is not None else None,
-                   "out": str(out), "err": str(err)}
+                   "cwd": os.path.abspath(cwd or os.getcwd()), "env": env or {},
+                   "input": str(given) if input is not None else None, "out": str(out), "err": str(err)}
         _server.stdin.write(json.dumps(request) + "\n")
         pid = _answer(_server, 600)["pid"]  # the first request waits for the server's imports
         try:

@@ -1,12 +1,10 @@
 """`python -m benchmarks.gpu`: its CPU dry run (--device cpu --quick), under CUDA's deterministic rules
-(tests/guards.py), runs or skips every section with a reason and writes one report of the documented structure; a failing or hanging section is recorded and the rest
-go on; the wheel list covers what the GPU machine lacks of setup.cfg's requirements."""
+(tests/guards.py), runs or skips every section with a reason and writes one report of the documented structure; a
+failing or hanging section is recorded and the rest go on; the wheel list covers what the GPU machine lacks of
+setup.cfg's requirements."""
 import configparser
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,18 +12,19 @@ import pytest
 
 from benchmarks.gpu import largestbeam, runner, wheels
 
+import forks
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_dry_run_runs_every_section_or_skips_it_with_a_reason(tmp_path):
     out = tmp_path / "report.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TWOPHASE_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    env.pop("OUT", None)
     # under what CUDA refuses with deterministic algorithms on, and the suite's RNN guards (tests/guards.py):
-    # section (a)'s deterministic setting and every other section run as they would on a GPU
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "guards.py"), "-m", "benchmarks.gpu", "--device",
-                           "cpu", "--quick", "--inline", "--out", str(out)], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=900)
+    # section (a)'s deterministic setting and every other section run as they would on a GPU; a fresh interpreter
+    # forked from one that imported torch (tests/forks.py)
+    proc = forks.run(argv=[ROOT / "tests" / "guards.py", "-m", "benchmarks.gpu", "--device", "cpu", "--quick",
+                           "--inline", "--out", out], cwd=tmp_path, timeout=900,
+                     env={"TWOPHASE_CACHE_DIR": str(tmp_path / "cache"), "OUT": None})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"report written: {out}" in proc.stdout
     report = json.loads(out.read_text())

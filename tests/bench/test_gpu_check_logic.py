@@ -15,6 +15,8 @@ import torch
 from benchmarks.gpu import largestbeam, runner
 from benchmarks.hostsyncs import CUDA_SYNC_WARNING, count_cuda_syncs
 
+import forks
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -104,9 +106,7 @@ def test_a_run_killed_in_a_section_leaves_the_report_of_every_finished_one(tmp_p
             "runner.section_function = lambda letter: {'a': lambda o: {'fine': 1},\n"
             "                                          'b': lambda o: os._exit(9)}[letter]\n"
             f"check.main(['--device', 'cpu', '--inline', '--sections', 'a,b', '--out', {str(out)!r}])\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=120)
+    proc = forks.run(code, cwd=tmp_path, timeout=120)  # a process of its own, forked from one that imported torch
     assert proc.returncode == 9, proc.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["complete"] is False and report["environment"]["device"] == "cpu"
