@@ -1,15 +1,15 @@
 """Every Python block of every docs page runs as written, as README.md's do (tests/docs/test_readme.py): each in a
-fresh interpreter, from an empty directory. A block that goes on from the one before it on its page says so with
-`<!-- continues the block above -->` on the line before it, and runs after it, in the same interpreter. Three pages
+fresh interpreter (a fork of one that imported torch and twophase only: tests/forks.py), from an empty directory.
+A block that goes on from the one before it on its page says so with `<!-- continues the block above -->` on the
+line before it, and runs after it, in the same interpreter. Three pages
 have tests of their own that run their blocks and check what they print (OWN_TESTS); every other page's blocks
 run here."""
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+import forks
 
 ROOT = Path(__file__).resolve().parents[2]
 OWN_TESTS = {"byom.md": "tests/docs/test_byom_doc.py", "trl.md": "tests/docs/test_docs_trl.py",
@@ -42,8 +42,5 @@ def test_every_page_with_python_is_run_here_or_by_its_own_test():
 
 @pytest.mark.parametrize("page, index, code", SNIPPETS, ids=[f"{p}:{i + 1}" for p, i, _ in SNIPPETS])
 def test_snippet_runs(page, index, code, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               HF_HUB_DISABLE_TELEMETRY="1")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = forks.run(code, cwd=tmp_path, timeout=120)  # this checkout, one thread, the hub offline
     assert proc.returncode == 0, f"docs/{page} snippet {index + 1}:\n{code}\n{proc.stderr[-2000:]}"

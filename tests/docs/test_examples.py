@@ -1,12 +1,13 @@
-"""The examples run as a user runs them: a fresh interpreter, the script's command line, its printed output."""
+"""The examples run as a user runs them: a fresh interpreter (forked from one that imported torch and twophase:
+tests/forks.py), the script's command line, its printed output."""
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+import forks
 
 from twophase.train.decode import main as decode_main
 
@@ -14,9 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_custom_model_example_trains_the_reward_up():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_model.py"), "--mle-steps", "5",
-                           "--steps", "30"], capture_output=True, text=True, env=env, timeout=120)
+    done = forks.run(argv=[ROOT / "examples" / "custom_model.py", "--mle-steps", "5", "--steps", "30"], timeout=120)
     assert done.returncode == 0, done.stderr
     rewards = [float(x) for x in re.findall(r"^reward .*: (\d\.\d+)$", done.stdout, flags=re.M)]
     assert len(rewards) == 3, done.stdout  # before, after the MLE warm start, after RL
@@ -28,11 +27,9 @@ def test_custom_model_example_trains_the_reward_up():
 def test_task_plugin_trains_with_train_py_and_decodes(tmp_path, monkeypatch, capsys):
     """`--task module:Class` from the working directory (no PYTHONPATH for the example's own modules), a
     source-aware default reward, checkpoints, then twophase-decode rebuilding the task from the checkpoint."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, str(ROOT / "train.py"), "--task", "reverse_task:ReverseDigits",
-                          "--mle-steps", "30", "--rl-steps", "10", "--eval-every", "20",  # its recipe: the rest
-                          "--save-dir", str(tmp_path / "run")],
-                         cwd=ROOT / "examples", capture_output=True, text=True, env=env, timeout=300)
+    run = forks.run(argv=[ROOT / "train.py", "--task", "reverse_task:ReverseDigits", "--mle-steps", "30",
+                          "--rl-steps", "10", "--eval-every", "20",  # its recipe: the rest
+                          "--save-dir", tmp_path / "run"], cwd=ROOT / "examples", timeout=300)
     assert run.returncode == 0, run.stderr
     assert "task reverse_task:ReverseDigits: 2000 train / 200 valid / 200 test" in run.stdout
     config = torch.load(tmp_path / "run" / "checkpoint_last.pt", weights_only=False)["config"]
@@ -41,9 +38,8 @@ def test_task_plugin_trains_with_train_py_and_decodes(tmp_path, monkeypatch, cap
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["phase"] == "eval"]
     assert evals and all({"exact", "reward"} <= set(r) for r in evals)
-    decode = subprocess.run([sys.executable, "-m", "twophase.train.decode", "--checkpoint",
-                             str(tmp_path / "run" / "checkpoint_last.pt")], input="1 2 3\n\n4 5\n", cwd=ROOT / "examples",
-                            capture_output=True, text=True, env=env, timeout=120)
+    decode = forks.run(argv=["-m", "twophase.train.decode", "--checkpoint", tmp_path / "run" / "checkpoint_last.pt"],
+                       input="1 2 3\n\n4 5\n", cwd=ROOT / "examples", timeout=120)
     assert decode.returncode == 0, decode.stderr
     lines = decode.stdout.split("\n")
     assert len(lines) == 4 and lines[1] == "" and all(set(x) <= set("01234567 ") for x in lines)

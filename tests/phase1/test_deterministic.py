@@ -1,7 +1,8 @@
 """`--deterministic` on a GPU: CUDA refuses a floating-point cumsum (and the other ops of
 torch.use_deterministic_algorithms' list) once deterministic algorithms are on. tests/guards.py refuses them on the
 CPU too; under it, sampling (plain, top-k, top-p, min-len), stochastic beam search, beam search, the one-phase
-searches, a training run and the GPU check's gradient section run, and draw what they draw without it."""
+searches and a training run run, and draw what they draw without it (the GPU check's dry run runs under it in
+tests/bench/test_bench_gpu.py)."""
 import pytest
 import torch
 
@@ -104,13 +105,3 @@ def test_a_deterministic_training_run_that_samples_runs_under_cudas_rules(sample
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
-
-
-def test_the_gpu_checks_gradient_section_runs_under_cudas_rules():
-    """Section (a) of the GPU check (every model, default and deterministic algorithms), its CPU dry run's sizes."""
-    from benchmarks.gpu import gradients
-    with guards.cuda_deterministic_ops():
-        result = gradients.run({"device": "cpu", "quick": True})
-    assert result["failed_cases"] == 0, [r for r in result["rows"] if "error" in r]
-    assert {r["setting"] for r in result["rows"]} == {"default", "deterministic"}
-    assert result["deterministic_repeats_bitwise_equal"] is True

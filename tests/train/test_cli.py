@@ -1,7 +1,5 @@
-"""train.py end to end (one subprocess run), decoding, and clean refusal of bad input."""
+"""train.py end to end (one run in a fresh interpreter), decoding, and clean refusal of bad input."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +8,7 @@ import torch
 from twophase.train import build, cli, decode
 from twophase.config import Config
 
+import forks
 from taskfiles import write_task
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,11 +25,9 @@ def task(tmp_path):
 
 def test_train_py_end_to_end_then_decode(task, capsys):
     save = task / "run"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "--train", str(task / "train.tsv"), "--valid",
-         str(task / "valid.tsv"), "--mle-steps", "20", "--rl-steps", "6", "--save-dir", str(save), *TINY,
-         "--log-every", "5"],
-        capture_output=True, text=True, timeout=120, cwd=task)
+    proc = forks.run(  # python train.py ..., in a fresh interpreter forked from one that imported torch
+        argv=[ROOT / "train.py", "--train", task / "train.tsv", "--valid", task / "valid.tsv", "--mle-steps", "20",
+              "--rl-steps", "6", "--save-dir", save, *TINY, "--log-every", "5"], timeout=120, cwd=task)
     assert proc.returncode == 0, proc.stderr
     header = next(line for line in proc.stdout.splitlines() if "end of MLE" in line)
     assert header.split() == ["end", "of", "MLE", "MLE", "continued", "RL"] and "peak memory" in proc.stdout

@@ -13,6 +13,8 @@ from twophase.train import cli, trainer as trainer_module
 from twophase.config import Config
 from twophase.train.runstate import Interrupted
 
+import forks
+import guards
 from taskfiles import task_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,9 +32,18 @@ def _train(task, save, *flags, popen=False):
            str(task / "valid.tsv"), "--save-dir", str(save), *TINY, *flags]
     if popen:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = forks.run(argv=cmd[1:], timeout=120)  # a fresh interpreter, forked from one that imported torch
     assert proc.returncode == 0, proc.stderr
     return proc
+
+
+def _train_here(task, save, *flags):
+    """_train's run in this process (train.py's main; `--deterministic`'s global mode restored after): a run that
+    goes on from, or is compared with, one in a fresh process saves that process's start-up each time."""
+    argv = ["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--save-dir", str(save), *TINY,
+            *flags]
+    with guards.deterministic_algorithms():
+        assert cli.main(argv) == 0
 
 
 def _params(path):
@@ -49,11 +60,12 @@ def test_resume_is_bit_identical_with_sampling(task, tmp_path):
     # under deterministic algorithms (--deterministic): no op of a whole run refuses to run, resumed or not
     flags = ["--sampler", "sample", "--objective", "reinforce", "--baseline", "loo", "--mle-weight", "0.2",
              "--deterministic"]
+    # the whole run in a fresh process, its pieces in this one: the resumed run is the same in another process
     _train(task, tmp_path / "full", "--mle-steps", "6", "--rl-steps", "6", *flags)
     part = tmp_path / "part"
-    _train(task, part, "--mle-steps", "3", "--rl-steps", "0", *flags)  # stopped inside the warm start
-    _train(task, part, "--mle-steps", "6", "--rl-steps", "2", "--resume", *flags)  # ... and inside RL
-    _train(task, part, "--mle-steps", "6", "--rl-steps", "6", "--resume", *flags)
+    _train_here(task, part, "--mle-steps", "3", "--rl-steps", "0", *flags)  # stopped inside the warm start
+    _train_here(task, part, "--mle-steps", "6", "--rl-steps", "2", "--resume", *flags)  # ... and inside RL
+    _train_here(task, part, "--mle-steps", "6", "--rl-steps", "6", "--resume", *flags)
     _assert_identical(_params(part / "checkpoint_last.pt"), _params(tmp_path / "full" / "checkpoint_last.pt"))
     rows = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["phase"] in ("mle", "rl")] == list(range(1, 13))
@@ -64,15 +76,15 @@ def test_resume_is_bit_identical_with_sampling(task, tmp_path):
 
 
 def test_resume_is_bit_identical_with_beam(task, tmp_path):
-    _train(task, tmp_path / "full", "--mle-steps", "4", "--rl-steps", "5")
-    _train(task, tmp_path / "part", "--mle-steps", "4", "--rl-steps", "2")
-    _train(task, tmp_path / "part", "--mle-steps", "4", "--rl-steps", "5", "--resume")
+    _train(task, tmp_path / "full", "--mle-steps", "4", "--rl-steps", "5")  # in a fresh process, as above
+    _train_here(task, tmp_path / "part", "--mle-steps", "4", "--rl-steps", "2")
+    _train_here(task, tmp_path / "part", "--mle-steps", "4", "--rl-steps", "5", "--resume")
     _assert_identical(_params(tmp_path / "part" / "checkpoint_last.pt"),
                       _params(tmp_path / "full" / "checkpoint_last.pt"))
 
 
 @pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_finishes_the_step_saves_and_exits(task, tmp_path, signum, code):
+def test_signal_finishes_the_step_saves_and_exits(task, tmp_path, capsys, signum, code):
     save = tmp_path / "run"
     proc = _train(task, save, "--mle-steps", "100000", "--rl-steps", "0", popen=True)
     metrics = save / "metrics.jsonl"
@@ -86,8 +98,10 @@ def test_signal_finishes_the_step_saves_and_exits(task, tmp_path, signum, code):
     state = torch.load(save / "checkpoint_last.pt", weights_only=True)
     last = [json.loads(x) for x in metrics.read_text().splitlines()][-1]
     assert state["step"] == last["step"] >= 2  # the step in flight was finished and saved
-    resumed = _train(task, save, "--mle-steps", str(state["step"] + 2), "--rl-steps", "1", "--resume")
-    assert "end of MLE" in resumed.stdout and "MLE continued" in resumed.stdout
+    capsys.readouterr()
+    _train_here(task, save, "--mle-steps", str(state["step"] + 2), "--rl-steps", "1", "--resume")
+    resumed = capsys.readouterr().out
+    assert "end of MLE" in resumed and "MLE continued" in resumed
 
 
 def _tiny_trainer(task, tmp_path, **overrides):
@@ -177,7 +191,8 @@ def test_resume_without_checkpoint_or_with_other_model_is_refused(task, tmp_path
     argv = ["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--save-dir", str(tmp_path)]
     assert cli.main(argv + ["--resume"]) == 2
     assert "--resume" in capsys.readouterr().err
-    _train(task, tmp_path, "--mle-steps", "1", "--rl-steps", "0")
+    _train_here(task, tmp_path, "--mle-steps", "1", "--rl-steps", "0")
+    capsys.readouterr()
     assert cli.main(argv + [*TINY, "--resume", "--hidden-size", "32"]) == 2
     assert "--hidden-size 16" in capsys.readouterr().err
 

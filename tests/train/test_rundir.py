@@ -3,8 +3,6 @@
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 from twophase.train import cli, rundir
 from twophase.config import Config
 
+import forks
 from taskfiles import task_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,9 +174,8 @@ def test_resume_and_overwrite_remove_the_residue_of_writes_a_killed_process_left
     # a process killed (no clean-up runs) inside save_atomic's torch.save of checkpoint_last.pt
     code = ("import os, sys, torch\nfrom twophase.train.checkpoint import save_atomic\n"
             "def killed(obj, f):\n    f.write(b'half a checkpoint'); f.flush(); os._exit(9)\n"
-            "torch.save = killed\nsave_atomic({'step': 3}, sys.argv[1])\n")
-    done = subprocess.run([sys.executable, "-c", code, str(save / "checkpoint_last.pt")], timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+            f"torch.save = killed\nsave_atomic({{'step': 3}}, {str(save / 'checkpoint_last.pt')!r})\n")
+    done = forks.run(code, timeout=60)  # a process of its own, forked from one that imported torch
     assert done.returncode == 9
     [killed] = [p for p in save.iterdir() if p.name.startswith(".checkpoint_last.pt") and p.name.endswith(".tmp")]
     (save / ".hf_final.tmp").mkdir()
