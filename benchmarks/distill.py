@@ -11,9 +11,9 @@ held when the step began, measured on a separate, untimed step), and the gradien
 TRL's. Then twophase's peak against the vocabulary and the chunk size (rows per chunk), broken down by what
 holds it at that moment (`breakdown`: one more step under the profiler, its Python stacks naming the function
 each live tensor was made in): the parameters' gradients, other tensors of a V-sized parameter's size, the
-output layer's logit blocks (with the divergence's), the prompts' forward with the first completion tokens'
-(rows, V) distributions read from its logits, the teacher's states, the rest (the chunk's graph). "peak - parameter-sized" is the peak less the first two: what
-the step holds beyond what any gradient step of these parameters holds.
+output layer's logit blocks (with the divergence's), the prompts' forward (its graph and their last states),
+the teacher's states, the rest (the chunk's graph). "peak - parameter-sized" is the peak less the first two:
+what the step holds beyond what any gradient step of these parameters holds.
 
 Letters: B prompts, K completions per prompt, N = B K rows, P prompt length, T completion length, V vocabulary.
 """
@@ -84,7 +84,7 @@ def trl_step(trainer, source: dict, s, mask) -> None:
     trainer.compute_loss(trainer.model, inputs).backward()
 
 
-KINDS = ("gradients", "gradient-sized", "logit blocks", "prompts, first tokens", "teacher states", "graph and rest")
+KINDS = ("gradients", "gradient-sized", "logit blocks", "prompts", "teacher states", "graph and rest")
 
 
 def _kind(functions: tuple, size: int, gradient: bool, parameter_sizes: set) -> str:
@@ -95,11 +95,8 @@ def _kind(functions: tuple, size: int, gradient: bool, parameter_sizes: set) -> 
         return "gradients"
     if size in parameter_sizes:
         return "gradient-sized"
-    if {"_first", "_prompt", "divergence_terms"} & set(functions) or functions[-1:] in (
-            ("_weighted_score_backward",), ("log_softmax",)):
-        # the prompts' forward (its graph, their last (B, V) logits) and the first completion tokens' (rows, V)
-        # distributions read from them (made by the causal LM's phase two itself, or its log_softmax)
-        return "prompts, first tokens"
+    if "_prompt" in functions:  # the prompts' forward: its graph and their last states (B, H)
+        return "prompts"
     if "decoded" in functions:
         return "teacher states"
     if "target_log_probs_and_grads" in functions:

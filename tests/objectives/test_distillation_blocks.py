@@ -1,16 +1,14 @@
 """Distillation's memory per block of logits: the divergence holds a few (m, V) blocks at once, whatever V (the
 profiler's allocation record, `AllocationPeak`); the output layer's block loop frees each block's tensors before
-it makes the next block's; a causal LM's first positions, differentiated by autograd, keep one (P, V) tensor for
-backward (`SavedTensorMeter`). Each with its numbers checked against plain float64 autograd of the formula."""
+it makes the next block's. Each with its numbers checked against plain float64 autograd of the formula."""
 import math
 
 import pytest
 import torch
 
 from twophase.models import outputlayer
-from twophase.models.outputlayer import HeadStates
-from twophase.objectives.distill import DistillationLoss, divergence_and_gradient
-from twophase.system.memory import AllocationPeak, SavedTensorMeter
+from twophase.objectives.distill import divergence_and_gradient
+from twophase.system.memory import AllocationPeak
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,27 +88,3 @@ def test_each_block_is_freed_before_the_next():
     (w.double() * logp).sum().backward()
     for got, want in ((tok, logp), (dh, hr.grad), (dw, weightr.grad), (db, biasr.grad)):
         torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("beta", [0.0, 0.25, 1.0])
-def test_the_first_positions_keep_one_block_for_backward(beta):
-    """`divergence_terms` (a causal LM's first completion tokens, on autograd's graph) saves its gradient, one
-    (P, V) tensor, where autograd through the formula's steps kept a handful; its gradient is that formula's."""
-    g = torch.Generator().manual_seed(3)
-    P, T, H, V = 6, 3, 5, 3000
-    teacher = HeadStates(torch.randn(P, T, H, generator=g, dtype=torch.float64),
-                         torch.randn(V, H, generator=g, dtype=torch.float64),
-                         torch.randn(V, generator=g, dtype=torch.float64), torch.zeros(V, dtype=torch.bool))
-    scale = torch.rand(P, generator=g, dtype=torch.float64)
-    loss = DistillationLoss(None, None, beta, 0.7, scale, torch.full((P,), T), states=teacher)
-    row, col = torch.arange(P), torch.randint(0, T, (P,), generator=g)
-    z = 2 * torch.randn(P, V, generator=g, dtype=torch.float64)
-    log_probs = torch.log_softmax(z, -1).requires_grad_()
-    with SavedTensorMeter(resident=[log_probs]) as meter:
-        terms = loss.divergence_terms(log_probs, row, col)
-    assert meter.peak_bytes <= P * V * 8 + 4096, meter.peak_bytes / (P * V * 8)
-    (grad,) = torch.autograd.grad(terms.sum(), log_probs)
-    zt = teacher.logits(row, col)
-    want_D, want = reference(log_probs, zt, beta, 0.7)
-    torch.testing.assert_close(terms, scale * want_D, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(grad, scale[:, None] * want, rtol=1e-10, atol=1e-12)

@@ -200,14 +200,12 @@ def target_log_probs_and_grads(h: Tensor, weight: Tensor, bias: Tensor, target: 
 class HeadStates:
     """A model's output layer and its inputs at every position of N teacher-forced rows, without a graph: what
     another model's divergence from these distributions reads a block of logits at a time (`logits`), never the
-    (N, T, V) logits themselves. Column 0 of a causal LM's rows is predicted from its prompt, whose logits
-    `encode` already holds: `first` = (those (B, V) logits, the rows' owner (N,)) replaces that column's."""
+    (N, T, V) logits themselves."""
 
     hidden: Tensor  # (N, T, H): 0 where a row scores nothing
     weight: Tensor  # (V, H)
     bias: Tensor  # (V,)
     banned: Tensor  # (V,) bool
-    first: tuple | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -215,12 +213,7 @@ class HeadStates:
 
     def logits(self, row: Tensor, col: Tensor) -> Tensor:
         """(m, V) the logits at positions (row (m,), col (m,)), banned tokens at -inf."""
-        z = logits(self.hidden[row, col].to(self.weight.dtype), self.weight, self.bias, self.banned)
-        if self.first is None:
-            return z
-        per_source, owner = self.first
-        first = per_source.index_select(0, owner.index_select(0, row)).to(z.dtype)  # (m, V)
-        return torch.where((col == 0)[:, None], first, z)
+        return logits(self.hidden[row, col].to(self.weight.dtype), self.weight, self.bias, self.banned)
 
 
 def grad_buffer(x: Tensor) -> Tensor:

@@ -80,8 +80,8 @@ def distillation(teacher, beta: float = 1.0, temperature: float = 1.0,
 @dataclass
 class DistillationLoss:
     """The divergence objective over N rows, bound to the teacher's encoder output: what phase two's chunks read
-    (the `tokenweights.ChunkLoss` interface: `derivative` and `terms` of the target's log-probabilities, both
-    zero here, and `divergence` / `divergence_terms` of whole distributions)."""
+    (the `tokenweights.ChunkLoss` interface: `derivative` of the target's log-probabilities, zero here, and
+    `divergence` of whole distributions)."""
 
     teacher: object
     enc: object  # the teacher's encoder output of the B sources
@@ -121,41 +121,14 @@ class DistillationLoss:
         zero = torch.zeros_like(logp)
         return zero, zero, {}
 
-    def terms(self, logp: Tensor, row: Tensor, col: Tensor) -> Tensor:
-        return logp * 0  # (P,) on logp's graph: the target's log-probability adds nothing
-
     def divergence(self, z: Tensor, row: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
         """((m,) D at positions (row, col) whose student logits are z (m, V), (m, V) dD/dz), without a graph."""
         # the teacher's (m, V) logits go straight in, to be consumed there
         return divergence_and_gradient(z, self.states.logits(row, col), self.beta, self.temperature)
 
-    def divergence_terms(self, log_probs: Tensor, row: Tensor, col: Tensor) -> Tensor:
-        """(P,) scale * D at positions (row, col) whose student log-distributions are log_probs (P, V), with
-        autograd's graph (a causal LM's first completion token, read from its prompt's logits)."""
-        D = Divergence.apply(log_probs, self.states.logits(row, col), self.beta, self.temperature)  # (P,)
-        return self.scale.index_select(0, row).to(D.dtype) * D
-
 
 def _log_softmax(z: Tensor, temperature: float) -> Tensor:
     return torch.log_softmax(z / temperature if temperature != 1.0 else z, dim=-1)
-
-
-class Divergence(torch.autograd.Function):
-    """(P,) D between the student's logits (or log-probabilities) z (P, V) and the teacher's zt (P, V), on
-    autograd's graph through z: `divergence_and_gradient`'s value, its gradient saved for backward, the one
-    (P, V) tensor the graph keeps (autograd through the formula's own steps would keep a handful)."""
-
-    @staticmethod
-    def forward(ctx, z: Tensor, zt: Tensor, beta: float, temperature: float) -> Tensor:
-        D, grad = divergence_and_gradient(z, zt, beta, temperature)  # in at least float32
-        ctx.save_for_backward(grad)
-        ctx.dtype = z.dtype
-        return D
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        (grad,) = ctx.saved_tensors
-        return (grad * g[:, None].to(grad.dtype)).to(ctx.dtype), None, None, None
 
 
 def divergence_and_gradient(z: Tensor, zt: Tensor, beta: float, temperature: float) -> tuple[Tensor, Tensor]:

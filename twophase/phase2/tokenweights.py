@@ -60,31 +60,19 @@ class ChunkLoss:
     def entropy_weights(self, row: Tensor, col: Tensor) -> Tensor:
         return self.objective.entropy_weights(row, col)
 
-    def terms(self, logp: Tensor, row: Tensor, col: Tensor, log_probs: Tensor | None = None) -> Tensor:
-        """The loss of positions (row, col) at log-probabilities logp (P,) with autograd's graph (0-dim); with an
-        entropy bonus, log_probs (P, V) are the positions' whole next-token log-distributions."""
-        loss = self.objective.terms(logp, row, col)
-        _, _, sums = self.objective.derivative(logp.detach(), row, col)
-        self._add(loss, sums, len(row))
-        if not self.has_entropy():
-            return loss.sum()
-        if log_probs is None:
+    def terms(self, logp: Tensor, row: Tensor, col: Tensor) -> Tensor:
+        """The loss of positions (row, col) at log-probabilities logp (P,) with autograd's graph (0-dim): for a
+        model whose phase two differentiates its per-token log-probabilities alone, so an objective that needs
+        each position's whole distribution is refused."""
+        if self.has_entropy():
             what = "a divergence from a teacher" if self.has_divergence() else "entropy_coef"
             raise ValueError(f"{what} needs the model's by-hand output layer (weighted_score_backward or "
                              "weighted_tree_backward: the built-in LSTM, the HF wrappers with their head): "
                              "this model's phase two differentiates its per-token log-probabilities alone")
-        total = loss.sum()
-        if self.has_bonus():
-            H = entropy(log_probs)  # (P,)
-            bonus = (self.entropy_weights(row, col).to(log_probs.dtype) * H).sum()
-            self._add(bonus, {}, 0)
-            self.add_entropies(self.objective.entropy_counts(row, col), H)
-            total = total + bonus
-        if self.has_divergence():  # log_probs normalise the logits: the same distributions at any temperature
-            divergence = self.objective.divergence_terms(log_probs, row, col).sum()
-            self._add(divergence, {}, 0)
-            total = total + divergence
-        return total
+        loss = self.objective.terms(logp, row, col)
+        _, _, sums = self.objective.derivative(logp.detach(), row, col)
+        self._add(loss, sums, len(row))
+        return loss.sum()
 
     def add_loss(self, value: Tensor) -> None:
         """Add a term computed elsewhere (a block's entropy bonus) to the chunk's loss."""

@@ -4,9 +4,11 @@
 The source is a tokenizer's output, {"input_ids", "attention_mask"} of (B, P) tensors, left- or right-padded.
 Positions come from the mask as `generate` makes them (cumsum(mask) - 1), so a prompt's completions score the
 same whichever side it was padded on. `encode` runs the prompts once and keeps their key/value cache, their
-mask and the logits at each prompt's last real token: the first completion token's distribution. The prompt's
-last token is therefore read once, by `encode`, and never fed again: the first `step` ignores prev (bos_id)
-and returns those logits' log-softmax; later steps feed one token with the cache. The rows' cache holds their
+mask and what predicts the first completion token at each prompt's last real token: the base model's state
+there where the output layer is known (`heads.find`), so that phase two puts that position through the output
+layer a block of logits at a time like every other, else the model's logits. The prompt's last token is
+therefore read once, by `encode`, and never fed again: the first `step` ignores prev (bos_id) and returns
+those logits' log-softmax; later steps feed one token with the cache. The rows' cache holds their
 completions only: each layer attends over its source's prompt keys and values in `enc`, kept once per source
 (`grouped.prefixed`), where the model's attention allows it (checked at wrap time; else the first step copies
 the prompts' cache to every row).
@@ -17,7 +19,7 @@ prompts are back-propagated once after the last chunk. The prompts cost O(B P) t
 not O(B K P) as re-running prompt + completion per row does; by default their activations are recomputed for
 that backward rather than held through all chunks (`recompute_source`). Where the output layer is known
 (`heads.find`: GPT-2, Llama), a chunk's forward stops at the base model's hidden states and the output layer is
-applied a block of logits at a time, never holding the chunk's (C, T - 1, V) logits.
+applied a block of logits at a time, never holding the chunk's (C, T, V) logits.
 
 Letters: B prompts, P prompt length, N rows (C in a chunk), T completion length, V vocabulary.
 """
@@ -26,10 +28,10 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ... import nested
-from ...phase2 import tokenweights
 from ...protocol import eval_mode, target_mask
 from . import cache, grouped, heads, lora, precision
 from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
@@ -69,19 +71,26 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
 
     def encode(self, source: dict) -> dict:
         """The prompts' cache (one (B, heads, P, head_dim) pair per layer), mask (B, P), first completion
-        position (B,) and next-token logits (B, V)."""
+        position (B,) and, at the last real token, the base model's state (B, H) ("state") where the head is
+        known, else the next-token logits (B, V) ("last")."""
         ids, mask = source["input_ids"], source["attention_mask"]
         real = mask.long().sum(dim=1)  # (B,)
         if bool((real == 0).any()):
             raise ValueError("HFCausalLM: a prompt has no token (attention_mask all zero); a causal model needs at "
                              "least one to predict the completion from (e.g. the bos token)")
-        kv, logits = source_forward(self._prompt, self.recompute_source, ids, mask)
-        return {"kv": kv, "mask": mask, "next": real, "last": logits}
+        kv, last = source_forward(self._prompt, self.recompute_source, ids, mask)
+        return {"kv": kv, "mask": mask, "next": real, ("last" if self.head is None else "state"): last}
 
     def _prompt(self, ids: Tensor, mask: Tensor):
-        """The prompts' cache pairs and the logits (B, V) at each one's last real token."""
+        """The prompts' cache pairs and, at each one's last real token, the base model's state (B, H) where the
+        head is known, else the logits (B, V)."""
         P = ids.shape[1]
         last = P - 1 - mask.long().flip(1).argmax(dim=1)  # (B,) each prompt's last real position
+        rows = torch.arange(len(ids), device=ids.device)
+        if self.head is not None:
+            out = self.model.base_model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask),
+                                        use_cache=True)
+            return self._caches.layers(out), out.last_hidden_state[rows, last]
         extra = {"use_cache": True}
         keep = None
         if self._keep_kw:  # the LM head on those positions only, not on (B, P, V)
@@ -89,7 +98,7 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
             extra["logits_to_keep"] = keep
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), **extra)
         at = last if keep is None else torch.searchsorted(keep, last)  # (B,) into out.logits' positions
-        return self._caches.layers(out), out.logits[torch.arange(len(ids), device=ids.device), at]
+        return self._caches.layers(out), out.logits[rows, at]
 
     def init_state(self, enc: dict, owner: Tensor) -> dict:
         return {"kv": (), "length": None, "fed": None}  # fed None: the first step reads the prompts' logits
@@ -106,8 +115,7 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
             P = 0 if shared else enc["mask"].shape[1]  # cached positions of a row
             kv = () if shared else nested.select_rows(enc["kv"], owner)  # (N, heads, P, head_dim) per layer
             length = P if self._caches.buffered() else None
-            return ({"kv": kv, "length": length, "fed": 0, "shared": shared},
-                    log_softmax(enc["last"].index_select(0, owner)))
+            return {"kv": kv, "length": length, "fed": 0, "shared": shared}, log_softmax(self._first_logits(enc, owner))
         length, shared = state.pop("length"), state.pop("shared")
         kv = list(state.pop("kv"))  # consumed
         if shared:
@@ -122,65 +130,58 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         return {"kv": kv, "length": length, "fed": fed + 1, "shared": shared}, logp
 
     def score(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
-        """(N,) teacher-forced log p(tokens | prompt): the first token from the prompts' logits, the rest from
-        one forward of tokens[:, :-1] on the rows' copy of the prompts' cache."""
+        """(N,) teacher-forced log p(tokens | prompt): the first token from the prompts' last position, the rest
+        from one forward of tokens[:, :-1] on the rows' copy of the prompts' cache."""
         mask = target_mask(tokens, self.pad_id, self.eos_id)
+        if self.head is not None:
+            return heads.log_probs(self.head, self.model, self._states(enc, tokens, owner), tokens, mask)
         total = self._first(enc, tokens, owner, mask)  # (N,)
         if tokens.shape[1] == 1:
             return total
-        if self.head is not None:
-            hidden = self._continue(enc, owner, tokens[:, :-1], 0, self.model.base_model).last_hidden_state
-            return total + heads.log_probs(self.head, self.model, hidden, tokens[:, 1:], mask[:, 1:])
         rest = self._continue(enc, owner, tokens[:, :-1], 0, self.model).logits  # (N, T - 1, V)
         return total + masked_sum(token_log_probs(rest, tokens[:, 1:]), mask[:, 1:])
 
     def token_scores(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
         """(N, T) the per-token log-probabilities `score` sums, 0 past each row's end."""
         mask = target_mask(tokens, self.pad_id, self.eos_id)
+        if self.head is not None:
+            return heads.token_log_probs(self.head, self.model, self._states(enc, tokens, owner), tokens, mask)
         first = self._first(enc, tokens, owner, mask)[:, None]  # (N, 1)
         if tokens.shape[1] == 1:
             return first
-        if self.head is not None:
-            hidden = self._continue(enc, owner, tokens[:, :-1], 0, self.model.base_model).last_hidden_state
-            rest = heads.token_log_probs(self.head, self.model, hidden, tokens[:, 1:], mask[:, 1:])
-        else:
-            rest = token_log_probs(self._continue(enc, owner, tokens[:, :-1], 0, self.model).logits, tokens[:, 1:])
-            rest = torch.where(mask[:, 1:], rest, torch.zeros_like(rest))  # (N, T - 1)
+        rest = token_log_probs(self._continue(enc, owner, tokens[:, :-1], 0, self.model).logits, tokens[:, 1:])
+        rest = torch.where(mask[:, 1:], rest, torch.zeros_like(rest))  # (N, T - 1)
         return torch.cat([first, rest], dim=1)
 
     def _weighted_score_backward(self, enc: dict, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list,
                                  collect: bool):
         mask = target_mask(tokens, self.pad_id, self.eos_id)
-        first = self._first(enc, tokens, owner, mask)  # (N,): (N, V) logits, autograd's
-        if tokenweights.is_token_level(c):  # the first tokens' terms of a token-level objective, by autograd
-            rows = mask[:, 0].nonzero().squeeze(1)
-            dist = None  # an entropy bonus's first positions: their whole distributions (R, V)
-            if c.has_entropy():
-                dist = log_softmax(enc["last"].index_select(0, owner.index_select(0, rows)))
-            first = c.terms(first.index_select(0, rows), rows, torch.zeros_like(rows), dist)
-        else:
-            first = (c.to(first.dtype) * first).sum()
-        if tokens.shape[1] > 1:
-            hidden = self._continue(enc, owner, tokens[:, :-1], 0, self.model.base_model).last_hidden_state
-        else:  # no position after the first: its graph alone
-            weight = self.model.get_output_embeddings().weight
-            hidden = weight.new_zeros(len(tokens), 0, weight.shape[1])  # (N, 0, H)
-        return heads.weighted_backward(self.head, self.model, hidden, tokens[:, 1:], mask[:, 1:], c, inputs,
-                                      collect, extra=first, col_offset=1)
+        return heads.weighted_backward(self.head, self.model, self._states(enc, tokens, owner), tokens, mask, c,
+                                       inputs, collect)
 
     def head_states(self, enc: dict, tokens: Tensor, owner: Tensor):
-        """The output layer and its inputs at every position of rows tokens (N, T) (`outputlayer.HeadStates`):
-        column 0 from the prompts' last logits, the rest from the base model's states."""
-        weight = self.model.get_output_embeddings().weight
-        hidden = weight.new_zeros(len(tokens), 1, weight.shape[1])  # (N, 1, H): column 0 reads enc["last"]
-        if tokens.shape[1] > 1:
-            rest = self._continue(enc, owner, tokens[:, :-1], 0, self.model.base_model).last_hidden_state
-            hidden = torch.cat([hidden.to(rest.dtype), rest], dim=1)  # (N, T, H)
-        return heads.states(self.head, self.model, hidden, first=(enc["last"], owner))
+        """The output layer and its inputs at every position of rows tokens (N, T) (`outputlayer.HeadStates`)."""
+        return heads.states(self.head, self.model, self._states(enc, tokens, owner))
+
+    def _states(self, enc: dict, tokens: Tensor, owner: Tensor) -> Tensor:
+        """(N, T, H) the base model's states that predict tokens (N, T): column 0 the prompt's last, the rest
+        from one forward of tokens[:, :-1] on the rows' copy of the prompts' cache (the head is known)."""
+        first = enc["state"].index_select(0, owner)[:, None]  # (N, 1, H)
+        if tokens.shape[1] == 1:
+            return first
+        rest = self._continue(enc, owner, tokens[:, :-1], 0, self.model.base_model).last_hidden_state
+        return torch.cat([first.to(rest.dtype), rest], dim=1)  # (N, T, H)
+
+    def _first_logits(self, enc: dict, owner: Tensor) -> Tensor:
+        """(N, V) the logits of each row's first completion token."""
+        if self.head is None:
+            return enc["last"].index_select(0, owner)
+        weight, bias = self.head.parts(self.model)
+        return F.linear(self.head.hidden(enc["state"].index_select(0, owner)).to(weight.dtype), weight, bias)
 
     def _first(self, enc: dict, tokens: Tensor, owner: Tensor, mask: Tensor) -> Tensor:
         """(N,) log p of each row's first token, from the prompts' last logits (0 where the row scores none)."""
-        tok = token_log_probs(enc["last"].index_select(0, owner)[:, None], tokens[:, :1])  # (N, 1)
+        tok = token_log_probs(self._first_logits(enc, owner)[:, None], tokens[:, :1])  # (N, 1)
         return masked_sum(tok, mask[:, :1])
 
     def _continue(self, enc: dict, owner: Tensor, inputs: Tensor, fed: int, module, kv: list | None = None,

@@ -150,34 +150,30 @@ def token_log_probs(head: Head, model, hidden: Tensor, tokens: Tensor, mask: Ten
 
 
 def weighted_backward(head: Head, model, hidden: Tensor, tokens: Tensor, mask: Tensor, c, inputs: list,
-                      collect: bool, extra: Tensor | None = None, col_offset: int = 0) -> tuple[Tensor, list]:
+                      collect: bool) -> tuple[Tensor, list]:
     """Phase two's chunk (see `twophase.protocol`, `weighted_score_backward`): loss = sum_i c_i log p_i over the
-    positions mask (N, T) scores at hidden (N, T, H), plus `extra` (a 0-dim loss term on the same graph: the
-    causal LM's first tokens), and its gradients with respect to inputs; without collect they go into .grad.
-    c may be a token-level objective (`twophase.phase2.tokenweights.ChunkLoss`): the row's positions are then tokens'
-    columns + col_offset (the causal LM's first token is column 0 of its rows)."""
+    positions mask (N, T) scores at hidden (N, T, H), and its gradients with respect to inputs; without collect
+    they go into .grad. c may be a token-level objective (`twophase.phase2.tokenweights.ChunkLoss`)."""
     weight, bias = head.parts(model)
     h, target, valid = _scored_positions(head.hidden(hidden), tokens, mask)
     T = max(mask.shape[1], 1)
-    row, col = valid // T, valid % T + col_offset  # (M,) each
+    row, col = valid // T, valid % T  # (M,) each
     # each position's d loss / d log p: its row's coefficient, in the precision log p is summed in
     w = tokenweights.weights(c, row, col, outputlayer.sum_dtype(weight))  # (M,)
     banned = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
-    roots = () if extra is None else ((extra, torch.ones_like(extra)),)
-    tok, grads = outputlayer.backward_from_hidden(h, weight, bias, target, banned, w, inputs, collect, roots)
+    tok, grads = outputlayer.backward_from_hidden(h, weight, bias, target, banned, w, inputs, collect)
     with torch.no_grad():
-        if tokenweights.is_token_level(w):  # the accumulated objective already holds `extra`'s terms
+        if tokenweights.is_token_level(w):
             return tokenweights.weighted_sum(w, tok), grads
-        loss = (w * tok).sum()
-        return (loss if extra is None else loss + extra.detach().to(loss.dtype)), grads
+        return (w * tok).sum(), grads
 
 
-def states(head: Head | None, model, hidden: Tensor, first: tuple | None = None) -> outputlayer.HeadStates:
+def states(head: Head | None, model, hidden: Tensor) -> outputlayer.HeadStates:
     """The output layer and its inputs hidden (N, T, H), scaled as the head scales them, for another model's
-    divergence from these distributions (`twophase.objectives.distill`); `first` as `HeadStates.first`."""
+    divergence from these distributions (`twophase.objectives.distill`)."""
     if head is None:
         raise ValueError(f"{type(model).__name__}'s output layer is not known (twophase.models.hf.heads): its "
                          "distributions cannot be read a block at a time")
     weight, bias = head.parts(model)
     banned = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)  # the wrappers ban nothing
-    return outputlayer.HeadStates(head.hidden(hidden), weight, bias, banned, first)
+    return outputlayer.HeadStates(head.hidden(hidden), weight, bias, banned)
