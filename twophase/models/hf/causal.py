@@ -177,7 +177,8 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         if self.head is None:
             return enc["last"].index_select(0, owner)
         weight, bias = self.head.parts(self.model)
-        return F.linear(self.head.hidden(enc["state"].index_select(0, owner)).to(weight.dtype), weight, bias)
+        logits = F.linear(self.head.hidden(enc["state"]).to(weight.dtype), weight, bias)  # (B, V)
+        return logits.index_select(0, owner)
 
     def _first(self, enc: dict, tokens: Tensor, owner: Tensor, mask: Tensor) -> Tensor:
         """(N,) log p of each row's first token, from the prompts' last logits (0 where the row scores none)."""
