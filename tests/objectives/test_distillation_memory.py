@@ -71,6 +71,17 @@ def chunk_peaks(student, teacher, source, s, chunk, prefix_sharing):
     return [max(d, g + t) for d, g, t in zip(decodes, graphs, states)]
 
 
+def _decode_peak_per_row_step(planner, teacher, student, source, samples) -> float:
+    """The teacher's decode of the planner's probe rows (their longest length), its peak tensor bytes per row-step
+    as the profiler's allocation record has it."""
+    rows = samples.select(torch.arange(planner.probe_rows))
+    longest = int(rows.lengths.max())
+    bound = distillation(teacher).bind(student, source, rows)
+    with AllocationPeak() as decode:
+        bound.decoded(rows.tokens[:, :longest], rows.owner)
+    return decode.peak_bytes / (len(rows) * longest)
+
+
 @pytest.mark.parametrize("width", [32, 96])
 def test_the_teachers_pass_shrinks_the_chunk_by_its_cost(batch, width):
     student, source, s = batch
@@ -82,12 +93,8 @@ def test_the_teachers_pass_shrinks_the_chunk_by_its_cost(batch, width):
     # the teacher's states: H_teacher float32 numbers per row-step, whatever the student
     assert planner.held_per_row_step == width * 4
     # its decode's peak, as the profiler's allocation record has it, on the probe's rows
-    rows = s.select(torch.arange(planner.probe_rows))
-    longest = int(rows.lengths.max())
-    bound = distillation(teacher).bind(student, source, rows)
-    with AllocationPeak() as decode:
-        bound.decoded(rows.tokens[:, :longest], rows.owner)
-    assert planner.decode_per_row_step == pytest.approx(decode.peak_bytes / (len(rows) * longest), rel=0.02)
+    assert planner.decode_per_row_step == pytest.approx(_decode_peak_per_row_step(planner, teacher, student, source,
+                                                                                 s), rel=0.02)
     # the chunk's peak: the decode's, or the student's graph (its decoder's, the divergence being differentiated
     # by hand) beside the states
     assert planner.objective_per_row_step == max(planner.decode_per_row_step, planner.per_row_step + width * 4)
@@ -180,11 +187,7 @@ def test_hugging_face_teachers_are_counted_too(kind):
     plain = planner.chunk_size(student, source, s)
     distilled = planner.chunk_size(student, source, s, distillation(teacher))
     assert planner.held_per_row_step == 48 * 8
-    probe = s.select(torch.arange(planner.probe_rows))
-    longest = int(probe.lengths.max())
-    bound = distillation(teacher).bind(student, source, probe)
-    with AllocationPeak() as decode:
-        bound.decoded(probe.tokens[:, :longest], probe.owner)
-    assert planner.decode_per_row_step == pytest.approx(decode.peak_bytes / (len(probe) * longest), rel=0.02)
+    assert planner.decode_per_row_step == pytest.approx(_decode_peak_per_row_step(planner, teacher, student, source,
+                                                                                 s), rel=0.02)
     assert planner.objective_per_row_step >= planner.per_row_step + 48 * 8
     assert distilled == int(budget // (planner.objective_per_row_step * T)) <= plain

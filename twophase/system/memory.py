@@ -123,6 +123,33 @@ def storage_bytes(tensors: Iterable[Tensor]) -> int:
     return sum(dict(_storage_key(t) for t in tensors).values())
 
 
+class _LiveStorages:
+    """Bytes of the storages that objects handed to `hold` keep alive, each storage counted once however many of
+    them share it (until the last dies), and the peak of that sum."""
+
+    def __init__(self):
+        self._refs: dict[int, int] = {}  # storage address -> live holders
+        self._sizes: dict[int, int] = {}  # storage address -> bytes, while held
+        self.live_bytes = self.peak_bytes = 0
+
+    def __contains__(self, key: int) -> bool:
+        """Whether the storage was ever held here."""
+        return key in self._refs
+
+    def hold(self, holder, key: int, nbytes: int) -> None:
+        if self._refs.get(key, 0) == 0:
+            self._sizes[key] = nbytes
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        weakref.finalize(holder, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            self.live_bytes -= self._sizes.pop(key)
+
+
 class _Held:
     """What the graph stores in place of a saved tensor; its death tells the meter the graph let go."""
 
@@ -144,12 +171,19 @@ class SavedTensorMeter:
 
     def __init__(self, resident: Iterable[Tensor] = ()):
         self._resident = {_storage_key(t)[0] for t in resident}
-        self._refs: dict[int, int] = {}  # storage address -> saved tensors holding it
-        self._sizes: dict[int, int] = {}  # storage address -> bytes
+        self._saved = _LiveStorages()  # held by the graph's saved tensors
         self._seen: set[int] = set()
         self._resident_seen: set[int] = set()
-        self.live_bytes = self.peak_bytes = self.total_bytes = self.resident_bytes = 0
+        self.total_bytes = self.resident_bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    @property
+    def live_bytes(self) -> int:
+        return self._saved.live_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._saved.peak_bytes
 
     def __enter__(self) -> "SavedTensorMeter":
         self._hooks.__enter__()
@@ -169,22 +203,12 @@ class SavedTensorMeter:
         if key not in self._seen:
             self._seen.add(key)
             self.total_bytes += nbytes
-        if self._refs.get(key, 0) == 0:
-            self._sizes[key] = nbytes
-            self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self._refs[key] = self._refs.get(key, 0) + 1
-        weakref.finalize(held, self._release, key)
+        self._saved.hold(held, key, nbytes)
         return held
 
     @staticmethod
     def _unpack(held: _Held) -> Tensor:
         return held.tensor
-
-    def _release(self, key: int) -> None:
-        self._refs[key] -= 1
-        if self._refs[key] == 0:
-            self.live_bytes -= self._sizes.pop(key)
 
 
 class AllocationPeak:
@@ -222,14 +246,20 @@ class TensorPeak(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self._refs: dict[int, int] = {}  # storage address -> live tensors created in the block on it
-        self._sizes: dict[int, int] = {}
+        self._created_here = _LiveStorages()  # held by tensors created in the block
         self._before: set[int] = set()
-        self.live_bytes = self.peak_bytes = 0
+
+    @property
+    def live_bytes(self) -> int:
+        return self._created_here.live_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._created_here.peak_bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in tree_leaves((args, kwargs)):
-            if isinstance(t, Tensor) and _storage_key(t)[0] not in self._refs:
+            if isinstance(t, Tensor) and _storage_key(t)[0] not in self._created_here:
                 self._before.add(_storage_key(t)[0])
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
@@ -241,17 +271,7 @@ class TensorPeak(TorchDispatchMode):
         key, nbytes = _storage_key(t)
         if key in self._before or nbytes == 0:
             return
-        if self._refs.get(key, 0) == 0:
-            self._sizes[key] = nbytes
-            self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self._refs[key] = self._refs.get(key, 0) + 1
-        weakref.finalize(t, self._release, key)
-
-    def _release(self, key: int) -> None:
-        self._refs[key] -= 1
-        if self._refs[key] == 0:
-            self.live_bytes -= self._sizes.pop(key)
+        self._created_here.hold(t, key, nbytes)
 
 
 def graph_bytes(model, source, samples, coefficients: Tensor, chunk_size: int, prefix_sharing: bool = True) -> int:
