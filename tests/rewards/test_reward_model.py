@@ -8,6 +8,7 @@ import json
 import os
 import math
 import re
+import shutil
 import subprocess
 import sys
 
@@ -216,6 +217,25 @@ def test_a_reward_models_folder_is_recorded_as_an_absolute_path(folders, monkeyp
         f"hf:{d / 'bert'},edit,hf:{d / 'bert'},tests.x:fn"
     assert weighted.recorded(f"hf:{d / 'bert'}") == f"hf:{d / 'bert'}"
     assert weighted.recorded("bleu,,edit") == "bleu,,edit"  # an empty name is from_flags' to refuse
+
+
+def test_a_folder_whose_path_holds_a_comma_is_one_reward(folders, monkeypatch):
+    """The comma-separated list keeps a reward model's folder whole where its path holds a comma, in what a run
+    records and in what it builds."""
+    d = folders["root"]
+    odd = d / "rm,v2"
+    if not odd.exists():
+        shutil.copytree(folders["bert"], odd)
+    monkeypatch.chdir(d)
+    assert weighted.names("edit,rm,v2, hf:rm,v2,exact") == ["edit", "rm,v2", "hf:rm,v2", "exact"]
+    assert weighted.recorded("edit,rm,v2") == f"edit,hf:{odd}"
+    total = weighted.from_flags(f"hf:{odd},edit", None)
+    assert total.names == ["rm,v2", "edit"]
+    refs = [["c d"], ["b"], ["a"], ["b b"], ["f g h"]]
+    model = [_direct(odd, s, h, add_special_tokens=True) for s, h in zip(PROMPTS, COMPLETIONS)]
+    assert total(COMPLETIONS, refs, sources=PROMPTS) == pytest.approx(
+        [m + e for m, e in zip(model, rewards.edit(COMPLETIONS, refs))], rel=1e-6, abs=1e-6)
+    assert weighted.names("bleu,,edit") == ["bleu", "", "edit"]  # an empty name stays from_flags' to refuse
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gpt2"])

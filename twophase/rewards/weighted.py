@@ -11,6 +11,7 @@ Letters: N candidates, J rewards.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable
 
 
@@ -74,11 +75,28 @@ def mean_std(sums: dict[str, float], names: list[str]) -> dict[str, float | None
     return out
 
 
+def names(spec: str) -> list[str]:
+    """The rewards of `--reward spec`, comma-separated: a piece runs on over the commas after it where the
+    longer text names a reward model's folder (a path may hold a comma), the longest such text first."""
+    from .hfmodel import PREFIX
+
+    def model_folder(text: str) -> bool:
+        folder = text[len(PREFIX):] if text.startswith(PREFIX) else text
+        return os.path.isfile(os.path.join(folder, "config.json"))
+
+    pieces, out, i = spec.split(","), [], 0
+    while i < len(pieces):
+        end = next((j for j in range(len(pieces), i + 1, -1) if model_folder(",".join(pieces[i:j]).strip())), i + 1)
+        out.append(",".join(pieces[i:end]).strip())
+        i = end
+    return out
+
+
 def recorded(spec: str) -> str:
-    """`--reward spec` as a run records it: each of its comma-separated rewards as `registry.recorded` does."""
+    """`--reward spec` as a run records it: each of its rewards (`names`) as `registry.recorded` does."""
     from .registry import recorded as one
 
-    return ",".join(one(s.strip()) for s in spec.split(","))
+    return ",".join(one(s) for s in names(spec))
 
 
 def from_flags(spec: str, weights: str | None, device: Any = None, causal: bool = False):
@@ -87,7 +105,7 @@ def from_flags(spec: str, weights: str | None, device: Any = None, causal: bool 
     scoring prompt + completion where `causal` (see `registry.get`). RewardError (one line) on bad input."""
     from .registry import RewardError, get
 
-    specs = [s.strip() for s in spec.split(",")]
+    specs = names(spec)
     if not all(specs):
         raise RewardError(f"--reward {spec}: an empty reward name in the list")
     if weights is None and len(specs) == 1:

@@ -314,7 +314,7 @@ def reward_of(reward, spec: str, weights: str | None):
     completions, ...)`), or a list of them summed with --reward-weights, validated as a plug-in of that name:
     a RewardError (one line) names it where it fails."""
     fns = list(reward) if isinstance(reward, (list, tuple)) else [reward]
-    names = [s.strip() for s in spec.split(",")]
+    names = weighted.names(spec)
     for fn in fns:
         if not callable(fn):
             raise rewards.RewardError(f"reward {fn!r}: {type(fn).__name__} object is not callable")

@@ -19,6 +19,7 @@ from . import checkpoint
 from .checkpoint import CheckpointError, load
 from ..system.fsdp import load_saved, saved_state
 from ..config.rules import same, show
+from ..rewards import weighted
 
 # Flags that give the model its shape and ids: --init-from takes them from the checkpoint and refuses others.
 # LoRA's rank, scale and modules too: a --lora-r checkpoint holds the adapters alone, which only continue on
@@ -198,7 +199,7 @@ def check_reference(cfg, model) -> None:
 def unimportable(spec: str | None) -> list[str]:
     """The names in a reward spec (Config.reward) that no other program can import: a function of `__main__` (a
     script or notebook given to twophase.fit), a lambda, a function defined inside another."""
-    names = [s.strip() for s in (spec or "").split(",")]
+    names = weighted.names(spec or "")
     return [s for s in names if s.partition(":")[0] == "__main__" or "<locals>" in s or "<lambda>" in s]
 
 
