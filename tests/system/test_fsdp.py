@@ -174,7 +174,14 @@ def test_fsdp_on_two_processes_equals_one_and_resumes_exactly(tmp_path, monkeypa
 
     for name in cases:
         one, both = _load(tmp_path / f"one_{name}"), _load(tmp_path / f"two_{name}")
-        assert _relative(one["model"], both["model"]) < (1e-4 if name.startswith("karel") else 1e-5), name
+        # the first step's loss and gradient norm to float32's portable 1e-5; the parameters after a few Adam
+        # steps to 1e-4: Adam moves a coordinate by about lr whatever its gradient's size, so where a gradient is
+        # near zero the rounding of a rank's shapes and of the thread count (two threads: 1.2e-5 for "tree")
+        # moves it by a sizeable share of lr
+        first = [_rows(tmp_path / f"{run}_{name}")[0] for run in ("one", "two")]
+        assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5), name
+        assert first[1]["grad_norm"] == pytest.approx(first[0]["grad_norm"], rel=1e-5), name
+        assert _relative(one["model"], both["model"]) < 1e-4, name
         # a single process's layout: plain whole tensors, the same keys and shapes, optimizer state included
         assert {k: v.shape for k, v in one["model"].items()} == {k: v.shape for k, v in both["model"].items()}
         assert all(type(v) is torch.Tensor for v in both["model"].values())
@@ -211,11 +218,7 @@ def _check_karel(d: Path) -> None:
     """Karel inside the grammar's wrapper. Its masked tokens' gradient is 0 up to float32 rounding, which Adam's
     first step turns into +-lr (in one process the chunk size alone moves the parameters by 2.6e-5 here, 1.4e-7
     without the grammar): the parameters are compared to 1e-4 above, the first step's loss and gradient norm to
-    float32's portable 1e-5 here."""
-    for name in ("karel", "karel_policy"):
-        first = [_rows(d / f"{run}_{name}")[0] for run in ("one", "two")]
-        assert first[1]["grad_norm"] == pytest.approx(first[0]["grad_norm"], rel=1e-5)
-        assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)
+    float32's portable 1e-5 there too."""
     # the policy's sharded reference inside the wrapper: a plain run's keys, whole tensors; its KL one process's
     refs = [_load(d / f"{run}_karel_policy")["policy"]["reference"]["state"] for run in ("one", "two")]
     assert refs[0].keys() == refs[1].keys() == _load(d / "one_karel")["model"].keys()
