@@ -402,3 +402,23 @@ def test_decode_of_a_fit_run_with_its_own_model_says_how(task, tmp_path, capsys)
                         str(tmp_path / "in.txt")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "twophase.fit(config, model=...)) decodes in Python" in err, err
+
+
+def test_a_value_an_older_version_recorded_and_this_one_refuses_is_one_line(finished, tmp_path, capsys):
+    """A checkpoint whose recorded config holds a value this version refuses (--dropout 1, once allowed): --resume
+    and twophase-decode each say so in one line naming where it came from, exit 2, and the file is untouched."""
+    from twophase.train import decode
+
+    save = tmp_path / "run"
+    save.mkdir()
+    state = load(finished / "checkpoint_last.pt")
+    state["config"]["dropout"] = 1.0
+    save_atomic(state, save / "checkpoint_last.pt")
+    before = (save / "checkpoint_last.pt").read_bytes()
+    (tmp_path / "in.txt").write_text("a b\n")
+    capsys.readouterr()
+    assert cli.main(["--save-dir", str(save), "--resume", "--rl-steps", "3"]) == 2
+    _one_line(capsys, "--resume's checkpoint: Config.dropout: must be in [0, 1), got 1")
+    assert decode.main(["--checkpoint", str(save / "checkpoint_last.pt"), "--input", str(tmp_path / "in.txt")]) == 2
+    _one_line(capsys, f"--checkpoint {save / 'checkpoint_last.pt'}: its recorded configuration: Config.dropout")
+    assert (save / "checkpoint_last.pt").read_bytes() == before

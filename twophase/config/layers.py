@@ -36,6 +36,14 @@ def merged(layers: list[Layer]) -> tuple[dict, dict]:
 
 def resolve(layers: list[Layer]) -> tuple[Config, dict]:
     """The Config of the layers, and where each value not Config's default came from ({field: origin});
-    ValueError (one line) where the merged values are not a valid Config."""
+    ValueError (one line) where the merged values are not a valid Config, naming the layer of a refused value
+    where it is not the command line's (a checkpoint records values an older version allowed)."""
     values, origins = merged(layers)
-    return Config(**values), origins
+    try:
+        return Config(**values), origins
+    except ValueError as err:
+        field_name = str(err).partition(":")[0].removeprefix("Config.")
+        origin = origins.get(field_name)
+        if origin is None or origin == "command line":
+            raise
+        raise ValueError(f"{origin}: {err}") from None

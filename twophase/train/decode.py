@@ -73,7 +73,10 @@ def load_model(path: str, device: torch.device, hf_model: str | None = None):
                          f"{Path(path) / 'checkpoint_best.pt'}")
     state = load(path, mmap=True)  # on the CPU, the optimizer's state never read; the model's copied onto device
     saved = state["config"]
-    cfg = config_from_dict(saved)
+    try:
+        cfg = config_from_dict(saved)
+    except ValueError as err:  # a value an older version recorded that this one refuses
+        raise UsageError(f"--checkpoint {path}: its recorded configuration: {err}") from None
     if hf_model is not None:
         if cfg.hf_model is None:
             raise UsageError(f"--hf-model: {path} was not trained with --hf-model")
