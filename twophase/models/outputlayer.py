@@ -224,29 +224,26 @@ def grad_buffer(x: Tensor) -> Tensor:
 
 
 def backward_from_hidden(h: Tensor, weight: Tensor, bias: Tensor, target: Tensor, banned: Tensor, w: Tensor,
-                         inputs: list, collect: bool, roots: tuple = (), late=None) -> tuple[Tensor, list]:
+                         inputs: list, collect: bool, late=None) -> tuple[Tensor, list]:
     """log p(target) at h (M,) and the gradients of sum_m w[m] log p_m with respect to inputs: the output layer's
-    by hand (`target_log_probs_and_grads`), the rest back-propagated from h, together with `roots` ((tensor,
-    gradient) pairs: other terms of the loss on the same graph). Without collect the gradients are added into
-    .grad and the returned list is empty. `late()` (optional) gives (parameter, gradient) pairs known only once
-    that backward ran (the LSTM's deferred weights). The weight may also be an input embedding (tied): h's
-    backward adds the embedding's share to the same gradient."""
+    by hand (`target_log_probs_and_grads`), the rest back-propagated from h. Without collect the gradients are
+    added into .grad and the returned list is empty. `late()` (optional) gives (parameter, gradient) pairs known
+    only once that backward ran (the LSTM's deferred weights). The weight may also be an input embedding (tied):
+    h's backward adds the embedding's share to the same gradient."""
     with torch.no_grad():
         into = [None if collect or not p.requires_grad else grad_buffer(p) for p in (weight, bias)]
         tok, dh, dweight, dbias = target_log_probs_and_grads(h, weight, bias, target, banned, w, dw=into[0],
                                                              db=into[1])
-    outs = [(x, g) for x, g in ((h, dh), *roots) if x.requires_grad]
-    tensors, grads_out = [x for x, _ in outs], [g for _, g in outs]
     if not collect:
-        if outs:
-            torch.autograd.backward(tensors, grads_out, inputs=inputs)
+        if h.requires_grad:
+            torch.autograd.backward(h, dh, inputs=inputs)
         with torch.no_grad():
             for param, extra in late() if late is not None else ():
                 grad_buffer(param).add_(extra)
         return tok, []
     grads = [None] * len(inputs)
-    if outs:
-        grads = list(torch.autograd.grad(tensors, inputs, grads_out, allow_unused=True))  # frees the graph
+    if h.requires_grad:
+        grads = list(torch.autograd.grad(h, inputs, dh, allow_unused=True))  # frees the graph
     for param, extra in [(weight, dweight), (bias, dbias)] + (late() if late is not None else []):
         for j, x in enumerate(inputs):
             if x is param:
