@@ -28,7 +28,6 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ... import nested
@@ -176,9 +175,7 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         """(N, V) the logits of each row's first completion token."""
         if self.head is None:
             return enc["last"].index_select(0, owner)
-        weight, bias = self.head.parts(self.model)
-        logits = F.linear(self.head.hidden(enc["state"]).to(weight.dtype), weight, bias)  # (B, V)
-        return logits.index_select(0, owner)
+        return self.head.logits(self.model, enc["state"]).index_select(0, owner)  # (B, V) logits, then per row
 
     def _first(self, enc: dict, tokens: Tensor, owner: Tensor, mask: Tensor) -> Tensor:
         """(N,) log p of each row's first token, from the prompts' last logits (0 where the row scores none)."""

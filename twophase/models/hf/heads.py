@@ -66,13 +66,18 @@ class Head:
     def hidden(self, h: Tensor) -> Tensor:
         return h if self.scale == 1.0 else h * self.scale
 
+    def logits(self, model, h: Tensor) -> Tensor:
+        """(..., V) the model's logits at its last hidden states h (..., H), by this head."""
+        weight, bias = self.parts(model)
+        return F.linear(self.hidden(h).to(weight.dtype), weight, bias)
+
     def agrees(self, model, hidden: Tensor, logits: Tensor) -> bool:
         """Whether this head maps hidden (..., H) to the model's own logits (..., V), to rounding: 8 units in
         the last place of the coarser dtype, at least 1e-3, relative to the largest logit (equal infinities, a
         banned token's -inf bias, agree)."""
         with torch.no_grad():
-            weight, bias = self.parts(model)
-            ours = F.linear(self.hidden(hidden).to(weight.dtype), weight, bias).double()
+            weight, _ = self.parts(model)
+            ours = self.logits(model, hidden).double()
             theirs = logits.double()
             gap = torch.where(ours == theirs, 0.0, (ours - theirs).abs())  # nan where only one is infinite
             eps = max(torch.finfo(logits.dtype).eps, torch.finfo(weight.dtype).eps)
