@@ -27,9 +27,19 @@ BATCH = 64  # texts per forward: all of a step's candidates at once could exceed
 PREFIX = "hf:"
 
 
+def folder_of(spec: str) -> str:
+    """The folder `--reward spec` names: spec without its `hf:`."""
+    return spec[len(PREFIX):] if spec.startswith(PREFIX) else spec
+
+
+def holds_model(spec: str) -> bool:
+    """Whether the folder `spec` names holds a config.json."""
+    return os.path.isfile(os.path.join(folder_of(spec), "config.json"))
+
+
 def is_folder_spec(spec: str) -> bool:
     """Whether `--reward spec` names a reward model: `hf:FOLDER`, or a folder holding a config.json."""
-    return spec.startswith(PREFIX) or os.path.isfile(os.path.join(spec, "config.json"))
+    return spec.startswith(PREFIX) or holds_model(spec)
 
 
 class RewardModel:
@@ -38,7 +48,7 @@ class RewardModel:
 
     def __init__(self, spec: str, device: Any = None, causal: bool = False):
         self.spec, self.causal = spec, causal
-        folder = spec[len(PREFIX):] if spec.startswith(PREFIX) else spec
+        folder = folder_of(spec)
         self.model, self.tokenizer = load(folder, f"--reward {spec}")
         if device is not None:
             self.model.to(device)

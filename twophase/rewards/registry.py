@@ -130,7 +130,7 @@ def recorded(name: str) -> str:
     from . import hfmodel
 
     if name.startswith(hfmodel.PREFIX):
-        return hfmodel.PREFIX + os.path.abspath(name[len(hfmodel.PREFIX):])
+        return hfmodel.PREFIX + os.path.abspath(hfmodel.folder_of(name))
     if name and ":" not in name and name not in BUILTINS and hfmodel.is_folder_spec(name) \
             and _load_entry_point(name) is None:  # as `get` finds it: a folder never hides a reward's name
         return hfmodel.PREFIX + os.path.abspath(name)

@@ -11,7 +11,6 @@ Letters: N candidates, J rewards.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable
 
 
@@ -78,15 +77,11 @@ def mean_std(sums: dict[str, float], names: list[str]) -> dict[str, float | None
 def names(spec: str) -> list[str]:
     """The rewards of `--reward spec`, comma-separated: a piece runs on over the commas after it where the
     longer text names a reward model's folder (a path may hold a comma), the longest such text first."""
-    from .hfmodel import PREFIX
-
-    def model_folder(text: str) -> bool:
-        folder = text[len(PREFIX):] if text.startswith(PREFIX) else text
-        return os.path.isfile(os.path.join(folder, "config.json"))
+    from .hfmodel import holds_model
 
     pieces, out, i = spec.split(","), [], 0
     while i < len(pieces):
-        end = next((j for j in range(len(pieces), i + 1, -1) if model_folder(",".join(pieces[i:j]).strip())), i + 1)
+        end = next((j for j in range(len(pieces), i + 1, -1) if holds_model(",".join(pieces[i:j]).strip())), i + 1)
         out.append(",".join(pieces[i:end]).strip())
         i = end
     return out
