@@ -88,12 +88,8 @@ FAILING_COMPILER = r"""
 import logging
 import torch
 from twophase import beam_search, compiled
-from conftest import tiny_model, toy_batch  # the working directory is tests/
-
-def _same_candidates(a, b):
-    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.owner, b.owner)
-    torch.testing.assert_close(a.scores, b.scores, rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(a.token_scores, b.token_scores, rtol=1e-9, atol=1e-9)
+from conftest import tiny_model, toy_batch  # the working directory is tests/; conftest puts its folders on the path
+from test_compiling import _same_candidates
 
 calls, warned = [], []
 
