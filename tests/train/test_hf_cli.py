@@ -42,6 +42,7 @@ def folder(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
     hf_tiny.save(d / "t5", "t5", seed=1)
     hf_tiny.save(d / "gpt2", "gpt2")
+    hf_tiny.save(d / "marian", "marian", seed=2)
     def reversed_(sources):
         return [(src, " ".join(reversed(src.split()))) for src in sources]
     _write_tsv(d / "train.tsv", reversed_(["a b c", "d e", "f", "g h a", "b d", "c e g", "h", "a f", "e b c",
@@ -128,6 +129,42 @@ def test_hf_model_trains_saves_resumes_and_decodes(kind, folder, monkeypatch, ca
         _fails_with_one_line(["--checkpoint", str(save / "checkpoint_last.pt"), "--input", "in.txt", "--max-len",
                               "62"], capsys, "in.txt:1: source has 3 tokens; with --max-len 62 the model needs 65 "
                               "positions, more than its 64", entry=decode.main)
+
+
+def test_a_marian_runs_hf_final_is_the_model_it_trained(folder, monkeypatch, capsys, one_thread):
+    """Marian's sinusoidal position tables require grad under transformers 5 but its save_pretrained drops them
+    (from_pretrained rebuilds them): they are not trained, so hf_final's logits are the checkpoint's."""
+    from transformers import AutoModelForSeq2SeqLM
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    assert _run(folder, "marian", "--mle-steps", "4", "--rl-steps", "1", "--no-compare-mle", "--lr", "0.05") == 0
+    save = folder / "run_marian"
+    trained, task, _ = decode.load_model(str(save / "checkpoint_last.pt"), torch.device("cpu"))
+    final = AutoModelForSeq2SeqLM.from_pretrained(save / "hf_final", local_files_only=True).eval()
+    source = task.collate([Example("a b c", ["c b a"]), Example("d e", ["e d"])], torch.device("cpu"))
+    prefix = torch.tensor([[0, 6, 5], [0, 8, 1]])  # decoder inputs: start (pad), then words
+    with torch.no_grad():
+        got = final(**source, decoder_input_ids=prefix).logits
+        want = trained.model(**source, decoder_input_ids=prefix).logits
+    assert torch.equal(got, want), (got - want).abs().max()
+    start = hf_tiny.seq2seq("marian", seed=2).float()  # the folder's model: training moved every matrix
+    assert not torch.equal(final.model.shared.weight, start.model.shared.weight)
+
+
+def test_an_export_that_reloads_otherwise_is_refused(folder, monkeypatch, capsys, one_thread):
+    """Trained as before the fix (the position tables too), hf_final would reload as another model: the export
+    is read back with from_pretrained, found to differ and refused in one line; the checkpoint keeps the model."""
+    from twophase.models.hf import seq2seq
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setattr(seq2seq, "freeze_unsaved", lambda model: [])
+    argv = ["--train", "train.tsv", "--valid", "valid.tsv", "--hf-model", "marian", "--save-dir", "run_unfrozen",
+            *TINY, "--mle-steps", "2", "--rl-steps", "0"]
+    _fails_with_one_line(argv, capsys, "hf_final: reloaded with from_pretrained, its parameter "
+                                      "model.encoder.embed_positions.weight differs from the trained model's")
+    save = folder / "run_unfrozen"
+    assert not (save / "hf_final").exists() and not (save / ".hf_final.tmp").exists()
+    assert torch.load(save / "checkpoint_last.pt", weights_only=True)["step"] == 2
 
 
 def test_ids_and_strings_of_the_task(folder):

@@ -199,6 +199,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         rundir.remove(stale)  # --overwrite's old run; the residue of writes a killed process left
     training = Run.assemble(run_cfg, task, model, reward, device, teacher.load(run_cfg, task, model, device))
     training.setup(state, base_model=base)  # --resume's checkpoint; the frozen base every checkpoint records
+    training.own_model = own_model
     if training.is_main and not cfg.eval_only:
         start_run_dir(training, state, recipe_defaults(cfg))
     if cfg.tensorboard and training.is_main and not cfg.eval_only:
