@@ -89,5 +89,37 @@ def test_the_fields_passed_are_remembered_outside_equality_and_the_record():
     assert dataclasses.replace(a, lr=0.1).given() == {f.name for f in dataclasses.fields(Config)}
 
 
+def test_an_assigned_field_is_checked_and_counts_as_given():
+    """`cfg.beam_size = 4` after construction is the user's, as a constructor keyword is: fit runs with it, even
+    where it equals Config's default and the task's recipe says otherwise (g2p's 10,000 MLE steps)."""
+    from twophase.train.fit import resolved
+    cfg = Config(beam_size=3)
+    cfg.beam_size, cfg.lr, cfg.mle_steps = 4, 0.05, Config().mle_steps
+    assert cfg.given() == {"beam_size", "lr", "mle_steps"}
+    run, _, _ = resolved(cfg)
+    assert (run.beam_size, run.lr, run.mle_steps) == (4, 0.05, 4000)
+    assert resolved(Config())[0].mle_steps == 10000  # the recipe's, where the field was not set
+
+
+@pytest.mark.parametrize("name, value, line", [
+    ("lr", float("nan"), "Config.lr: expected a finite number, got nan"),
+    ("beam_size", 0, "Config.beam_size: must be >= 1, got 0"),
+    ("beam_size", 4.0, "Config.beam_size: expected an integer, got 4.0"),
+    ("sampler", "greedy", 'Config.sampler: expected one of beam, sample, sbs, got "greedy"'),
+])
+def test_an_invalid_assignment_is_refused_and_changes_nothing(name, value, line):
+    cfg = Config()
+    with pytest.raises(ValueError) as info:
+        setattr(cfg, name, value)
+    assert str(info.value) == line
+    assert cfg == Config() and cfg.given() == frozenset()
+
+
+def test_a_misspelt_assignment_is_refused():
+    cfg = Config()
+    with pytest.raises(AttributeError, match="Config has no field 'beam_sise'"):
+        cfg.beam_sise = 4
+
+
 def test_twophase_config_is_the_config():
     assert twophase.Config is Config
