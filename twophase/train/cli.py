@@ -193,8 +193,18 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
         reward=None) -> Result:
     """What train.py runs once its flags are resolved, printing what it prints; also `twophase.fit`'s. Bad input
     raises (UsageError, DataError, ...: one line each), a signal Interrupted after the save. `model`, `task`,
-    `reward`: build's (a user's own)."""
-    training = build(cfg, start, given, model=model, task=task, reward=reward)
+    `reward`: build's (a user's own). The save dir's lock, taken before the run's first write, is released
+    whichever way this returns."""
+    lock = rundir.RunLock()
+    try:
+        return _run_locked(cfg, start, given, lock, model=model, task=task, reward=reward)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: Config, start: dict | None, given: frozenset | None, lock: rundir.RunLock, *, model, task,
+                reward) -> Result:
+    training = build(cfg, start, given, model=model, task=task, reward=reward, lock=lock)
     if cfg.eval_only:
         scores = evaluate(training)
         table = report.evaluation_table(training.trainer.task, scores)
