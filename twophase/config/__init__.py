@@ -27,7 +27,7 @@ from . import rules as configrules
 from . import values
 from .documented import DEFAULT_BEAM, PRESETS, _flag, parse_chunk, parse_size  # noqa: F401 (the package's names)
 from .runsections import EvaluationConfig, PhaseTwoConfig, RunConfig, StepConfig, SystemConfig  # noqa: F401
-from .sections import (FIELDS, SECTION_OF, SECTIONS, SHAPING_FLAGS, TASK_EXTRA, TASK_SECTIONS,  # noqa: F401
+from .sections import (FIELDS, KINDS, SECTION_OF, SECTIONS, SHAPING_FLAGS, TASK_EXTRA, TASK_SECTIONS,  # noqa: F401
                        DataConfig, KarelConfig, LoraConfig, MLEConfig, ModelConfig, PolicyConfig, RLConfig,
                        SearchConfig, section_fields)
 
@@ -200,7 +200,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     groups = {name: parser.add_argument_group(name, section_help(cls)) for name, cls in SECTIONS.items()}
     for f in fields(Config):
         group = groups[SECTION_OF[f.name]]
-        kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type).split(" ")[0]]
+        kind = {"int": int, "float": float, "str": str, "bool": bool}[KINDS[f.name][0]]
         default = f.default if f.default is not MISSING else None
         # None means "not given"; the help text says what that does where it matters.
         # %(default)s: the help shows the defaults the parser ends with (a task's recipe with --task, a preset's)

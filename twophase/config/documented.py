@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import re
+import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Union, get_args, get_origin
 
 FIXED = "fixed"        # must equal the checkpoint's value
 GROW = "may grow"      # may be raised, never lowered (--rl-steps: a longer RL phase)
@@ -80,6 +81,14 @@ def arg(default, help: str, choices=None, minimum=None, parse=None, resume=FIXED
     return field(default=default, metadata=dict(help=help, choices=choices, minimum=minimum, parse=parse,
                                                 resume=resume, only=only, inherited=inherited, path=path,
                                                 task_reads=task_reads, below=below))
+
+
+def plain_kinds(hint) -> tuple[str, ...]:
+    """The plain types a field's resolved annotation allows, by name ("int", "float", "str", "bool", "None"): a
+    Literal's (a choice field's) are its values' type."""
+    parts = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    return tuple("None" if part is type(None) else type(get_args(part)[0]).__name__ if get_origin(part) is Literal
+                 else part.__name__ for part in parts)
 
 
 def parse_chunk(text: str) -> int | str:

@@ -5,8 +5,17 @@ threads, precision, compilation, sharding). Each is a dataclass of documented fi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from .documented import DEFAULT_BEAM, FREE, PRESETS, Only, arg, check_size, parse_chunk
+
+# The choices of the choice fields, as types (a type checker reads them; --help and the checks read get_args)
+Preset = Literal["g2p-long", "karel-paper"]
+Export = Literal["last", "best"]
+Amp = Literal["off", "bf16", "fp16"]
+Compile = Literal["off", "on", "aot_eager", "eager"]
+assert get_args(Preset) == tuple(PRESETS), "a preset without its name in Preset"
+
 
 @dataclass
 class PhaseTwoConfig:
@@ -71,8 +80,8 @@ class RunConfig:
     """The run: its recipe and seed, its directory, checkpoints and logs, and what this command does with it
     (continue, start from, evaluate, export; docs/runs.md)."""
 
-    preset: str | None = arg(None, "a named recipe that sets other defaults (the flags given still win): "
-                                   "g2p-long (docs/g2p.md), karel-paper (docs/karel.md)", choices=tuple(PRESETS))
+    preset: Preset | None = arg(None, "a named recipe that sets other defaults (the flags given still win): "
+                                   "g2p-long (docs/g2p.md), karel-paper (docs/karel.md)", choices=get_args(Preset))
     tensorboard: bool = arg(False, "also write the metrics as TensorBoard scalars to <save-dir>/tensorboard "
                                    "(needs the tensorboard package: pip install 'twophase[tb]')", resume=FREE)
     picture: bool = arg(True, "at the end of the run draw <save-dir>/curves.png: the arms from the branch point "
@@ -106,11 +115,11 @@ class RunConfig:
     eval_only: bool = arg(False, "evaluate the checkpoint of --resume, --resume-from or --init-from on the "
                                  "validation and test data, print the table, write nothing", resume=FREE,
                           inherited=False)
-    export: str | None = arg(None, "export the run's last model, or its checkpoint_best.pt's, at the end: into "
+    export: Export | None = arg(None, "export the run's last model, or its checkpoint_best.pt's, at the end: into "
                                    "the task's own export (--hf-model's <save-dir>/hf_final) or, for every other "
                                    "model, <save-dir>/model_final.pt, what twophase-decode reads without the run "
                                    "(default: --hf-model's hf_final of the last model; nothing else)",
-                             choices=("last", "best"), resume=FREE)
+                             choices=get_args(Export), resume=FREE)
 
 
 RunConfig.title = "run: directory, checkpoints, logs"
@@ -137,15 +146,15 @@ class SystemConfig:
     fsdp: bool = arg(False, "under torchrun: shard parameters, gradients and Adam's moments over the processes "
                             "(PyTorch FSDP2); a step gathers the parameters once; docs/distributed.md",
                      resume=FREE, inherited=False)
-    amp: str = arg("off", "automatic mixed precision of both phases and the MLE steps: matmuls in bf16 or fp16 "
+    amp: Amp = arg("off", "automatic mixed precision of both phases and the MLE steps: matmuls in bf16 or fp16 "
                           "under torch.autocast, parameters, gradients and log-softmax in float32; fp16 (with "
-                          "loss scaling) needs CUDA, bf16 runs on CPU and CUDA", choices=("off", "bf16", "fp16"),
+                          "loss scaling) needs CUDA, bf16 runs on CPU and CUDA", choices=get_args(Amp),
                    resume=FREE)
-    compile: str = arg("off", "phase one's decode step (search, validation) through torch.compile: on (inductor), "
+    compile: Compile = arg("off", "phase one's decode step (search, validation) through torch.compile: on (inductor), "
                               "or aot_eager / eager (dynamo's tracing without code generation, to check that a "
                               "model traces); phase two stays eager; where compiling fails the run goes on "
                               "eagerly after one warning line (docs/compile.md)",
-                       choices=("off", "on", "aot_eager", "eager"), resume=FREE, inherited=False)
+                       choices=get_args(Compile), resume=FREE, inherited=False)
 
 
 SystemConfig.title = "system"

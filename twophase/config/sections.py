@@ -9,9 +9,22 @@ one flat record.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Literal, get_args, get_type_hints
 
-from .documented import FREE, GROW, MRT_ALPHA, PHASE, SET, Only, arg
+from .documented import FREE, GROW, MRT_ALPHA, PHASE, SET, Only, arg, plain_kinds
 from .runsections import EvaluationConfig, PhaseTwoConfig, RunConfig, StepConfig, SystemConfig
+
+# The choices of the choice fields, as types: a type checker flags Config(objective="reinforse").
+TooLong = Literal["error", "skip"]
+KarelModel = Literal["pooled", "paper"]
+RewardPairs = Literal["all", "shown"]
+Sampler = Literal["beam", "sample", "sbs"]
+OnOff = Literal["off", "on"]
+Objective = Literal["reinforce", "beam", "mrt", "policy", "distill", "priority", "unordered-set"]
+Baseline = Literal["none", "mean", "loo", "greedy"]
+LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo", "sequence"]
+AdvantageScale = Literal["group", "batch", "none"]
+SamplingLevel = Literal["token", "sequence"]
 
 _HF_LSTM = Only("hf_model", None, "--hf-model: {flag} sets the built-in LSTM; a Hugging Face model's size and "
                                   "dropout are its config's (dropout applies to its MLE steps)")
@@ -52,9 +65,9 @@ class DataConfig:
                                         "data, whose words are lower-case)")
     max_src_len: int = arg(200, "longest source accepted, in tokens (with --hf-model: the tokenizer's, its special "
                                 "tokens included)", minimum=1)
-    too_long: str = arg("error", "a TSV line longer than --max-src-len, or whose target does not fit in --max-len "
+    too_long: TooLong = arg("error", "a TSV line longer than --max-src-len, or whose target does not fit in --max-len "
                                  "with its EOS: 'error' (stop, naming FILE:LINE) or 'skip' (leave out, counted)",
-                        choices=("error", "skip"))
+                        choices=get_args(TooLong))
     target_vocab: str | None = arg(None, "the built-in LSTM's output tokens, whitespace-separated in this file, "
                                          "beside the references' (without references, in place of the prompts' "
                                          "tokens): a token a reward wants that no training reference holds "
@@ -92,9 +105,9 @@ class KarelConfig:
     """The Karel task's model and reward (--task karel; docs/karel.md). --hidden-size, --embed-dim and --dropout
     apply to its model too; the defaults are CPU sizes, --preset karel-paper has the paper's."""
 
-    karel_model: str = arg("pooled", "'pooled' (the pair embeddings max-pooled into one vector before one LSTM "
+    karel_model: KarelModel = arg("pooled", "'pooled' (the pair embeddings max-pooled into one vector before one LSTM "
                                      "decodes) or 'paper' (Bunel et al.'s IOs2Seq: an LSTM per pair, max-pooled at "
-                                     "every step; sized by the --karel-* flags)", choices=("pooled", "paper"))
+                                     "every step; sized by the --karel-* flags)", choices=get_args(KarelModel))
     karel_channels: int = arg(32, "channels of the paper model's residual CNN (even: each world's first "
                                   "convolution gives half; the paper: 64)", minimum=2)
     karel_blocks: int = arg(1, "residual blocks of three 3x3 convolutions in the paper model (the paper: 2)",
@@ -102,10 +115,10 @@ class KarelConfig:
     karel_pair_dim: int = arg(128, "size of each I/O pair's embedding in the paper model (the paper: 512)",
                               minimum=1)
     karel_layers: int = arg(2, "LSTM decoder layers of the paper model (the paper: 2)", minimum=1)
-    karel_reward_pairs: str = arg("all", "RL on a training task shown 5 of its 6 pairs: the reward checks all 6 "
+    karel_reward_pairs: RewardPairs = arg("all", "RL on a training task shown 5 of its 6 pairs: the reward checks all 6 "
                                          "(Bunel et al.'s released RL command, environment "
                                          "BlackBoxGeneralization) or the 5 shown (their Consistency environment)",
-                                  choices=("all", "shown"),
+                                  choices=get_args(RewardPairs),
                                   only=Only("task", "karel", "{flag} applies to {switch} {value} only"))
 
 
@@ -155,8 +168,8 @@ MLEConfig.title = "MLE warm start"
 class SearchConfig:
     """Phase one: how the candidates are found (beam search, sampling, stochastic beam search), no graph kept."""
 
-    sampler: str = arg("beam", "'beam' search, ancestral 'sample', or 'sbs' (stochastic beam search: K distinct "
-                               "samples without replacement, docs/sbs.md)", choices=("beam", "sample", "sbs"))
+    sampler: Sampler = arg("beam", "'beam' search, ancestral 'sample', or 'sbs' (stochastic beam search: K distinct "
+                               "samples without replacement, docs/sbs.md)", choices=get_args(Sampler))
     beam_size: int = arg(8, "candidates per source (beam width or number of samples), K", minimum=1)
     temperature: float = arg(1.0, "sampling temperature of --sampler sample (scores stay the model's own); "
                                   "not with --objective reinforce, whose gradient it would bias; with --objective "
@@ -164,9 +177,9 @@ class SearchConfig:
                              only=Only("sampler", "sample"))
     max_len: int = arg(32, "longest candidate phase one may produce, EOS included (with --hf-model: in the "
                            "tokenizer's tokens)", minimum=1)
-    grammar: str = arg("off", "on: every search, score and gradient uses the model renormalised over the tokens the "
+    grammar: OnOff = arg("off", "on: every search, score and gradient uses the model renormalised over the tokens the "
                               "task's grammar allows (no syntax errors; karel: on, its DSL); twophase-decode "
-                              "follows the checkpoint (docs/constraints.md)", choices=("off", "on"))
+                              "follows the checkpoint (docs/constraints.md)", choices=get_args(OnOff))
     top_k: int = arg(0, "sampling (--sampler sample) draws from the k most probable tokens only (0: all); scores "
                         "stay the model's own log-probabilities", minimum=0)
     top_p: float = arg(1.0, "sampling (--sampler sample) draws from the smallest set of tokens whose probability "
@@ -185,17 +198,17 @@ class RLConfig:
     rl_steps: int = arg(600, "two-phase RL steps after the warm start", minimum=0, resume=GROW)
     batch_size: int = arg(32, "sources per RL step", minimum=1)
     rl_lr: float = arg(2e-4, "Adam learning rate during RL", minimum=0.0)
-    objective: str = arg("beam", "reinforce, beam (expected reward renormalised over the candidates, "
+    objective: Objective = arg("beam", "reinforce, beam (expected reward renormalised over the candidates, "
                                  "Bunel et al. 2018), mrt (minimum risk training, Shen et al. 2016), policy "
                                  "(token-level clipped ratios and KL, TRL's GRPO losses: docs/policy.md), distill "
                                  "(on-policy distillation from --teacher, TRL's DistillationTrainer loss: "
                                  "docs/distillation.md), or with --sampler sbs: priority (importance weights p/q) or "
                                  "unordered-set (with its built-in baseline, Kool et al. 2020), both unbiased "
                                  "(docs/sbs.md)",
-                         choices=("reinforce", "beam", "mrt", "policy", "distill", "priority", "unordered-set"))
-    baseline: str | None = arg(None, "REINFORCE baseline: none, mean, loo (leave-one-out) or greedy "
+                         choices=get_args(Objective))
+    baseline: Baseline | None = arg(None, "REINFORCE baseline: none, mean, loo (leave-one-out) or greedy "
                                      "(self-critical); with --objective reinforce, or policy (none, mean, loo) "
-                                     "(default: mean)", choices=("none", "mean", "loo", "greedy"))
+                                     "(default: mean)", choices=get_args(Baseline))
     mrt_alpha: float = arg(MRT_ALPHA, "MRT sharpness alpha: Q ∝ p^alpha over a source's candidates", minimum=0.0,
                            only=Only("objective", "mrt"))
     compare_mle: bool = arg(True, "after RL, continue MLE from the end-of-MLE state at --rl-lr for the RL "
@@ -236,9 +249,9 @@ class PolicyConfig:
     """The token-level policy objective: clipped importance ratios, a KL to a frozen reference, entropy terms
     (TRL's GRPO losses; docs/policy.md)."""
 
-    loss_type: str = arg("dapo", "TRL's loss types (grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo) or "
+    loss_type: LossType = arg("dapo", "TRL's loss types (grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo) or "
                                  "sequence (per-sequence sums, averaged per source)",
-                         choices=("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo", "sequence"),
+                         choices=get_args(LossType),
                          parse=parse_loss_type)
     updates_per_generation: int = arg(1, "optimizer steps per phase one (TRL's num_iterations), each a phase two "
                                          "over the same candidates", minimum=1)
@@ -251,12 +264,12 @@ class PolicyConfig:
                                              "use_bias_correction_kl)")
     ref_checkpoint: str | None = arg(None, "the KL reference's parameters (with --kl-beta) from this checkpoint "
                                            "file instead of the end-of-MLE model")
-    advantage_scale: str = arg("group", "divide advantages by the source's reward std, the batch's, or not "
-                                        "(TRL's scale_rewards)", choices=("group", "batch", "none"))
+    advantage_scale: AdvantageScale = arg("group", "divide advantages by the source's reward std, the batch's, or not "
+                                        "(TRL's scale_rewards)", choices=get_args(AdvantageScale))
     drop_zero_std: bool = arg(False, "sources whose candidates' rewards are all equal leave phase two (DAPO's "
                                      "dynamic sampling; counted as dropped_groups)")
-    importance_sampling_level: str = arg("token", "the importance ratio per token, or per sequence (GSPO: exp of "
-                                                  "the row's mean log-ratio)", choices=("token", "sequence"))
+    importance_sampling_level: SamplingLevel = arg("token", "the importance ratio per token, or per sequence (GSPO: exp of "
+                                                  "the row's mean log-ratio)", choices=get_args(SamplingLevel))
     delta: float | None = arg(None, "two-sided clipping, the unclipped ratio capped at delta (clipped loss types; "
                                     "> 1 + --clip-epsilon-high)", minimum=0.0)
     sapo_temperature_pos: float = arg(1.0, "the soft gate's temperature of --loss-type sapo where the advantage "
@@ -301,6 +314,8 @@ SECTIONS = {"data": DataConfig, "model": ModelConfig, "karel": KarelConfig, "lor
 
 SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}  # field -> its section's name
 FIELDS = {f.name: f for cls in SECTIONS.values() for f in fields(cls)}
+# each field's plain types, from its annotation resolved ("int", "str", "None", ...; a choice field's Literal: "str")
+KINDS = {name: plain_kinds(hint) for cls in SECTIONS.values() for name, hint in get_type_hints(cls).items()}
 assert len(FIELDS) == sum(len(fields(cls)) for cls in SECTIONS.values()), "a field in two sections"
 
 
