@@ -2,6 +2,7 @@
 the constructor and as an attribute) and a choice that is none of a field's, and passes the right ones; an invalid Config cannot be made (a one-line ValueError naming the field, or
 the flags of a contradiction); the fields passed to the constructor are remembered, outside equality and the
 record."""
+import argparse
 import configparser
 import dataclasses
 import os
@@ -93,6 +94,28 @@ def test_the_readme_installs_what_mypy_follows_and_ships_py_typed():
     options = configparser.ConfigParser()
     options.read(ROOT / "setup.cfg")
     assert options["options.package_data"]["twophase"].split() == ["py.typed"]
+
+
+def test_every_fields_help_is_the_docstring_editors_show():
+    """An editor shows a field's help on hover from the docstring written after it (as pyright and Pylance read
+    attribute docstrings); --help prints that very text."""
+    import ast
+    import inspect
+    from twophase.config import SECTIONS, add_config_flags
+    helps = {}
+    for cls in SECTIONS.values():
+        body = ast.parse(inspect.getsource(inspect.getmodule(cls))).body
+        [node] = [n for n in body if isinstance(n, ast.ClassDef) and n.name == cls.__name__]
+        for field, after in zip(node.body, node.body[1:] + [None]):
+            if isinstance(field, ast.AnnAssign):
+                assert isinstance(after, ast.Expr) and isinstance(after.value.value, str), field.target.id
+                helps[field.target.id] = " ".join(after.value.value.split())
+    assert set(helps) == {f.name for f in dataclasses.fields(Config)}
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    for action in parser._actions[1:]:
+        name = action.dest
+        assert action.help.replace("%%", "%").startswith(helps[name]), name
 
 
 @pytest.mark.parametrize("values, line", [
