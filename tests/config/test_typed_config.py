@@ -1,6 +1,7 @@
 """`twophase.Config` is a dataclass a type checker reads, as the README installs it: mypy flags a misspelt field (in
-the constructor and as an attribute) and a choice that is none of a field's, and passes the right ones; an invalid Config cannot be made (a one-line ValueError naming the field, or
-the flags of a contradiction); the fields passed to the constructor are remembered, outside equality and the
+the constructor and as an attribute) and a choice that is none of a field's, and passes the right ones; an invalid
+Config cannot be made (a one-line ValueError naming the field, or the flags of a contradiction), nor made invalid
+by an assignment; the fields passed to the constructor or assigned are remembered, outside equality and the
 record."""
 import argparse
 import configparser

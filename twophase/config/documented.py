@@ -1,6 +1,7 @@
 """The vocabulary of the configuration's sections: a documented field (`arg`: default, choices, minimum, parser,
-resume rule; its help text the docstring after it, read by `take_help`), a condition under which a section or a field applies (`Only`), the parsers of the
-fields whose text an annotation's type cannot read, and the named recipes (`PRESETS`).
+resume rule; its help text the docstring after it, read by `take_help`), a condition under which a section or a
+field applies (`Only`), the parsers of the fields whose text an annotation's type cannot read, and the named
+recipes (`PRESETS`).
 """
 from __future__ import annotations
 

@@ -284,14 +284,13 @@ def save_export(model, cfg, task, save_dir, step: int, base_model: dict | None, 
 
 def check_export(model, path: Path, build) -> None:
     """ExportMismatch (one line) where --export's file, read back as twophase-decode reads it (its parameters
-    loaded into the model the task builds, `build()`, on the host), is not `model`, parameter by parameter. A
-    model of the run's own (`build` None: twophase.fit(model=...)) is rebuilt by its user's code from the file's
-    tensors: those are compared, its trainable parameters' (the frozen ones are not saved)."""
+    loaded into the model the task builds, `build()`, on the host), is not `model`, entry by entry of their state
+    dicts (the names checkpoints use: a grammar's or compile's wrapper names the model's). A model of the run's
+    own (`build` None: twophase.fit(model=...)) is rebuilt by its user's code from the file's tensors: those are
+    compared."""
     state = load(path, mmap=True)
-    trained = dict(model.named_parameters())
     if build is None:
-        reloaded = state["model"]
-        trained = {name: p for name, p in trained.items() if p.requires_grad}
+        trained, reloaded = saved_state(model), state["model"]
     else:
         rebuilt = build()
         try:
@@ -299,8 +298,8 @@ def check_export(model, path: Path, build) -> None:
         except RuntimeError as err:
             raise ExportMismatch(f"{path}: its parameters do not fit the model its task builds "
                                  f"({str(err).strip().splitlines()[-1].strip()}): not exported") from None
-        reloaded = dict(rebuilt.named_parameters())
-    wrong = first_difference(trained, reloaded)
+        trained, reloaded = model.state_dict(), rebuilt.state_dict()
+    wrong = first_difference(trained, reloaded, "tensor")
     if wrong is not None:
         raise ExportMismatch(f"{path}: read back as twophase-decode reads it, {wrong}: not exported")
 
