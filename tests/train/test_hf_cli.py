@@ -1,6 +1,7 @@
 """`train.py --task tsv --hf-model DIR` end to end on tiny T5 and GPT-2 folders (save_pretrained of a random model
 and the word-level tokenizer of hf_tiny): MLE, RL, validation, --compare-mle, the test split, hf_final, --resume,
-twophase-decode, the strings a reward receives, and one-line refusals of bad folders and flags."""
+twophase-decode, the strings a reward receives, and one-line refusals of bad folders and flags; hf_final on Marian,
+BART and Llama folders too, and an export that would reload otherwise refused."""
 import importlib.util
 import json
 import sys
@@ -42,7 +43,9 @@ def folder(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
     hf_tiny.save(d / "t5", "t5", seed=1)
     hf_tiny.save(d / "gpt2", "gpt2")
-    hf_tiny.save(d / "marian", "marian", seed=2)
+    for kind in ("marian", "bart"):
+        hf_tiny.save(d / kind, kind, seed=2)
+    hf_tiny.save(d / "llama", "llama")
     def reversed_(sources):
         return [(src, " ".join(reversed(src.split()))) for src in sources]
     _write_tsv(d / "train.tsv", reversed_(["a b c", "d e", "f", "g h a", "b d", "c e g", "h", "a f", "e b c",
@@ -131,24 +134,28 @@ def test_hf_model_trains_saves_resumes_and_decodes(kind, folder, monkeypatch, ca
                               "positions, more than its 64", entry=decode.main)
 
 
-def test_a_marian_runs_hf_final_is_the_model_it_trained(folder, monkeypatch, capsys, one_thread):
-    """Marian's sinusoidal position tables require grad under transformers 5 but its save_pretrained drops them
-    (from_pretrained rebuilds them): they are not trained, so hf_final's logits are the checkpoint's."""
-    from transformers import AutoModelForSeq2SeqLM
+@pytest.mark.parametrize("kind", ["marian", "bart", "llama"])
+def test_hf_final_is_the_model_it_trained(kind, folder, monkeypatch, capsys, one_thread):
+    """hf_final reloaded with from_pretrained is the trained checkpoint, parameter by parameter and in its logits,
+    for the families beside T5 and GPT-2 (above). Marian's sinusoidal position tables require grad under
+    transformers 5 but its save_pretrained drops them (from_pretrained rebuilds them): they are not trained."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
     monkeypatch.chdir(folder)
     monkeypatch.syspath_prepend(str(folder))
-    assert _run(folder, "marian", "--mle-steps", "4", "--rl-steps", "1", "--no-compare-mle", "--lr", "0.05") == 0
-    save = folder / "run_marian"
+    assert _run(folder, kind, "--mle-steps", "4", "--rl-steps", "1", "--no-compare-mle", "--lr", "0.05") == 0
+    save = folder / f"run_{kind}"
     trained, task, _ = decode.load_model(str(save / "checkpoint_last.pt"), torch.device("cpu"))
-    final = AutoModelForSeq2SeqLM.from_pretrained(save / "hf_final", local_files_only=True).eval()
+    auto = AutoModelForCausalLM if kind == "llama" else AutoModelForSeq2SeqLM
+    final = auto.from_pretrained(save / "hf_final", local_files_only=True).eval()
+    mine = dict(trained.model.named_parameters())
+    assert all(torch.equal(p, mine[name]) for name, p in final.named_parameters())
     source = task.collate([Example("a b c", ["c b a"]), Example("d e", ["e d"])], torch.device("cpu"))
-    prefix = torch.tensor([[0, 6, 5], [0, 8, 1]])  # decoder inputs: start (pad), then words
+    prefix = {} if kind == "llama" else {"decoder_input_ids": torch.tensor([[0, 6, 5], [0, 8, 1]])}
     with torch.no_grad():
-        got = final(**source, decoder_input_ids=prefix).logits
-        want = trained.model(**source, decoder_input_ids=prefix).logits
+        got, want = final(**source, **prefix).logits, trained.model(**source, **prefix).logits
     assert torch.equal(got, want), (got - want).abs().max()
-    start = hf_tiny.seq2seq("marian", seed=2).float()  # the folder's model: training moved every matrix
-    assert not torch.equal(final.model.shared.weight, start.model.shared.weight)
+    start = (hf_tiny.causal(kind) if kind == "llama" else hf_tiny.seq2seq(kind, seed=2)).float()
+    assert not torch.equal(final.get_input_embeddings().weight, start.get_input_embeddings().weight)  # trained
 
 
 def test_an_export_that_reloads_otherwise_is_refused(folder, monkeypatch, capsys, one_thread):
