@@ -4,8 +4,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -239,15 +237,14 @@ def test_one_process_at_a_time_writes_into_a_save_dir(task, tmp_path, capsys):
     line naming the folder and the first process; SIGTERM ends the first with its save and releases the lock; a
     lock whose process was killed (no clean-up) is taken over with a note."""
     save = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TWOPHASE_PICTURE="off")
-    first = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *_argv(
-        task, save, "--mle-steps", "1000000", "--rl-steps", "0", "--eval-every", "1000000", "--save-every", "1")],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = forks.spawn(argv=[ROOT / "train.py", *_argv(task, save, "--mle-steps", "1000000", "--rl-steps", "0",
+                                                         "--eval-every", "1000000", "--save-every", "1")],
+                        env={"TWOPHASE_PICTURE": "off"})
     try:
         deadline = time.monotonic() + 120
         while not (save / "checkpoint_last.pt").exists():  # its first step saved: it holds the directory
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
-            time.sleep(0.2)
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
         holder = json.loads((save / rundir.LOCK).read_text())
         assert holder["pid"] == first.pid
         capsys.readouterr()
@@ -256,14 +253,10 @@ def test_one_process_at_a_time_writes_into_a_save_dir(task, tmp_path, capsys):
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and f"--save-dir {save} is in use by another run (process {first.pid} on " \
                 f"{holder['host']}, started {holder['started']}; its lock {save / rundir.LOCK})" in err, err
-        assert first.poll() is None  # the refused runs touched nothing of the first
-        first.send_signal(signal.SIGTERM)
-        _, err = first.communicate(timeout=120)
     finally:
-        if first.poll() is None:
-            first.kill()
-            first.communicate()
-    assert first.returncode == 143, err
+        os.kill(first.pid, signal.SIGTERM)  # the first run finishes its step, saves and exits 143
+        done = first.wait(timeout=120)
+    assert done.returncode == 143, done.stderr
     assert not (save / rundir.LOCK).exists() and (save / "checkpoint_last.pt").exists()
 
     # kill -9 while holding it: the file stays, its process is gone
