@@ -108,7 +108,8 @@ class RunLock:
                                "started": datetime.now(timezone.utc).isoformat(timespec="seconds")
                                .replace("+00:00", "Z")})
             os.ftruncate(fd, 0)
-            os.pwrite(fd, (mine + "\n").encode(), 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, (mine + "\n").encode())
             self.path, self._fd = path, fd
             self._on_sigterm()
             return
@@ -150,7 +151,8 @@ def _exit_on_sigterm(signum, frame):
 def _holder(fd: int) -> dict:
     """The lock file's record of its holder ({"pid", "host", "started"}), or {} (empty, unreadable)."""
     try:
-        found = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        os.lseek(fd, 0, os.SEEK_SET)
+        found = json.loads(os.read(fd, 4096).decode() or "{}")
     except (OSError, ValueError):
         return {}
     return found if isinstance(found, dict) else {}
