@@ -158,6 +158,9 @@ def test_an_assigned_field_is_checked_and_counts_as_given():
     run, _, _ = resolved(cfg)
     assert (run.beam_size, run.lr, run.mle_steps) == (4, 0.05, 4000)
     assert resolved(Config())[0].mle_steps == 10000  # the recipe's, where the field was not set
+    cfg.beam_size = 1  # valid alone; the checks across fields run where the Config is used
+    with pytest.raises(ValueError, match="--beam-size 1 with --objective beam trains nothing"):
+        resolved(cfg)
 
 
 @pytest.mark.parametrize("name, value, line", [
