@@ -144,6 +144,7 @@ def test_hf_final_is_the_model_it_trained(kind, folder, monkeypatch, capsys, one
     monkeypatch.syspath_prepend(str(folder))
     assert _run(folder, kind, "--mle-steps", "4", "--rl-steps", "1", "--no-compare-mle", "--lr", "0.05") == 0
     save = folder / f"run_{kind}"
+    assert "base_model" not in torch.load(save / "checkpoint_last.pt", weights_only=True)  # nothing frozen it needs
     trained, task, _ = decode.load_model(str(save / "checkpoint_last.pt"), torch.device("cpu"))
     auto = AutoModelForCausalLM if kind == "llama" else AutoModelForSeq2SeqLM
     final = auto.from_pretrained(save / "hf_final", local_files_only=True).eval()

@@ -320,7 +320,8 @@ def check_export(model, path: Path, build) -> None:
 #
 # which is cheap for any model size and equals on any device (no reduction). `check` refuses a model whose base
 # differs, in one line naming both folders. A model without frozen parameters records nothing (its checkpoint
-# holds every parameter); a checkpoint written before the record existed is not checked.
+# holds every parameter), nor does one whose frozen parameters are those its own loader rebuilds from the config
+# (`rebuilt_on_load`: Marian's position tables); a checkpoint written before the record existed is not checked.
 SAMPLE = 64  # values read per frozen tensor
 VOLATILE = ("transformers_version", "torch_dtype", "dtype", "architectures", "name_or_path")
 
@@ -340,7 +341,8 @@ def folder_config(folder: str | None) -> dict | None:
 def fingerprint(model: torch.nn.Module, config: dict | None = None) -> dict | None:
     """{"config": hex, "weights": hex} of the frozen part of `model` (None: every parameter trains); `config`:
     the folder's configuration (`folder_config`), or None."""
-    frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
+    rebuilt = getattr(model, "rebuilt_on_load", frozenset())  # frozen, but rebuilt from the config on loading
+    frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad and name not in rebuilt]
     if not frozen:
         return None
     weights = hashlib.sha256()
