@@ -259,6 +259,12 @@ def test_one_process_at_a_time_writes_into_a_save_dir(task, tmp_path, capsys):
     assert done.returncode == 143, done.stderr
     assert not (save / rundir.LOCK).exists() and (save / "checkpoint_last.pt").exists()
 
+    # SIGTERM outside the steps (no handler of the run's own yet): the command's clean-up runs, the lock goes
+    code = (f"import os, signal, time\nfrom twophase.train import rundir\nlock = rundir.RunLock()\ntry:\n"
+            f"    lock.acquire({str(save)!r})\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(30)\n"
+            "finally:\n    lock.release()\n")
+    assert forks.run(code, timeout=60).returncode == 143 and not (save / rundir.LOCK).exists()
+
     # kill -9 while holding it: the file stays, its process is gone
     killed = forks.run(f"import os\nfrom twophase.train import rundir\nrundir.RunLock().acquire({str(save)!r})\n"
                        "print(os.getpid(), flush=True)\nos._exit(9)", timeout=60)
