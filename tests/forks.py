@@ -6,6 +6,7 @@ imports, seeds, files, global settings) never reaches the next.
 
     proc = forks.run(code, cwd=tmp_path, timeout=120)   # .returncode, .stdout, .stderr, as subprocess.run's
     proc = forks.run(argv=["train.py", "--help"], cwd=ROOT)  # python SCRIPT ARGS; ["-m", MODULE, ARGS] too
+    child = forks.spawn(argv=[...]); os.kill(child.pid, signal.SIGTERM); proc = child.wait(timeout=120)
 
 One server per test process (started on first use, with this checkout on PYTHONPATH, one CPU thread and the Hugging
 Face hub offline); it ends with the process that started it (its stdin closes).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,23 +123,44 @@ def run(code: str | None = None, cwd=None, timeout: float = 120, argv: list | No
     """`python -c code`, or `python *argv` (a script and its arguments, or "-m", a module and its), from `cwd`
     (default: this process's working directory) with `input` on stdin and `env`'s variables set (None: unset) over
     the server's environment, in a child of the server: returncode, stdout, stderr."""
+    return spawn(code, cwd, argv, input, env).wait(timeout)
+
+
+class Spawned:
+    """A program the server forked and has not reported on yet: its `pid` (to signal it), `wait()` its result."""
+
+    def __init__(self, pid: int, outputs: str, shown: list):
+        self.pid, self._outputs, self._shown = pid, outputs, shown
+
+    def wait(self, timeout: float = 120) -> SimpleNamespace:
+        try:
+            try:
+                status = _answer(_server, timeout)["status"]
+            except TimeoutError:
+                os.kill(self.pid, signal.SIGKILL)
+                _answer(_server, 60)
+                raise subprocess.TimeoutExpired(["python", *self._shown], timeout) from None
+            out, err = (Path(self._outputs) / name for name in ("stdout", "stderr"))
+            return SimpleNamespace(returncode=status, stdout=out.read_text(errors="replace"),
+                                   stderr=err.read_text(errors="replace"))
+        finally:
+            shutil.rmtree(self._outputs, ignore_errors=True)
+
+
+def spawn(code: str | None = None, cwd=None, argv: list | None = None, input: str | None = None,
+          env: dict | None = None) -> Spawned:
+    """As `run`, without waiting for the program to end: the server runs one program at a time, so wait for this
+    one (`Spawned.wait`) before the next `run` or `spawn`."""
     global _server
     if _server is None or _server.poll() is not None:
         _server = _start()
-    with tempfile.TemporaryDirectory() as outputs:
-        out, err, given = (Path(outputs) / name for name in ("stdout", "stderr", "stdin"))
-        if input is not None:
-            given.write_text(input)
-        request = {"code": code, "argv": None if argv is None else [str(a) for a in argv],
-                   "cwd": os.path.abspath(cwd or os.getcwd()), "env": env or {},
-                   "input": str(given) if input is not None else None, "out": str(out), "err": str(err)}
-        _server.stdin.write(json.dumps(request) + "\n")
-        pid = _answer(_server, 600)["pid"]  # the first request waits for the server's imports
-        try:
-            status = _answer(_server, timeout)["status"]
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            _answer(_server, 60)
-            raise subprocess.TimeoutExpired(["python", *(argv or ["-c", code])], timeout) from None
-        return SimpleNamespace(returncode=status, stdout=out.read_text(errors="replace"),
-                               stderr=err.read_text(errors="replace"))
+    outputs = tempfile.mkdtemp()
+    out, err, given = (Path(outputs) / name for name in ("stdout", "stderr", "stdin"))
+    if input is not None:
+        given.write_text(input)
+    request = {"code": code, "argv": None if argv is None else [str(a) for a in argv],
+               "cwd": os.path.abspath(cwd or os.getcwd()), "env": env or {},
+               "input": str(given) if input is not None else None, "out": str(out), "err": str(err)}
+    _server.stdin.write(json.dumps(request) + "\n")
+    pid = _answer(_server, 600)["pid"]  # the first request waits for the server's imports
+    return Spawned(pid, outputs, argv or ["-c", code])

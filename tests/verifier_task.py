@@ -1,5 +1,6 @@
 """A verifier-only task for tests: digit strings to reverse, no references at all; the reward reads the source
-(`--task verifier_task:Verifier`, this folder on sys.path). `NaNVerifier`: its model's log-probabilities are NaN."""
+(`--task verifier_task:Verifier`, this folder on sys.path). `NaNVerifier`: its model's log-probabilities are NaN.
+`FrozenNoise`: its model holds a frozen parameter drawn anew at every build."""
 import random
 
 import torch
@@ -62,3 +63,13 @@ class NaNModel(Seq2Seq):
 class NaNVerifier(Verifier):
     def build_model(self):
         return NaNModel(3 + DIGITS, 3 + DIGITS, 8, self.cfg.hidden_size)
+
+
+class FrozenNoise(Verifier):
+    """Its model holds a frozen random parameter that `build_model` draws anew each time: a checkpoint (its
+    trainable parameters alone) does not rebuild it, so twophase-decode would decode another model."""
+
+    def build_model(self):
+        model = Seq2Seq(3 + DIGITS, 3 + DIGITS, 8, self.cfg.hidden_size)
+        model.noise = torch.nn.Parameter(torch.randn(4), requires_grad=False)
+        return model

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 if TYPE_CHECKING:  # what a type checker and an editor see of the names __getattr__ imports on first use
     from .config import Config  # noqa: F401
     from .train.fit import fit  # noqa: F401
+    from .train.report import Result  # noqa: F401
 
 
 def __getattr__(name: str):

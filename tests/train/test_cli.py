@@ -128,6 +128,7 @@ def _fails_with_one_line(argv, capsys, match, entry=cli.main):
      "--beam-size 1 with --objective reinforce --baseline mean trains nothing"),
     (["--beam-size", "1", "--objective", "reinforce", "--baseline", "mean"], "--baseline mean trains nothing"),
     (["--beam-size", "1", "--objective", "reinforce", "--baseline", "loo"], "--baseline loo needs --beam-size"),
+    (["--objective", "mrt", "--mrt-alpha", "0"], "--mrt-alpha 0 with --objective mrt trains nothing"),
     (["--mrt-alpha", "0.2"], "--mrt-alpha applies to --objective mrt only, not --objective beam"),
     (["--baseline", "mean"], "--baseline applies to --objective reinforce only, not --objective beam"),
     (["--baseline", "none", "--objective", "mrt"], "--baseline applies to --objective reinforce only"),

@@ -1,6 +1,7 @@
 """`train.py --task tsv --hf-model DIR` end to end on tiny T5 and GPT-2 folders (save_pretrained of a random model
 and the word-level tokenizer of hf_tiny): MLE, RL, validation, --compare-mle, the test split, hf_final, --resume,
-twophase-decode, the strings a reward receives, and one-line refusals of bad folders and flags."""
+twophase-decode, the strings a reward receives, and one-line refusals of bad folders and flags; hf_final on Marian,
+BART and Llama folders too, and an export that would reload otherwise refused."""
 import importlib.util
 import json
 import sys
@@ -42,6 +43,9 @@ def folder(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
     hf_tiny.save(d / "t5", "t5", seed=1)
     hf_tiny.save(d / "gpt2", "gpt2")
+    for kind in ("marian", "bart"):
+        hf_tiny.save(d / kind, kind, seed=2)
+    hf_tiny.save(d / "llama", "llama")
     def reversed_(sources):
         return [(src, " ".join(reversed(src.split()))) for src in sources]
     _write_tsv(d / "train.tsv", reversed_(["a b c", "d e", "f", "g h a", "b d", "c e g", "h", "a f", "e b c",
@@ -128,6 +132,47 @@ def test_hf_model_trains_saves_resumes_and_decodes(kind, folder, monkeypatch, ca
         _fails_with_one_line(["--checkpoint", str(save / "checkpoint_last.pt"), "--input", "in.txt", "--max-len",
                               "62"], capsys, "in.txt:1: source has 3 tokens; with --max-len 62 the model needs 65 "
                               "positions, more than its 64", entry=decode.main)
+
+
+@pytest.mark.parametrize("kind", ["marian", "bart", "llama"])
+def test_hf_final_is_the_model_it_trained(kind, folder, monkeypatch, capsys, one_thread):
+    """hf_final reloaded with from_pretrained is the trained checkpoint, parameter by parameter and in its logits,
+    for the families beside T5 and GPT-2 (above). Marian's sinusoidal position tables require grad under
+    transformers 5 but its save_pretrained drops them (from_pretrained rebuilds them): they are not trained."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    assert _run(folder, kind, "--mle-steps", "4", "--rl-steps", "1", "--no-compare-mle", "--lr", "0.05") == 0
+    save = folder / f"run_{kind}"
+    assert "base_model" not in torch.load(save / "checkpoint_last.pt", weights_only=True)  # nothing frozen it needs
+    trained, task, _ = decode.load_model(str(save / "checkpoint_last.pt"), torch.device("cpu"))
+    auto = AutoModelForCausalLM if kind == "llama" else AutoModelForSeq2SeqLM
+    final = auto.from_pretrained(save / "hf_final", local_files_only=True).eval()
+    mine = dict(trained.model.named_parameters())
+    assert all(torch.equal(p, mine[name]) for name, p in final.named_parameters())
+    source = task.collate([Example("a b c", ["c b a"]), Example("d e", ["e d"])], torch.device("cpu"))
+    prefix = {} if kind == "llama" else {"decoder_input_ids": torch.tensor([[0, 6, 5], [0, 8, 1]])}
+    with torch.no_grad():
+        got, want = final(**source, **prefix).logits, trained.model(**source, **prefix).logits
+    assert torch.equal(got, want), (got - want).abs().max()
+    start = (hf_tiny.causal(kind) if kind == "llama" else hf_tiny.seq2seq(kind, seed=2)).float()
+    assert not torch.equal(final.get_input_embeddings().weight, start.get_input_embeddings().weight)  # trained
+
+
+def test_an_export_that_reloads_otherwise_is_refused(folder, monkeypatch, capsys, one_thread):
+    """Trained as before the fix (the position tables too), hf_final would reload as another model: the export
+    is read back with from_pretrained, found to differ and refused in one line; the checkpoint keeps the model."""
+    from twophase.models.hf import seq2seq
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setattr(seq2seq, "freeze_unsaved", lambda model: [])
+    argv = ["--train", "train.tsv", "--valid", "valid.tsv", "--hf-model", "marian", "--save-dir", "run_unfrozen",
+            *TINY, "--mle-steps", "2", "--rl-steps", "0"]
+    _fails_with_one_line(argv, capsys, "hf_final: reloaded with from_pretrained, its parameter "
+                                      "model.encoder.embed_positions.weight differs from the trained model's")
+    save = folder / "run_unfrozen"
+    assert not (save / "hf_final").exists() and not (save / ".hf_final.tmp").exists()
+    assert torch.load(save / "checkpoint_last.pt", weights_only=True)["step"] == 2
 
 
 def test_ids_and_strings_of_the_task(folder):

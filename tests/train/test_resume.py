@@ -3,6 +3,7 @@
 aside, never deleted), --init-from, --eval-only, --export, config.json, and save-dir failures in one line."""
 import json
 import shutil
+from pathlib import Path
 from dataclasses import asdict, fields
 from types import SimpleNamespace
 
@@ -352,6 +353,20 @@ def test_fit_refuses_a_lambda_reward_for_a_run_that_saves_checkpoints(task, tmp_
 
 
 # ---- --export last|best for a model without an export of its task's own: <save-dir>/model_final.pt
+def test_an_export_that_decodes_as_another_model_is_refused(tmp_path, capsys, monkeypatch):
+    """model_final.pt is read back as twophase-decode reads it (into the model the task builds): a frozen
+    parameter the task draws anew is not the trained one, so the export is refused in one line and removed."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))  # tests/verifier_task.py
+    save = tmp_path / "run"
+    argv = ["--task", "verifier_task:FrozenNoise", "--hidden-size", "8", "--batch-size", "4", "--beam-size", "2",
+            "--mle-steps", "0", "--rl-steps", "1", "--max-len", "5", "--save-dir", str(save), "--export", "last"]
+    assert cli.main(argv) == 2
+    _one_line(capsys, f"{save / 'model_final.pt'}: read back as twophase-decode reads it, its tensor noise "
+                      "differs from the trained model's", f"not exported; {save / 'checkpoint_last.pt'} holds "
+                      "the trained model")
+    assert not (save / "model_final.pt").exists() and (save / "checkpoint_last.pt").exists()
+
+
 def test_export_writes_a_file_that_decodes_as_its_checkpoint_without_the_run(task, tmp_path, capsys):
     from twophase.train import decode
 

@@ -3,6 +3,8 @@
 import json
 import os
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -228,3 +230,45 @@ def test_a_rewritten_log_and_record_stay_readable_like_a_plain_file(tmp_path):
     record = rundir.write_config(tmp_path, Config(), {})
     assert record.stat().st_mode & 0o777 == 0o644 and json.loads(record.read_text())["config"]["seed"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "metrics.jsonl"]
+
+
+def test_one_process_at_a_time_writes_into_a_save_dir(task, tmp_path, capsys):
+    """Two real processes: while a run trains in --save-dir, a second (with --resume or without) is refused in one
+    line naming the folder and the first process; SIGTERM ends the first with its save and releases the lock; a
+    lock whose process was killed (no clean-up) is taken over with a note."""
+    save = tmp_path / "run"
+    first = forks.spawn(argv=[ROOT / "train.py", *_argv(task, save, "--mle-steps", "1000000", "--rl-steps", "0",
+                                                         "--eval-every", "1000000", "--save-every", "1")],
+                        env={"TWOPHASE_PICTURE": "off"})
+    try:
+        deadline = time.monotonic() + 120
+        while not (save / "checkpoint_last.pt").exists():  # its first step saved: it holds the directory
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        holder = json.loads((save / rundir.LOCK).read_text())
+        assert holder["pid"] == first.pid
+        capsys.readouterr()
+        for flags in (["--resume"], ["--overwrite", "--mle-steps", "2", "--rl-steps", "0"]):
+            assert cli.main(_argv(task, save, *flags)) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and f"--save-dir {save} is in use by another run (process {first.pid} on " \
+                f"{holder['host']}, started {holder['started']}; its lock {save / rundir.LOCK})" in err, err
+    finally:
+        os.kill(first.pid, signal.SIGTERM)  # the first run finishes its step, saves and exits 143
+        done = first.wait(timeout=120)
+    assert done.returncode == 143, done.stderr
+    assert not (save / rundir.LOCK).exists() and (save / "checkpoint_last.pt").exists()
+
+    # SIGTERM outside the steps (no handler of the run's own yet): the command's clean-up runs, the lock goes
+    code = (f"import os, signal, time\nfrom twophase.train import rundir\nlock = rundir.RunLock()\ntry:\n"
+            f"    lock.acquire({str(save)!r})\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(30)\n"
+            "finally:\n    lock.release()\n")
+    assert forks.run(code, timeout=60).returncode == 143 and not (save / rundir.LOCK).exists()
+
+    # kill -9 while holding it: the file stays, its process is gone
+    killed = forks.run(f"import os\nfrom twophase.train import rundir\nrundir.RunLock().acquire({str(save)!r})\n"
+                       "print(os.getpid(), flush=True)\nos._exit(9)", timeout=60)
+    assert killed.returncode == 9 and (save / rundir.LOCK).exists()
+    assert cli.main(_argv(task, save, "--mle-steps", "2", "--rl-steps", "0", "--overwrite")) == 0
+    assert f"took over the lock of a run that is gone (process {killed.stdout.strip()} on " in capsys.readouterr().err
+    assert not (save / rundir.LOCK).exists()

@@ -11,8 +11,9 @@ of it given where the condition does not hold. The flat `Config` is a dataclass 
 their own names, in the sections' order (`SECTIONS`: what checkpoints and config.json store), so `cfg.beam_size`
 and `asdict(cfg)` read as one record, a type checker and an editor see every field, and `cfg.section("search")`
 is the search section's values. A Config is checked when it is made (each field's type, range and choices, then
-the checks across fields): an invalid one cannot exist. The command line is generated from the fields
-(`--rescore-chunk` for `rescore_chunk`), one argparse group per section, titled by its key in a file.
+the checks across fields): an invalid one cannot be made; a field assigned later is checked as it is set and
+counts as given (`Config.__setattr__`). The command line is generated from the fields (`--rescore-chunk` for
+`rescore_chunk`), one argparse group per section, titled by its key in a file.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from . import rules as configrules
 from . import values
 from .documented import DEFAULT_BEAM, PRESETS, _flag, parse_chunk, parse_size  # noqa: F401 (the package's names)
 from .runsections import EvaluationConfig, PhaseTwoConfig, RunConfig, StepConfig, SystemConfig  # noqa: F401
-from .sections import (FIELDS, SECTION_OF, SECTIONS, SHAPING_FLAGS, TASK_EXTRA, TASK_SECTIONS,  # noqa: F401
+from .sections import (FIELDS, KINDS, SECTION_OF, SECTIONS, SHAPING_FLAGS, TASK_EXTRA, TASK_SECTIONS,  # noqa: F401
                        DataConfig, KarelConfig, LoraConfig, MLEConfig, ModelConfig, PolicyConfig, RLConfig,
                        SearchConfig, section_fields)
 
@@ -64,6 +65,21 @@ class Config(SystemConfig, RunConfig, EvaluationConfig, StepConfig, PhaseTwoConf
                 object.__setattr__(self, f.name, values.checked(f.name, value, f"Config.{f.name}",
                                                                    finite=False))
         configrules.validate(self)
+        self.__dict__["_made"] = True  # from now on, an assignment is checked and counts as given
+
+    def __setattr__(self, name: str, value) -> None:
+        """`cfg.beam_size = 4` after construction: the value is checked as the constructor checks it (type,
+        range, choices, a finite number; a one-line ValueError naming `Config.<field>`) and the field counts as
+        given, as a constructor keyword does. A name that is no field is refused (AttributeError): a misspelt
+        assignment would otherwise be dropped silently. The checks across fields run where the Config is used
+        (`twophase.fit`, `validate()`), so that related fields can be set one after the other."""
+        if not self.__dict__.get("_made"):  # the dataclass's own __init__
+            object.__setattr__(self, name, value)
+            return
+        if name not in FIELDS:
+            raise AttributeError(f"Config has no field {name!r}")
+        object.__setattr__(self, name, values.checked(name, value, f"Config.{name}"))
+        self.__dict__["_given"] = self.given() | {name}
 
     # cfg.search: cfg.section("search"), a copy of the section's values
     data = property(lambda self: self.section("data"))
@@ -81,8 +97,8 @@ class Config(SystemConfig, RunConfig, EvaluationConfig, StepConfig, PhaseTwoConf
     system = property(lambda self: self.section("system"))
 
     def given(self) -> frozenset[str]:
-        """The fields passed to the constructor (by name or position), whatever their value; every field for a
-        Config made by `dataclasses.replace` or from a record."""
+        """The fields passed to the constructor (by name or position) or assigned since, whatever their value;
+        every field for a Config made by `dataclasses.replace` or from a record."""
         return self.__dict__.get("_given", frozenset())
 
     def section(self, name: str):
@@ -184,7 +200,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     groups = {name: parser.add_argument_group(name, section_help(cls)) for name, cls in SECTIONS.items()}
     for f in fields(Config):
         group = groups[SECTION_OF[f.name]]
-        kind = {"int": int, "float": float, "str": str, "bool": bool}[str(f.type).split(" ")[0]]
+        kind = {"int": int, "float": float, "str": str, "bool": bool}[KINDS[f.name][0]]
         default = f.default if f.default is not MISSING else None
         # None means "not given"; the help text says what that does where it matters.
         # %(default)s: the help shows the defaults the parser ends with (a task's recipe with --task, a preset's)

@@ -1,13 +1,18 @@
-"""The vocabulary of the configuration's sections: a documented field (`arg`: help text, default, choices,
-minimum, parser, resume rule), a condition under which a section or a field applies (`Only`), the parsers of the
-fields whose text an annotation's type cannot read, and the named recipes (`PRESETS`).
+"""The vocabulary of the configuration's sections: a documented field (`arg`: default, choices, minimum, parser,
+resume rule; its help text the docstring after it, read by `take_help`), a condition under which a section or a
+field applies (`Only`), the parsers of the fields whose text an annotation's type cannot read, and the named
+recipes (`PRESETS`).
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import re
-from dataclasses import dataclass, field
-from typing import Any
+import sys
+import types
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Union, get_args, get_origin
 
 FIXED = "fixed"        # must equal the checkpoint's value
 GROW = "may grow"      # may be raised, never lowered (--rl-steps: a longer RL phase)
@@ -70,16 +75,53 @@ class Only:
         return f"with {_flag(self.switch)} {values}"
 
 
-def arg(default, help: str, choices=None, minimum=None, parse=None, resume=FIXED, only: Only | None = None,
-        inherited=True, path=False, task_reads=True, below=None) -> Any:
-    """A documented field. `minimum`: the least value allowed; `below`: a bound the value must stay under (dropout
-    in [0, 1)); `parse` converts the flag's text where the annotation's type is not enough; `resume`:
-    its rule on --resume; `only`: where this field alone applies (beyond its section's); `inherited=False`: a
-    resumed run does not take it from its checkpoint (where and how this command computes); `path`: compared as a
-    file on resume; `task_reads=False`: a field of a task-shaping section that no task reads (the trainer's)."""
-    return field(default=default, metadata=dict(help=help, choices=choices, minimum=minimum, parse=parse,
+def arg(default, choices=None, minimum=None, parse=None, resume=FIXED, only: Only | None = None, inherited=True,
+        path=False, task_reads=True, below=None) -> Any:
+    """A documented field; its help text is the docstring written after it (where editors show it), which
+    `take_help` reads into the field's metadata. `minimum`: the least value allowed; `below`: a bound the value
+    must stay under (dropout in [0, 1)); `parse` converts the flag's text where the annotation's type is not
+    enough; `resume`: its rule on --resume; `only`: where this field alone applies (beyond its section's);
+    `inherited=False`: a resumed run does not take it from its checkpoint (where and how this command computes);
+    `path`: compared as a file on resume; `task_reads=False`: a field of a task-shaping section that no task reads
+    (the trainer's)."""
+    return field(default=default, metadata=dict(help="", choices=choices, minimum=minimum, parse=parse,
                                                 resume=resume, only=only, inherited=inherited, path=path,
                                                 task_reads=task_reads, below=below))
+
+
+def take_help(cls) -> None:
+    """Each field of the section `cls` gets its help text (metadata "help", what --help prints) from the docstring
+    after it in the source, whitespace collapsed. Run before `Config` is made of the sections: it shares their
+    fields. Where the source cannot be read (a frozen install) the texts stay empty."""
+    texts = _field_docstrings(sys.modules[cls.__module__].__file__).get(cls.__name__, {})
+    for f in fields(cls):
+        f.metadata = types.MappingProxyType({**f.metadata, "help": texts.get(f.name, "")})
+
+
+@functools.lru_cache(maxsize=None)
+def _field_docstrings(path: str) -> dict[str, dict[str, str]]:
+    """{class name: {field name: the docstring after it}} of the module at `path`, parsed once."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return {}
+    found: dict[str, dict[str, str]] = {}
+    for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
+        pairs = zip(cls.body, cls.body[1:])
+        found[cls.name] = {field.target.id: " ".join(doc.value.value.split()) for field, doc in pairs
+                           if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                           and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                           and isinstance(doc.value.value, str)}
+    return found
+
+
+def plain_kinds(hint) -> tuple[str, ...]:
+    """The plain types a field's resolved annotation allows, by name ("int", "float", "str", "bool", "None"): a
+    Literal's (a choice field's) are its values' type."""
+    parts = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    return tuple("None" if part is type(None) else type(get_args(part)[0]).__name__ if get_origin(part) is Literal
+                 else part.__name__ for part in parts)
 
 
 def parse_chunk(text: str) -> int | str:

@@ -161,6 +161,10 @@ def _rl(cfg) -> None:
                              "use --beam-size >= 2, or --baseline none")
         return
     refuse_inert(cfg, ["mrt_alpha"])
+    if cfg.objective == "mrt" and cfg.mrt_alpha == 0:
+        raise ValueError("--mrt-alpha 0 with --objective mrt trains nothing (Q ∝ p^0 is uniform over a source's "
+                         "candidates whatever the model, and MRT's coefficients are times alpha: every one is 0); "
+                         f"use --mrt-alpha > 0 (default {MRT_ALPHA:g})")
     if cfg.objective == "distill":
         _distill(cfg)
         return

@@ -8,15 +8,14 @@ import json
 import math
 import os
 
-from .sections import FIELDS
+from .sections import FIELDS, KINDS
 
 
 def checked(name: str, value, label: str, error: type[Exception] = ValueError, finite: bool = True):
     """`value` for the field `name` as its flag would take it (an int where a float goes becomes a float, a path
     object a string), or `error` whose one line starts with `label`. `finite=False`: a NaN or an infinity is left
     to `rules.validate`'s one line."""
-    f = FIELDS[name]
-    kinds = [k.strip() for k in str(f.type).split("|")]
+    f, kinds = FIELDS[name], KINDS[name]
     if isinstance(value, os.PathLike) and "str" in kinds:
         value = os.fspath(value)
     if value is None:
@@ -67,7 +66,7 @@ def out_of_range(name: str, value) -> str | None:
     return None
 
 
-def _expected(kinds: list[str]) -> str:
+def _expected(kinds: tuple[str, ...]) -> str:
     names = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string", "None": "null"}
     return " or ".join(names[k] for k in kinds if k in names)
 

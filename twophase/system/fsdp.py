@@ -75,6 +75,30 @@ def load_saved(model: torch.nn.Module, state: dict) -> None:
                            f"{sorted(unexpected)[:3]}")
 
 
+def first_difference(trained: dict, reloaded: dict, kind: str = "parameter") -> str | None:
+    """How an export read back differs from the model it was written from, {name: tensor} each (the model's
+    named_parameters, or its state_dict's tensors: `kind` names them), compared exactly on the host one at a time:
+    one line naming the first entry missing, of another shape or another value (with how many differ), or None
+    where every one is the model's."""
+    wrong = []
+    with torch.no_grad():
+        for name, p in trained.items():
+            r = reloaded.get(name)
+            if r is None:
+                wrong.append(f"its {kind} {name} is missing")
+            elif r.shape != p.shape:
+                wrong.append(f"its {kind} {name} has shape {tuple(r.shape)}, not the trained model's "
+                             f"{tuple(p.shape)}")
+            else:
+                here, there = p.detach().to("cpu", r.dtype), r.detach().cpu()
+                if not torch.equal(here, there):
+                    gap = (here.double() - there.double()).abs().max().item()
+                    wrong.append(f"its {kind} {name} differs from the trained model's (by up to {gap:.3g})")
+    if not wrong:
+        return None
+    return wrong[0] + ("" if len(wrong) == 1 else f"; {len(wrong)} of {len(trained)} {kind}s differ")
+
+
 # ------------------------------------------------------------------ sharding
 def _loaded(module: str, name: str):
     """`module.name` if the module is imported, else None. torch.distributed.fsdp and .tensor are slow to

@@ -24,6 +24,11 @@ class TaskError(ValueError):
     """A task could not be found, loaded or built; the message is one line naming it."""
 
 
+class ExportMismatch(ValueError):
+    """An export of the final model, read back as its users read it, is not the model it was written from; the
+    message is one line naming the export and the first parameter that differs."""
+
+
 @dataclass
 class Example:
     """One source with its references and any extra data a reward may ask for."""

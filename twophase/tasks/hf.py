@@ -33,7 +33,8 @@ import torch
 from .. import hffolder
 from ..models.hf import HFCausalLM, HFSeq2Seq, lora
 from ..plugins import brief
-from .base import Example, TaskError
+from ..system import fsdp
+from .base import Example, ExportMismatch, TaskError
 from .data import DataError, pad_batch
 from .table import is_table
 from .text import TSV, examples
@@ -252,16 +253,25 @@ class HFTSV(TSV):
 
     def save_final(self, model, save_dir) -> Path:
         """save_pretrained of the model (float32) and the tokenizer into <save-dir>/hf_final, via a temporary
-        folder: the previous hf_final stays whole until the new one is."""
+        folder: the previous hf_final stays whole until the new one is. The folder is read back with
+        from_pretrained, as its users read it, and compared with the model parameter by parameter: an export
+        that would load as another model (a parameter its save_pretrained drops, say) raises ExportMismatch and
+        is not kept."""
         final, tmp = Path(save_dir) / FINAL, Path(save_dir) / f".{FINAL}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             with hffolder.quiet_progress_bars():
+                adapters = model.adapter is not None and not self.cfg.merge_lora
                 if model.adapter is not None:  # --lora-r: the adapters (--merge-lora: merged into a copy of the model)
-                    lora.save(model.adapter, tmp, self.cfg.merge_lora)
+                    written = lora.save(model.adapter, tmp, self.cfg.merge_lora)
                 else:
-                    model.model.save_pretrained(tmp)
+                    written = model.model
+                    written.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
+            wrong = fsdp.first_difference(dict(written.named_parameters()),
+                                           dict(self._reloaded(tmp, adapters).named_parameters()))
+            if wrong is not None:
+                raise ExportMismatch(f"{final}: reloaded with from_pretrained, {wrong}: not exported")
         except BaseException:  # a full disk, say: no half-written folder stays behind
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -269,6 +279,16 @@ class HFTSV(TSV):
             shutil.rmtree(final)
         os.replace(tmp, final)
         return final
+
+    def _reloaded(self, folder: Path, adapters: bool):
+        """The export in `folder` as a user loads it: the model class's from_pretrained (float32, as training
+        loads), or for adapters alone peft's PeftModel.from_pretrained on the --hf-model base."""
+        with hffolder.quiet_progress_bars():
+            model = self.model_class.from_pretrained(self.folder if adapters else folder, **hffolder.offline_float32())
+            if adapters:
+                import peft
+                model = peft.PeftModel.from_pretrained(model, folder)
+        return model
 
     # ---- decoding
     def parse_source(self, line: str):

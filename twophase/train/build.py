@@ -97,11 +97,12 @@ def cpu_threads(cfg: Config, width: int | None = None) -> int | None:
 
 
 def build(cfg: Config, start: dict | None = None, given: frozenset | None = None, *, model=None, task=None,
-          reward=None) -> Run:
+          reward=None, lock: rundir.RunLock | None = None) -> Run:
     """The run of this command; `start`: the checkpoint main() read already (--resume, --init-from);
     `given`: the flags set on the command line (default: the fields passed to the Config that change a default).
     `model`, `task`, `reward`: a user's own, given to `twophase.fit` (adopt_task, reward_of), in place of the
-    task's model, the task --task names and the reward --reward names.
+    task's model, the task --task names and the reward --reward names. `lock`: taken on the save dir before the
+    run's first write (the caller releases it, whatever happens).
 
     `cfg` is not changed. What the run derives from it and its task (the task's name, the absolute --hf-model,
     the save dir, the reward, the best metric, whether the MLE control runs) goes into the run's own Config
@@ -151,7 +152,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
             report.writer_class()
         except ImportError as err:
             raise UsageError(str(err)) from None
-    stale, state, init = claim_and_read(run_cfg, start)
+    stale, state, init = claim_and_read(run_cfg, start, lock)
     load_task_data(task, state if state is not None else init)
     if not check_references(run_cfg, task, given):  # the control it runs: off without references
         run_cfg = derived(run_cfg, compare_mle=False)
@@ -199,6 +200,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         rundir.remove(stale)  # --overwrite's old run; the residue of writes a killed process left
     training = Run.assemble(run_cfg, task, model, reward, device, teacher.load(run_cfg, task, model, device))
     training.setup(state, base_model=base)  # --resume's checkpoint; the frozen base every checkpoint records
+    training.own_model = own_model
     if training.is_main and not cfg.eval_only:
         start_run_dir(training, state, recipe_defaults(cfg))
     if cfg.tensorboard and training.is_main and not cfg.eval_only:
@@ -227,17 +229,33 @@ def compile_step(model, flag: str):
     return compiled(model, backend="inductor" if flag == "on" else flag)
 
 
-def claim_and_read(cfg: Config, start: dict | None):
-    """The save dir checked (writable, holding no other run; the files --overwrite is to delete, once the run can
-    start), and the checkpoint --resume continues (`state`) or --init-from starts from (`init`), checked."""
+def claim_and_read(cfg: Config, start: dict | None, lock: rundir.RunLock | None = None):
+    """The save dir checked (writable, no other process writing there: `lock` taken, by the main process; holding
+    no other run; the files --overwrite is to delete, once the run can start), and the checkpoint --resume
+    continues (`state`) or --init-from starts from (`init`), checked."""
     stale = []
     try:
         if not cfg.eval_only:  # --eval-only writes nothing, anywhere
             rundir.check_writable(cfg.save_dir)
+            take_lock(lock, cfg.save_dir)
             stale = rundir.claim(cfg.save_dir, bool(cfg.resume or cfg.resume_from), cfg.overwrite)
         return stale, resume_state(cfg, start), init_state(cfg, start)
     except ValueError as err:
         raise UsageError(str(err)) from None
+
+
+def take_lock(lock: rundir.RunLock | None, save_dir: str) -> None:
+    """The main process takes the save dir's lock; under torchrun every process learns whether it could (one
+    gather), so a refusal stops them all with the same line."""
+    refused = None
+    if lock is not None and distributed.rank() == 0:
+        try:
+            lock.acquire(save_dir)
+        except rundir.Busy as err:
+            refused = str(err)
+    refused = distributed.gather_objects(refused)[0] if lock is not None else refused
+    if refused is not None:
+        raise UsageError(refused)
 
 
 def default_save_dir(task) -> str:

@@ -25,6 +25,7 @@ from ..config import layers
 from ..config.layers import Layer, merged
 from ..compiling import compile_report
 from .. import tasks
+from ..tasks.base import ExportMismatch
 from ..tasks.data import DataError
 from .evaluation import test_beams
 from .checkpoint import SaveError
@@ -192,8 +193,18 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
         reward=None) -> Result:
     """What train.py runs once its flags are resolved, printing what it prints; also `twophase.fit`'s. Bad input
     raises (UsageError, DataError, ...: one line each), a signal Interrupted after the save. `model`, `task`,
-    `reward`: build's (a user's own)."""
-    training = build(cfg, start, given, model=model, task=task, reward=reward)
+    `reward`: build's (a user's own). The save dir's lock, taken before the run's first write, is released
+    whichever way this returns."""
+    lock = rundir.RunLock()
+    try:
+        return _run_locked(cfg, start, given, lock, model=model, task=task, reward=reward)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: Config, start: dict | None, given: frozenset | None, lock: rundir.RunLock, *, model, task,
+                reward) -> Result:
+    training = build(cfg, start, given, model=model, task=task, reward=reward, lock=lock)
     if cfg.eval_only:
         scores = evaluate(training)
         table = report.evaluation_table(training.trainer.task, scores)
@@ -265,12 +276,15 @@ def save_final(training: Run):
     plain = fsdp.plain_copy(t.model, t.task.build_model) if fsdp.is_sharded(t.model) else None
     if not training.is_main:
         return None
+    best = t.cfg.export == "best" and training.checkpoints.best_path.exists()
     try:
         model = plain or resume.export_model(t.model, t.cfg.export, training.checkpoints.best_path)
-        best = t.cfg.export == "best" and training.checkpoints.best_path.exists()
         return t.task.save_final(model, training.save_dir) or resume.save_export(
             model, t.cfg, t.task, training.save_dir, training.state.best_step if best else training.state.step,
-            training.base_model)
+            training.base_model, training.own_model)
+    except ExportMismatch as err:  # read back, the export is another model: the checkpoint holds this one
+        source = training.checkpoints.best_path if best else training.checkpoints.last_path
+        raise UsageError(f"{err}; {source} holds the trained model") from None
     except ValueError as err:  # --export best: a checkpoint_best.pt that does not fit
         raise UsageError(str(err)) from None
     except OSError as err:

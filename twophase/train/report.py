@@ -7,10 +7,12 @@ import dataclasses
 import datetime
 import math
 import sys
+from pathlib import Path
 
 import torch
 
 from ..rewards.weighted import mean_std, statistics
+from ..config import Config
 from ..system import distributed, memory
 
 
@@ -108,19 +110,32 @@ class Result:
     "tests" where the run tested, and the peak memory; with eval_only the evaluation's scores per split) and the
     table's text, the trained model, the best validation and the files written."""
 
-    config: object = dataclasses.field(repr=False)  # the Config the run ran with, as config.json records it
-    run_dir: object  # pathlib.Path: <save-dir>
+    config: Config = dataclasses.field(repr=False)
+    """The Config the run ran with, as config.json records it."""
+    run_dir: Path
+    """<save-dir>, absolute."""
     summary: dict = dataclasses.field(repr=False)
-    table: str = dataclasses.field(repr=False)  # print(result.table)
-    model: object = dataclasses.field(default=None, repr=False)  # the trained model (RL's last parameters)
-    best_metric: str | None = None  # what picked checkpoint_best.pt, and its score and step
+    """The closing table's numbers: "mle", "mle-continued", "rl" (and "test", "tests"), each a dict of scores."""
+    table: str = dataclasses.field(repr=False)
+    """The closing table's text: print(result.table)."""
+    model: torch.nn.Module | None = dataclasses.field(default=None, repr=False)
+    """The trained model (RL's last parameters)."""
+    best_metric: str | None = None
+    """What picked checkpoint_best.pt."""
     best: float | None = None
+    """checkpoint_best.pt's score."""
     best_step: int | None = None
-    best_checkpoint: object = None  # pathlib.Path, or None where no validation improved
-    last_checkpoint: object = None  # pathlib.Path of checkpoint_last.pt (None: no step taken)
-    metrics: object = None  # pathlib.Path of metrics.jsonl (None: no step taken)
-    final_model: object = None  # the task's own export (--hf-model: <save-dir>/hf_final), or None
-    picture: object = None  # <save-dir>/curves.png, or None
+    """checkpoint_best.pt's step."""
+    best_checkpoint: Path | None = None
+    """checkpoint_best.pt, or None where no validation improved."""
+    last_checkpoint: Path | None = None
+    """checkpoint_last.pt (None: no step taken)."""
+    metrics: Path | None = None
+    """metrics.jsonl (None: no step taken)."""
+    final_model: Path | None = None
+    """The export of the final model (--hf-model: <save-dir>/hf_final; --export: model_final.pt), or None."""
+    picture: Path | None = None
+    """<save-dir>/curves.png, or None."""
 
 
 def evaluation_table(task, scores: dict) -> str:

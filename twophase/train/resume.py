@@ -17,9 +17,10 @@ import torch
 
 from . import checkpoint
 from .checkpoint import CheckpointError, load
-from ..system.fsdp import load_saved, saved_state
+from ..system.fsdp import first_difference, load_saved, saved_state
 from ..config.rules import same, show
 from ..rewards import weighted
+from ..tasks.base import ExportMismatch
 
 # Flags that give the model its shape and ids: --init-from takes them from the checkpoint and refuses others.
 # LoRA's rank, scale and modules too: a --lora-r checkpoint holds the adapters alone, which only continue on
@@ -258,12 +259,13 @@ def export_model(model, export: str, path):
 EXPORT = "model_final.pt"  # --export's file for a model without an export of its task's own
 
 
-def save_export(model, cfg, task, save_dir, step: int, base_model: dict | None):
+def save_export(model, cfg, task, save_dir, step: int, base_model: dict | None, own_model: bool = False):
     """--export last|best where the task writes no export of its own (the built-in LSTM, Karel's model, a task
     plug-in's): <save-dir>/model_final.pt, the model's parameters with what `twophase-decode` needs to rebuild and
     decode it without the run's folder (the configuration, the task's spec and ids, a --lora-r base's record);
     `step`: the exported parameters' step. Returns its path, or None where --export was not given (the
-    checkpoints are the model)."""
+    checkpoints are the model). The file is read back and compared with `model` parameter by parameter
+    (`check_export`): an export that would decode as another model raises ExportMismatch and is removed."""
     if cfg.export is None:
         return None
     state = {"export": cfg.export, "step": step, "config": asdict(cfg),
@@ -272,7 +274,34 @@ def save_export(model, cfg, task, save_dir, step: int, base_model: dict | None):
              **({"base_model": base_model} if base_model else {})}
     path = Path(save_dir) / EXPORT
     checkpoint.save_atomic(state, path)
+    try:
+        check_export(model, path, None if own_model else task.build_model)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
     return path
+
+
+def check_export(model, path: Path, build) -> None:
+    """ExportMismatch (one line) where --export's file, read back as twophase-decode reads it (its parameters
+    loaded into the model the task builds, `build()`, on the host), is not `model`, entry by entry of their state
+    dicts (the names checkpoints use: a grammar's or compile's wrapper names the model's). A model of the run's
+    own (`build` None: twophase.fit(model=...)) is rebuilt by its user's code from the file's tensors: those are
+    compared."""
+    state = load(path, mmap=True)
+    if build is None:
+        trained, reloaded = saved_state(model), state["model"]
+    else:
+        rebuilt = build()
+        try:
+            load_saved(rebuilt, state["model"])
+        except RuntimeError as err:
+            raise ExportMismatch(f"{path}: its parameters do not fit the model its task builds "
+                                 f"({str(err).strip().splitlines()[-1].strip()}): not exported") from None
+        trained, reloaded = model.state_dict(), rebuilt.state_dict()
+    wrong = first_difference(trained, reloaded, "tensor")
+    if wrong is not None:
+        raise ExportMismatch(f"{path}: read back as twophase-decode reads it, {wrong}: not exported")
 
 
 # ------------------------------------------------------------------ the frozen base model
@@ -291,7 +320,8 @@ def save_export(model, cfg, task, save_dir, step: int, base_model: dict | None):
 #
 # which is cheap for any model size and equals on any device (no reduction). `check` refuses a model whose base
 # differs, in one line naming both folders. A model without frozen parameters records nothing (its checkpoint
-# holds every parameter); a checkpoint written before the record existed is not checked.
+# holds every parameter), nor does one whose frozen parameters are those its own loader rebuilds from the config
+# (`rebuilt_on_load`: Marian's position tables); a checkpoint written before the record existed is not checked.
 SAMPLE = 64  # values read per frozen tensor
 VOLATILE = ("transformers_version", "torch_dtype", "dtype", "architectures", "name_or_path")
 
@@ -311,7 +341,8 @@ def folder_config(folder: str | None) -> dict | None:
 def fingerprint(model: torch.nn.Module, config: dict | None = None) -> dict | None:
     """{"config": hex, "weights": hex} of the frozen part of `model` (None: every parameter trains); `config`:
     the folder's configuration (`folder_config`), or None."""
-    frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
+    rebuilt = getattr(model, "rebuilt_on_load", frozenset())  # frozen, but rebuilt from the config on loading
+    frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad and name not in rebuilt]
     if not frozen:
         return None
     weights = hashlib.sha256()

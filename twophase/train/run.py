@@ -54,6 +54,7 @@ class Run:
         self.comparison = MleContinued(trainer, self.state, self.save_dir, step=self.train_step,
                                        validate=self.validate, save=self.save, log=self.log, speaks=self.is_main)
         self.base_model: dict | None = None  # the frozen base the saved parameters need (--lora-r: resume.record's)
+        self.own_model = False  # twophase.fit(model=...): a model its task does not build (--export reads it back so)
 
     @classmethod
     def assemble(cls, cfg, task, model, reward, device: torch.device, teacher=None) -> "Run":

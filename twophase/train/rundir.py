@@ -6,6 +6,9 @@ a second run can neither replace a finished run's checkpoints nor append to its 
 cut back to the checkpoint's step: rows of steps taken after it (lost with the process that took them) would
 otherwise appear twice, and one metrics.jsonl only ever tells one consistent run.
 
+One process writes into a directory at a time (`RunLock`, <save-dir>/run.lock): a second run started there, even
+with --resume, is refused until the first ends, so two runs never mix their checkpoints and logs.
+
 Nothing here deletes a checkpoint but --overwrite: a run resumed from an earlier file moves the files of later
 steps into <save-dir>/after_step<N>/ (with a copy of metrics.jsonl), so the branch it abandons stays whole.
 """
@@ -17,7 +20,11 @@ import math
 import os
 import re
 import shutil
+import signal
+import socket
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -43,6 +50,149 @@ _EVENTS = "events.out.tfevents.*"
 LATER = ("checkpoint_last.pt", "checkpoint_best.pt", "checkpoint_crash.pt", "checkpoint_mle_end.pt",
          "checkpoint_mle_continued.pt")  # the files set_aside reads the step of
 _STEP = re.compile(r"^checkpoint_step(\d+)\.pt$")
+
+
+LOCK = "run.lock"  # held while a process writes into the directory (RunLock)
+
+
+class RunLock:
+    """One process at a time writes into a run directory: <save-dir>/run.lock, created exclusively and held with
+    the kernel's lock on it (flock) for as long as the run writes, holds the holder's pid, host and start time. A
+    second run into the directory is refused in one line naming it (`Busy`); the lock of a process that is gone
+    (kill -9: the kernel dropped its hold; where flock is unavailable, a pid no longer running on this host) is
+    taken over with a note. `release` (every exit of the command: the end, an error, SIGTERM, which becomes
+    SystemExit(143) while no handler of the run's own is installed) deletes the file. Nothing is held before
+    `acquire`, so a command that stops before it has nothing to release."""
+
+    def __init__(self):
+        self.path: Path | None = None
+        self._fd: int | None = None
+        self._previous_sigterm = None
+        self._made: list[Path] = []
+
+    def acquire(self, save_dir) -> None:
+        folder = Path(save_dir)
+        # the folders made for it, removed again where the command leaves them empty (one refused at start-up)
+        self._made = [p for p in [folder, *folder.parents] if not p.exists()]
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise SaveError(err.errno, f"--save-dir {save_dir}: cannot create it: {err.strerror or err}") from None
+        path = folder / LOCK
+        for _ in range(20):  # a holder releasing meanwhile: try again on the new file
+            try:
+                fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                try:
+                    fd, created = os.open(path, os.O_RDWR), False
+                except FileNotFoundError:
+                    continue
+            except OSError as err:
+                raise SaveError(err.errno, f"cannot create {path}: {err.strerror or err}") from None
+            holder = _holder(fd)
+            if not _hold(fd, holder):
+                os.close(fd)
+                raise Busy(f"--save-dir {save_dir} is in use by another run ({_described(holder)}; its lock "
+                           f"{path}): wait for it to end, or choose another --save-dir")
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # released (and deleted) between our open and our hold: the file is no longer the lock
+                os.close(fd)
+                continue
+            if not created and holder:
+                print(f"note: --save-dir {save_dir}: took over the lock of a run that is gone ({_described(holder)})",
+                      file=sys.stderr, flush=True)
+            mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                               "started": datetime.now(timezone.utc).isoformat(timespec="seconds")
+                               .replace("+00:00", "Z")})
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, (mine + "\n").encode())
+            self.path, self._fd = path, fd
+            self._on_sigterm()
+            return
+        raise Busy(f"--save-dir {save_dir}: its lock {path} keeps changing hands: another run is starting there")
+
+    def _on_sigterm(self) -> None:
+        """SIGTERM, where nothing else handles it, raises SystemExit(143): the command's clean-up (this lock's
+        release among it) runs, where the default action would end the process on the spot."""
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # while still held: a waiter that opened it sees it gone
+        finally:
+            os.close(self._fd)
+            self._fd = None
+            if self._previous_sigterm is not None and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+            for made in self._made:  # deepest first
+                try:
+                    made.rmdir()
+                except OSError:  # not empty: the run wrote there
+                    break
+
+
+class Busy(ValueError):
+    """Another live process holds the run directory's lock (one line)."""
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _holder(fd: int) -> dict:
+    """The lock file's record of its holder ({"pid", "host", "started"}), or {} (empty, unreadable)."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        found = json.loads(os.read(fd, 4096).decode() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _hold(fd: int, holder: dict) -> bool:
+    """Whether this process now holds the lock open on `fd`: the kernel's exclusive flock, which a killed process
+    loses; where the file system has none, the recorded holder's pid no longer running on this host."""
+    try:
+        import fcntl
+    except ImportError:  # no flock on this system
+        return _gone(holder)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:  # a file system without locks
+        return _gone(holder)
+
+
+def _gone(holder: dict) -> bool:
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or holder.get("host") != socket.gethostname():
+        return not holder  # an empty record is no holder; another host's pid cannot be checked from here
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
+
+
+def _described(holder: dict) -> str:
+    if not holder:
+        return "a process that has not written its name yet"
+    return f"process {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}"
 
 
 def run_files(save_dir) -> list[Path]:

@@ -33,7 +33,7 @@ from torch import Tensor
 from ... import nested
 from ...protocol import eval_mode, target_mask
 from . import cache, grouped, heads, lora, precision
-from .common import log_softmax, masked_sum, source_forward, special_id, token_log_probs
+from .common import freeze_unsaved, log_softmax, masked_sum, source_forward, special_id, token_log_probs
 
 
 class HFCausalLM(heads.FastPath, torch.nn.Module):
@@ -50,6 +50,9 @@ class HFCausalLM(heads.FastPath, torch.nn.Module):
         super().__init__()
         model, adapter = lora.unwrap(model)  # a LoRA PeftModel: the transformers model it adapts, called directly
         self.model = model
+        # what its save_pretrained drops is not trained (every export is the trained model), and is no base a
+        # checkpoint needs: from_pretrained rebuilds it from the config (resume.fingerprint leaves it out)
+        self.rebuilt_on_load = frozenset("model." + n for n in freeze_unsaved(model))
         self.training = model.training  # the wrapper's mode is the model's (nn.Module's default is True)
         precision.keep_float64_norms(model)  # a float64 model's norms in float64, not transformers' float32
         object.__setattr__(self, "adapter", adapter)  # not a submodule: its parameters are self.model's

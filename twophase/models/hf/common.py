@@ -29,6 +29,18 @@ def special_id(model, name: str, *, required: bool = True):
     return None
 
 
+def freeze_unsaved(model) -> frozenset[str]:
+    """Freeze the parameters the model's own `save_pretrained` leaves out (`_keys_to_ignore_on_save`: Marian's
+    sinusoidal position tables under transformers 5, which require grad there): `from_pretrained` rebuilds them
+    from the config, so a trained value would be lost from every export. Returns their names."""
+    skipped = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    unsaved = frozenset(name for name, _ in model.named_parameters() if name in skipped)
+    for name, p in model.named_parameters():
+        if name in unsaved:
+            p.requires_grad_(False)
+    return unsaved
+
+
 def log_softmax(logits: Tensor) -> Tensor:
     """Normalised in at least float32: a 16-bit model's logits are summed over long rows by the search."""
     return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)

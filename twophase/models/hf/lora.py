@@ -51,15 +51,17 @@ def attach(model, r: int, alpha: float, dropout: float, targets: list[str] | Non
         return peft.get_peft_model(model, config)
 
 
-def save(adapter, folder, merge: bool) -> None:
+def save(adapter, folder, merge: bool):
     """save_pretrained of the adapters alone (peft's adapter folder), or with merge a copy of the model with the
     adapters merged into its weights (a plain transformers folder); the trained model is left as it is. The
     merged copy is made in host memory: its tensors are copied to the CPU one by one, never a second model on
-    the device."""
+    the device. Returns the module written (the adapter, or the merged copy)."""
     if merge:
-        on_host(adapter).merge_and_unload().save_pretrained(folder)
-    else:
-        adapter.save_pretrained(folder)
+        merged = on_host(adapter).merge_and_unload()
+        merged.save_pretrained(folder)
+        return merged
+    adapter.save_pretrained(folder)
+    return adapter
 
 
 def on_host(module: torch.nn.Module) -> torch.nn.Module:
