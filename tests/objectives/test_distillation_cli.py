@@ -65,6 +65,8 @@ def test_fit_distils_too(data, tmp_path, one_thread):
                                           max_len=8, mle_steps=2, rl_steps=2, compare_mle=False, eval_every=100,
                                           save_every=100, save_dir=str(tmp_path / "fit")))
     assert result is not None and (tmp_path / "fit" / "checkpoint_last.pt").is_file()
+    header = result.table.splitlines()[0].split()  # the column is named after what the phase did
+    assert header[-1] == "distilled" and "RL" not in header, result.table
 
 
 def test_grad_accum_divides_by_the_whole_generations_tokens(data, tmp_path, one_thread):

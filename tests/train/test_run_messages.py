@@ -1,6 +1,7 @@
 """What train.py says where a flag cannot mean anything or a run differs from what was asked: non-finite numbers,
 --temperature with --objective policy, flags a resumed run must not keep or blame, --init-from --eval-only scoring
 as its run did, batch sizes the data cannot fill, and a run of no steps naming no checkpoint."""
+import json
 import math
 
 import pytest
@@ -182,3 +183,15 @@ def test_progress_lines_show_each_metric_in_its_fmt():
     metrics = [Metric("len", "mean length", fmt="{:.2f}"), Metric("acc", "accuracy")]
     assert fmt_scores({"len": 2.375, "acc": 0.5, "reward": 0.25, "len@4": 2.0, "n": 3.0}, metrics) == \
         "len=2.38 acc=50.00% reward=0.2500 len@4=2.00"
+
+
+def test_init_from_without_mle_steps_tests_no_end_of_mle_model(run, task, tmp_path, capsys):
+    """--init-from --mle-steps 0: no MLE ran, so neither a `test (mle)` line nor a test row of model "mle" (the
+    starting point is not a model the run made); the continued control and RL are tested."""
+    save = tmp_path / "rl"
+    assert cli.main(_argv(task, save, "--init-from", str(run / "checkpoint_last.pt"), "--mle-steps", "0",
+                          "--rl-steps", "1", "--compare-mle", "--test", str(task / "valid.tsv"))) == 0
+    out = capsys.readouterr().out
+    assert "test (mle)" not in out and "test (rl)" in out and "test (mle-continued)" in out, out
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["model"] for r in rows if r.get("phase") == "test") == ["mle-continued", "rl"]

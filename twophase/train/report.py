@@ -55,12 +55,18 @@ def with_beams(metrics, beams: list[int]) -> tuple:
                                   for k in beams[1:] for m in metrics)
 
 
-def summary_table(summary: dict, metrics=()) -> str:
+def final_column(objective: str) -> str:
+    """The title of the RL phase's column: named after what the phase did where "RL" would mislead."""
+    return "distilled" if objective == "distill" else "RL"
+
+
+def summary_table(summary: dict, metrics=(), final: str = "RL") -> str:
     """One column per model: the end of the MLE warm start, MLE continued for RL's time (--compare-mle) and the
-    end of RL; validation rows, then test rows (the test split scores each model the run compared, else the final
-    one only), then the phase's training figures. `metrics`: the task's (twophase.tasks.Metric)."""
+    end of RL (titled `final`, `final_column`'s); validation rows, then test rows (the test split scores each
+    model the run compared, else the final one only), then the phase's training figures. `metrics`: the task's
+    (twophase.tasks.Metric)."""
     scored = [(m.key, m.label, m.fmt) for m in metrics] + [("reward", "reward", "{:.4f}")]
-    cols = [(c, title) for c, title in COLUMNS if c in summary]
+    cols = [(c, final if c == "rl" else title) for c, title in COLUMNS if c in summary]
     tests = summary.get("tests") or ({cols[-1][0]: summary["test"]} if "test" in summary and cols else {})
     sections = [("valid ", {c: summary[c] for c, _ in cols}, scored)]
     if tests:
