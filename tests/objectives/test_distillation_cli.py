@@ -165,3 +165,29 @@ def test_a_hugging_face_folder_teaches_a_t5_student(tmp_path, one_thread, monkey
                      "--save-dir", "run"]) == 0
     rl = _rl_rows(tmp_path / "run")
     assert len(rl) == 2 and all(r["loss"] > 0 for r in rl)
+
+
+def test_teachers_of_another_kind_are_refused_naming_the_pairs_that_work(data, tmp_path, capsys):
+    """An LSTM checkpoint for a T5 student, a T5 folder for an LSTM student, a causal LM folder for a T5 student:
+    each one line naming the teacher's kind, the student's and the pairs that work, before any step."""
+    pytest.importorskip("transformers")
+    import hf_tiny
+
+    flags, teacher, d = data
+    hf_tiny.save(tmp_path / "t5", "t5", seed=1)
+    hf_tiny.causal("gpt2", seed=1).save_pretrained(tmp_path / "gpt2")
+    t5_student = [*flags, "--hf-model", str(tmp_path / "t5"), "--objective", "distill", "--sampler", "sample",
+                  "--batch-size", "3", "--beam-size", "2", "--max-len", "12", "--mle-steps", "0", "--rl-steps", "1",
+                  "--no-compare-mle"]
+    capsys.readouterr()  # the folders' saving
+    pairs = "a built-in LSTM checkpoint teaches a built-in LSTM student"
+    for argv, kinds in [
+            ([*t5_student, "--teacher", teacher], "a built-in LSTM cannot teach this run's model, a Hugging Face "
+                                                  "encoder-decoder"),
+            ([*flags, *TINY, *DISTILL, "--teacher", str(tmp_path / "t5"), "--mle-steps", "0", "--rl-steps", "1"],
+             "a Hugging Face encoder-decoder cannot teach this run's model, a built-in LSTM"),
+            ([*t5_student, "--teacher", str(tmp_path / "gpt2")], "a Hugging Face causal LM cannot teach this run's "
+                                                                  "model, a Hugging Face encoder-decoder")]:
+        _fails_with_one_line([*argv, "--save-dir", str(tmp_path / "x")], capsys, kinds)
+        _fails_with_one_line([*argv, "--save-dir", str(tmp_path / "x")], capsys, pairs)
+        assert not (tmp_path / "x" / "metrics.jsonl").exists()
