@@ -23,7 +23,7 @@ import torch
 __all__ = ["CheckpointError", "SaveError", "save_atomic", "load", "rng_state", "set_rng_state", "python_rng_state",
            "set_python_rng_state", "set_generator_state", "host_copy", "CheckpointManager"]
 
-_STEP_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
+STEP_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
 
 
 class CheckpointError(ValueError):
@@ -266,7 +266,7 @@ class CheckpointManager:
         # Runs only after the new files are on disk, so a crash here never leaves fewer checkpoints than wanted.
         # Files of later steps (a branch this run was resumed before) are never this rotation's to delete.
         steps = sorted((int(m.group(1)), p) for p in self.save_dir.iterdir()
-                       if (m := _STEP_RE.match(p.name)) and int(m.group(1)) <= step)
+                       if (m := STEP_RE.match(p.name)) and int(m.group(1)) <= step)
         stale = steps[:-self.keep_last] if self.keep_last > 0 else steps
         for _, p in stale:
             p.unlink(missing_ok=True)
