@@ -177,6 +177,7 @@ class Run:
                     self.comparison.save_branch()  # no MLE steps, or a run resumed at the end of MLE
                 while state.step < self.total and distributed.agree_to_stop(stop.received) is None:
                     phase = self.phase_at(state.step)
+                    stop.began(state.step + 1)
                     row = self.train_step(phase)
                     state.step += 1
                     self.log({"step": state.step, "phase": phase, **row})
