@@ -195,3 +195,49 @@ def test_init_from_without_mle_steps_tests_no_end_of_mle_model(run, task, tmp_pa
     assert "test (mle)" not in out and "test (rl)" in out and "test (mle-continued)" in out, out
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     assert sorted(r["model"] for r in rows if r.get("phase") == "test") == ["mle-continued", "rl"]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-len", "100000000"], "--max-len 100000000: "),
+    (["--beam-size", "100000000"], "--beam-size 100000000, --max-len 7: phase one's search would hold about"),
+    (["--eval-beam", "100000000"], "--eval-beam 100000000, --max-len 7: validation's beam search would hold"),
+])
+def test_sizes_the_machine_cannot_hold_are_refused_before_any_step(task, tmp_path, capsys, flags, needle):
+    """A search (or chunk, or MLE step) sized past the memory available: one line naming the flags, their values
+    and the bytes, exit 2, before any step (no checkpoint, no log; not the MLE steps lost at the first
+    validation)."""
+    save = tmp_path / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "1", "--rl-steps", "1", *flags)) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and needle in err, err
+    assert "available on cpu; lower" in err, err
+    assert not list(save.glob("checkpoint_*.pt")) and not (save / "metrics.jsonl").exists()
+
+
+def test_the_memory_check_is_against_what_the_machine_has(task, tmp_path, capsys, monkeypatch):
+    """The tiny run fits (every other test runs it); with 1 kB available its validation search (3 sources x 1 row
+    of an 8-wide LSTM's state, its step, its 7 tokens and scores) does not."""
+    from twophase.system import memory
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1000)
+    assert cli.main(_argv(task, tmp_path / "run", "--mle-steps", "1", "--rl-steps", "0")) == 2
+    _one_line(capsys, "more than the 1 KB available on cpu")
+
+
+def test_threads_beyond_the_machine_s_cores_are_refused(task, tmp_path, capsys):
+    import os
+    cores = os.cpu_count()
+    assert cli.main(_argv(task, tmp_path / "run", "--threads", str(cores + 1), "--mle-steps", "1",
+                          "--rl-steps", "0")) == 2
+    _one_line(capsys, f"--threads {cores + 1}: this machine has {cores} CPU cores (os.cpu_count()); give at most "
+                      f"{cores}, or 0 (auto)")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("text", ["99999999999999999999", "-1"])
+def test_a_seed_no_generator_takes_is_refused_in_one_line(text, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.parse(["--seed", text])
+    assert stop.value.code == 2
+    _one_line(capsys, f"argument --seed: must be in [0, 9223372036854775807], got {text}")
+    with pytest.raises(ValueError, match=r"Config.seed: must be in \[0, 9223372036854775807\]"):
+        Config(seed=int(text))

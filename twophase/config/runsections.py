@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from .documented import DEFAULT_BEAM, FREE, PRESETS, Only, arg, check_size, parse_chunk
 
+SEED_MAX = 2**63 - 1  # torch's generators take [-2^63, 2^64); a process adds 1000 * rank, an epoch its number
+
 @dataclass
 class PhaseTwoConfig:
     """Phase two: the candidates re-decoded teacher-forced in chunks over their prefix tree, each chunk's graph
@@ -81,7 +83,8 @@ class RunConfig:
                         resume=FREE)
     log_every: int = arg(100, "when stdout is not a terminal (no progress bar), print a progress line every N "
                               "steps (0: never)", minimum=0, resume=FREE)
-    seed: int = arg(1, "seed of every random number generator")
+    seed: int = arg(1, "seed of every random number generator, in [0, 2^63 - 1] (what torch's generators take, "
+                       "with room for each process's offset)", minimum=0, maximum=SEED_MAX)
     save_dir: str | None = arg(None, "where checkpoints and metrics.jsonl are written (default: runs/<task>: "
                                      "runs/g2p, runs/tsv, runs/karel, or the custom task's name); a directory that "
                                      "holds another run is refused unless --resume or --overwrite", resume=FREE,
@@ -133,7 +136,7 @@ class SystemConfig:
     threads: int = arg(0, "CPU threads for torch; 0 (auto): 1 below --hidden-size 512 (--hf-model: the model's "
                           "hidden size), whose small matrices gain little from more and stall when another process "
                           "is busy on the machine, else torch's default (one per core); OMP_NUM_THREADS, where "
-                          "set, is left to decide", minimum=0, resume=FREE)
+                          "set, is left to decide; at most the machine's CPU cores", minimum=0, resume=FREE)
     fsdp: bool = arg(False, "under torchrun: shard parameters, gradients and Adam's moments over the processes "
                             "(PyTorch FSDP2); a step gathers the parameters once; docs/distributed.md",
                      resume=FREE, inherited=False)
