@@ -219,7 +219,10 @@ def check_resources(cfg: Config, task, model, device) -> None:
     for minutes, or dies at its first validation)."""
     if cfg.eval_only:
         return
-    state, step, vocab = memory.row_state_bytes(model, task.collate(task.train[:1], device))
+    try:
+        state, step, vocab = memory.row_state_bytes(model, task.collate(task.train[:1], device))
+    except Exception:  # noqa: BLE001 - a model of the user's this probe cannot drive: nothing to estimate from
+        return
     rows = [row for ex in task.train for row in task.target_ids(ex)]
     needs = configrules.memory_needs(cfg, vocab=vocab, state=state, step=step, valid=len(task.valid),
                                      test=len(task.test or ()), target_len=min(max(map(len, rows), default=0) + 1, cfg.max_len),
