@@ -167,15 +167,24 @@ def test_a_hugging_face_folder_teaches_a_t5_student(tmp_path, one_thread, monkey
     assert len(rl) == 2 and all(r["loss"] > 0 for r in rl)
 
 
-def test_teachers_of_another_kind_are_refused_naming_the_pairs_that_work(data, tmp_path, capsys):
-    """An LSTM checkpoint for a T5 student, a T5 folder for an LSTM student, a causal LM folder for a T5 student:
-    each one line naming the teacher's kind, the student's and the pairs that work, before any step."""
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    """A T5 and a GPT-2 folder, made outside any test's captured stderr (transformers' log handler keeps the
+    stream it first sees)."""
     pytest.importorskip("transformers")
     import hf_tiny
 
+    d = tmp_path_factory.mktemp("hf")
+    hf_tiny.save(d / "t5", "t5", seed=1)
+    hf_tiny.causal("gpt2", seed=1).save_pretrained(d / "gpt2")
+    return d
+
+
+def test_teachers_of_another_kind_are_refused_naming_the_pairs_that_work(data, hf_folders, tmp_path, capsys):
+    """An LSTM checkpoint for a T5 student, a T5 folder for an LSTM student, a causal LM folder for a T5 student:
+    each one line naming the teacher's kind, the student's and the pairs that work, before any step."""
     flags, teacher, d = data
-    hf_tiny.save(tmp_path / "t5", "t5", seed=1)
-    hf_tiny.causal("gpt2", seed=1).save_pretrained(tmp_path / "gpt2")
+    tmp_path = hf_folders
     t5_student = [*flags, "--hf-model", str(tmp_path / "t5"), "--objective", "distill", "--sampler", "sample",
                   "--batch-size", "3", "--beam-size", "2", "--max-len", "12", "--mle-steps", "0", "--rl-steps", "1",
                   "--no-compare-mle"]

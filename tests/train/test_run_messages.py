@@ -241,3 +241,72 @@ def test_a_seed_no_generator_takes_is_refused_in_one_line(text, capsys):
     _one_line(capsys, f"argument --seed: must be in [0, 9223372036854775807], got {text}")
     with pytest.raises(ValueError, match=r"Config.seed: must be in \[0, 9223372036854775807\]"):
         Config(seed=int(text))
+
+
+class _Code:
+    """An object whose unpickling would call print: what a hostile weights file carries."""
+
+    def __reduce__(self):
+        return (print, ("unpickled code ran",))
+
+
+def _pickled_folder(folder, kind: str, classifier: bool = False):
+    """A save_pretrained folder whose weights are a pytorch_model.bin carrying pickled code, not safetensors."""
+    import hf_tiny
+    import torch
+
+    if classifier:
+        import transformers as T
+        config = T.GPT2Config(vocab_size=hf_tiny.VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=64,
+                              bos_token_id=hf_tiny.EOS, eos_token_id=hf_tiny.EOS, num_labels=1)
+        T.GPT2ForSequenceClassification(config).save_pretrained(folder)
+        hf_tiny.tokenizer().save_pretrained(folder)
+    else:
+        hf_tiny.save(folder, kind)
+    (folder / "model.safetensors").unlink()
+    torch.save({"weight": _Code()}, folder / "pytorch_model.bin")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pickled(tmp_path_factory):
+    """A T5 folder and a reward model's whose weights carry pickled code, a plain T5 folder (a student) and a
+    checkpoint carrying pickled code; made outside any test's captured stderr (transformers' log handler keeps
+    the stream it first sees)."""
+    pytest.importorskip("transformers")
+    import hf_tiny
+    import torch
+
+    d = tmp_path_factory.mktemp("pickled")
+    _pickled_folder(d / "t5", "t5")
+    _pickled_folder(d / "reward", "gpt2", classifier=True)
+    hf_tiny.save(d / "student", "t5")
+    torch.save({"config": {}, "model": {}, "code": _Code()}, d / "teacher.pt")
+    return d
+
+
+def test_files_carrying_pickled_code_get_the_project_s_line_not_torch_s_advice(task, pickled, capsys):
+    """--hf-model, --teacher (a folder, a checkpoint) and --reward hf: with a file that carries pickled code: one
+    line of the project's (as --resume's), nothing executed, and never torch's advice to load it with
+    weights_only=False. A text file as --teacher is named as what it is."""
+    tmp_path = pickled
+    t5, reward = tmp_path / "t5", tmp_path / "reward"
+    capsys.readouterr()
+    words = "refused: its weights file carries pickled Python objects (only tensors and plain data are loaded, never"
+    distill = ["--objective", "distill", "--mle-steps", "0", "--rl-steps", "1"]
+    for flags, needle in [
+            (["--hf-model", str(t5), "--max-len", "12"], f"--hf-model {t5}: cannot load the model ({words}"),
+            ([*distill, "--hf-model", str(tmp_path / "student"), "--teacher", str(t5), "--max-len", "12"],
+             f"--teacher {t5}: cannot load the model ({words}"),
+            ([*distill, "--teacher", str(tmp_path / "teacher.pt")],
+             f"--teacher {tmp_path / 'teacher.pt'}: refused: the checkpoint contains pickled Python objects"),
+            ([*distill, "--teacher", str(task / "train.tsv")],
+             f"--teacher {task / 'train.tsv'}: not a twophase checkpoint (not a file torch.save wrote)"),
+            (["--reward", f"hf:{reward}"], f"--reward hf:{reward}: cannot load the model or its tokenizer ({words}")]:
+        argv = ["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--save-dir",
+                str(tmp_path / "run"), "--batch-size", "3", "--beam-size", "2", "--no-compare-mle", *flags]
+        assert cli.main(argv) == 2
+        captured = capsys.readouterr()
+        err = captured.err
+        assert len(err.strip().splitlines()) == 1 and needle in err, err
+        assert "weights_only" not in err and "unpickled code ran" not in captured.out + err

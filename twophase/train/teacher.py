@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from .. import hffolder
 from ..models.seq2seq import Seq2Seq
 from ..objectives.distill import check_compatible, distillation
 from ..system import distributed, fsdp
+from . import checkpoint
 from .start import StartupError
 
 
@@ -92,17 +91,16 @@ def _hugging_face(path: str, student, task):
         with hffolder.quiet_progress_bars():
             model = kind.from_pretrained(path, **hffolder.offline_float32())
     except Exception as exc:  # noqa: BLE001 - whatever from_pretrained raises, the folder is not a model
-        raise StartupError(f"--teacher {path}: cannot load the model ({str(exc).splitlines()[0]})") from None
+        raise StartupError(f"--teacher {path}: cannot load the model ({hffolder.load_failure(exc)})") from None
     return HFCausalLM(model, getattr(task, "tokenizer", None)) if causal else HFSeq2Seq(model)
 
 
 def _checkpoint(path: str, task, student):
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - whatever torch.load raises, the file is not a checkpoint
-        raise StartupError(f"--teacher {path}: not a checkpoint torch.load can read "
-                           f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or "model" not in state:
+    try:  # the run's own loader: a file torch.save did not write, or one carrying pickled code, in its words
+        state = checkpoint.load(path)
+    except checkpoint.CheckpointError as err:
+        raise StartupError(f"--teacher {err}") from None
+    if not isinstance(state.get("config"), dict):
         raise StartupError(f"--teacher {path}: not a twophase checkpoint (no config and model)")
     config, saved = state["config"], (state.get("task") or {}).get("state") or {}
     ours = task.state_dict() if callable(getattr(task, "state_dict", None)) else {}
