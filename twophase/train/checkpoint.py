@@ -13,6 +13,7 @@ import os
 import pickle
 import random
 import re
+import resource
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,11 +39,15 @@ class SaveError(OSError):
         return self.strerror or super().__str__()
 
 
-def _cause(err: BaseException, folder: Path) -> str:
-    """Why a write failed, in words: the OS's reason, or for torch's zip writer (whose full-disk failure is a
-    RuntimeError 'unexpected pos') the disk's state."""
+def _cause(err: BaseException, folder: Path, written: int = 0) -> str:
+    """Why a write failed, in words: the OS's reason, or for torch's zip writer (whose failed write is a
+    RuntimeError 'unexpected pos') the file-size limit the file reached (`written`: its bytes; RLIMIT_FSIZE, with
+    SIGXFSZ ignored) or the disk's state."""
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and written >= limit:
+        return f"{os.strerror(errno.EFBIG)} (the process's file-size limit, {limit:,} bytes)"
     try:
         if shutil.disk_usage(folder).free < 2**24:
             return os.strerror(errno.ENOSPC)
@@ -92,12 +97,13 @@ def save_atomic(state: dict, path) -> None:
     except BaseException as err:
         # BaseException too: a Ctrl-C mid-write must not leave a stray temp file behind.
         try:
+            written = os.path.getsize(tmp)
             os.unlink(tmp)
         except OSError:
-            pass
+            written = 0
         if isinstance(err, OSError) or (isinstance(err, RuntimeError) and _from_zip_writer(err)):
             raise SaveError(getattr(err, "errno", None) or errno.EIO,
-                            f"cannot write {path}: {_cause(err, folder)}") from None
+                            f"cannot write {path}: {_cause(err, folder, written)}") from None
         raise
     _fsync_dir(folder)
 
