@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .documented import DEFAULT_BEAM, FREE, PRESETS, Only, arg, check_size, parse_chunk
+from .documented import DEFAULT_BEAM, FREE, PRESETS, Only, arg, check_size, parse_chunk, parse_device
 
 SEED_MAX = 2**63 - 1  # torch's generators take [-2^63, 2^64); a process adds 1000 * rank, an epoch its number
 
@@ -125,7 +125,7 @@ class SystemConfig:
     whatever they are, up to rounding."""
 
     device: str = arg("auto", "cpu, cuda, cuda:N, mps, or auto (cuda where available); under torchrun each "
-                      "process takes cuda:LOCAL_RANK", resume=FREE, inherited=False)
+                      "process takes cuda:LOCAL_RANK", parse=parse_device, resume=FREE, inherited=False)
     deterministic: bool = arg(False, "CUDA's deterministic algorithms (torch.use_deterministic_algorithms, "
                                      "CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN deterministic): repeated GPU runs, "
                                      "--resume and torchrun give the same bits, at some speed; the CPU is "

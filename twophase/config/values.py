@@ -4,6 +4,7 @@ with its own label in front of the same words.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -69,6 +70,13 @@ def out_of_range(name: str, value) -> str | None:
     if minimum is not None and value < minimum:
         return f"must be >= {minimum}, got {value}"
     return None
+
+
+def did_you_mean(name: str) -> str:
+    """" (did you mean beam_size?)" for a name close to a field's, else "": the hint of every unknown name
+    (`Config(...)`'s keywords, a configuration file's keys)."""
+    close = difflib.get_close_matches(str(name), FIELDS, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _expected(kinds: list[str]) -> str:
