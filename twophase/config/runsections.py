@@ -61,8 +61,9 @@ class EvaluationConfig:
                                        "twophase-decode's default is the same", minimum=1)
     best_metric: str = arg("auto", "validation score that picks checkpoint_best.pt, saved at every validation "
                                    "that improves it: one of the task's metrics (g2p: word_acc, wer, per; tsv: "
-                                   "word_acc (sequence accuracy), per (token error rate)), or reward; auto: the "
-                                   "task's main metric (word_acc for g2p, reward for tsv)")
+                                   "word_acc (sequence accuracy), per (token error rate)), or reward, or with --reward "
+                                   "bleu or chrf corpus_bleu (and corpus_chrf); auto: the task's main metric "
+                                   "(word_acc for g2p, reward for tsv)")
 
 
 EvaluationConfig.title = "evaluation"

@@ -20,6 +20,7 @@ from .start import (batch_warnings, changed_fields, check_model_on_a_batch, chec
                     start_run_dir)
 from .. import rewards, tasks
 from ..rewards import weighted
+from ..rewards.registry import corpus_kinds
 from ..compiling import compiled
 from ..constraints import Constrained, GrammarError, teacher_forced_allowed
 from ..vocab import pad_targets
@@ -74,12 +75,12 @@ def load_task_data(task, state: dict | None) -> None:
         raise UsageError(f"task '{task.spec}' has no {'training' if not task.train else 'validation'} examples")
 
 
-def resolve_best_metric(cfg: Config, task) -> str:
+def resolve_best_metric(cfg: Config, task, reward=None) -> str:
     """--best-metric: auto means the task's main metric (its reward where it names none); anything else must be
-    one of the task's metrics or reward."""
+    one of the task's metrics, reward, or a corpus score `reward` reports (corpus_bleu with bleu or chrf)."""
     if cfg.best_metric == "auto":
         return task.main_metric or "reward"
-    known = [m.key for m in task.metrics] + ["reward"]
+    known = [m.key for m in task.metrics] + ["reward"] + [f"corpus_{kind}" for kind in corpus_kinds(reward)]
     if cfg.best_metric not in known:
         raise UsageError(f"--best-metric {cfg.best_metric}: task '{task.spec}' reports {', '.join(known)}")
     return cfg.best_metric
@@ -146,7 +147,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     causal = getattr(task, "causal", False)  # a reward model scores prompt + completion, else (source, hypothesis)
     reward = weighted.from_flags(reward_spec, cfg.reward_weights, device, causal) if reward is None else \
         reward_of(reward, reward_spec, cfg.reward_weights)  # before loading data: a typo fails in a second
-    run_cfg = derived(run_cfg, best_metric=resolve_best_metric(cfg, task))
+    run_cfg = derived(run_cfg, best_metric=resolve_best_metric(cfg, task, reward))
     if cfg.tensorboard:
         try:
             report.writer_class()
