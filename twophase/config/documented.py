@@ -73,10 +73,11 @@ class Only:
 def arg(default, help: str, choices=None, minimum=None, parse=None, resume=FIXED, only: Only | None = None,
         inherited=True, path=False, task_reads=True, below=None, maximum=None) -> Any:
     """A documented field. `minimum`: the least value allowed; `below`: a bound the value must stay under (dropout
-    in [0, 1)); `maximum`: the largest value allowed (--seed's, what every generator takes); `parse` converts the flag's text where the annotation's type is not enough; `resume`:
-    its rule on --resume; `only`: where this field alone applies (beyond its section's); `inherited=False`: a
-    resumed run does not take it from its checkpoint (where and how this command computes); `path`: compared as a
-    file on resume; `task_reads=False`: a field of a task-shaping section that no task reads (the trainer's)."""
+    in [0, 1)); `maximum`: the largest value allowed (--seed's, what every generator takes); `parse` converts
+    the flag's text where the annotation's type is not enough; `resume`: its rule on --resume; `only`: where this
+    field alone applies (beyond its section's); `inherited=False`: a resumed run does not take it from its
+    checkpoint (where and how this command computes); `path`: compared as a file on resume; `task_reads=False`: a
+    field of a task-shaping section that no task reads (the trainer's)."""
     return field(default=default, metadata=dict(help=help, choices=choices, minimum=minimum, parse=parse,
                                                 resume=resume, only=only, inherited=inherited, path=path,
                                                 task_reads=task_reads, below=below, maximum=maximum))

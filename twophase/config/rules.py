@@ -104,9 +104,10 @@ def memory_needs(cfg, *, vocab: int, state: float, step: float, valid: int, test
     row (`system.memory.row_state_bytes`: `state` bytes of decoder state, `step` bytes a decode step creates)
     and its vocabulary: (what, the flags that size it, rows, bytes). An estimate from below (a cache growing
     with the prefix counted at its start), so only what surely cannot fit is refused. The search's rows hold
-    their state while a step makes the next, their --max-len tokens and scores; validation decodes up to 256 sources a batch (`valid`, `test`: the splits' sizes); MLE and
-    phase two keep a graph over their positions (`target_len`: the longest reference, EOS included). A batch
-    takes at most the training data's `sources` (RL) and `pairs` (MLE); each process of `world` its share."""
+    their state while a step makes the next, their --max-len tokens and scores; validation decodes up to 256
+    sources a batch (`valid`, `test`: the splits' sizes); MLE and phase two keep a graph over their positions
+    (`target_len`: the longest reference, EOS included). A batch takes at most the training data's `sources`
+    (RL) and `pairs` (MLE); each process of `world` its share."""
     L = cfg.max_len
     row = state + step + L * POSITION_BYTES + SCORE_COPIES * 4 * vocab
     graph_position = GRAPH_COPIES * step
@@ -123,12 +124,10 @@ def memory_needs(cfg, *, vocab: int, state: float, step: float, valid: int, test
         needs.append(search("phase one's search", "--batch-size, --beam-size, --max-len", rows))
         chunk = min(rows, cfg.rescore_chunk) if isinstance(cfg.rescore_chunk, int) else 0
         if chunk:  # auto: sized to --memory-budget by its own measurement
-            needs.append(("phase two's chunk", "--rescore-chunk, --max-len", chunk,
-                          chunk * L * graph_position))
+            needs.append(("phase two's chunk", "--rescore-chunk, --max-len", chunk, chunk * L * graph_position))
     if cfg.mle_steps > 0 and target_len:
         rows = -(-min(cfg.mle_batch_size, pairs) // world)
-        needs.append(("an MLE step", "--mle-batch-size", rows,
-                      rows * target_len * graph_position))
+        needs.append(("an MLE step", "--mle-batch-size", rows, rows * target_len * graph_position))
     return needs
 
 

@@ -225,9 +225,10 @@ def check_resources(cfg: Config, task, model, device) -> None:
     except Exception:  # noqa: BLE001 - a model of the user's this probe cannot drive: nothing to estimate from
         return
     rows = [row for ex in task.train for row in task.target_ids(ex)]
+    longest = min(max(map(len, rows), default=0) + 1, cfg.max_len)  # EOS included
     needs = configrules.memory_needs(cfg, vocab=vocab, state=state, step=step, valid=len(task.valid),
-                                     test=len(task.test or ()), target_len=min(max(map(len, rows), default=0) + 1, cfg.max_len),
-                                     sources=len(task.train), pairs=len(rows), world=distributed.world())
+                                     test=len(task.test or ()), target_len=longest, sources=len(task.train),
+                                     pairs=len(rows), world=distributed.world())
     try:
         configrules.check_memory(cfg, needs, memory.available_bytes(device), str(device))
     except ValueError as err:
