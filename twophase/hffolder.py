@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")  # save_pretrained writes the first, always
 
@@ -24,6 +25,18 @@ def problem(folder: str, tokenizer: bool = True) -> str | None:
         return (f"no tokenizer ({' or '.join(TOKENIZER_FILES)}); save the tokenizer into the same folder with "
                 "tokenizer.save_pretrained")
     return None
+
+
+def load_failure(exc: BaseException) -> str:
+    """Why `from_pretrained` failed, in a few words for a one-line error: a weights file carrying pickled Python
+    objects (torch.load's weights-only refusal) in the project's words, never torch's advice to load it with
+    weights_only=False, which would run that code; anything else as `Type: first line`."""
+    text = str(exc)
+    if isinstance(exc, pickle.UnpicklingError) or "weights only" in text.lower() or "weights_only" in text:
+        return ("refused: its weights file carries pickled Python objects (only tensors and plain data are loaded, "
+                "never executed); save the model with safetensors, save_pretrained's default")
+    lines = text.strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def offline_float32() -> dict:

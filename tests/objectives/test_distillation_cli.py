@@ -65,6 +65,8 @@ def test_fit_distils_too(data, tmp_path, one_thread):
                                           max_len=8, mle_steps=2, rl_steps=2, compare_mle=False, eval_every=100,
                                           save_every=100, save_dir=str(tmp_path / "fit")))
     assert result is not None and (tmp_path / "fit" / "checkpoint_last.pt").is_file()
+    header = result.table.splitlines()[0].split()  # the column is named after what the phase did
+    assert header[-1] == "distilled" and "RL" not in header, result.table
 
 
 def test_grad_accum_divides_by_the_whole_generations_tokens(data, tmp_path, one_thread):
@@ -163,3 +165,38 @@ def test_a_hugging_face_folder_teaches_a_t5_student(tmp_path, one_thread, monkey
                      "--save-dir", "run"]) == 0
     rl = _rl_rows(tmp_path / "run")
     assert len(rl) == 2 and all(r["loss"] > 0 for r in rl)
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    """A T5 and a GPT-2 folder, made outside any test's captured stderr (transformers' log handler keeps the
+    stream it first sees)."""
+    pytest.importorskip("transformers")
+    import hf_tiny
+
+    d = tmp_path_factory.mktemp("hf")
+    hf_tiny.save(d / "t5", "t5", seed=1)
+    hf_tiny.causal("gpt2", seed=1).save_pretrained(d / "gpt2")
+    return d
+
+
+def test_teachers_of_another_kind_are_refused_naming_the_pairs_that_work(data, hf_folders, tmp_path, capsys):
+    """An LSTM checkpoint for a T5 student, a T5 folder for an LSTM student, a causal LM folder for a T5 student:
+    each one line naming the teacher's kind, the student's and the pairs that work, before any step."""
+    flags, teacher, d = data
+    tmp_path = hf_folders
+    t5_student = [*flags, "--hf-model", str(tmp_path / "t5"), "--objective", "distill", "--sampler", "sample",
+                  "--batch-size", "3", "--beam-size", "2", "--max-len", "12", "--mle-steps", "0", "--rl-steps", "1",
+                  "--no-compare-mle"]
+    capsys.readouterr()  # the folders' saving
+    pairs = "a built-in LSTM checkpoint teaches a built-in LSTM student"
+    for argv, kinds in [
+            ([*t5_student, "--teacher", teacher], "a built-in LSTM cannot teach this run's model, a Hugging Face "
+                                                  "encoder-decoder"),
+            ([*flags, *TINY, *DISTILL, "--teacher", str(tmp_path / "t5"), "--mle-steps", "0", "--rl-steps", "1"],
+             "a Hugging Face encoder-decoder cannot teach this run's model, a built-in LSTM"),
+            ([*t5_student, "--teacher", str(tmp_path / "gpt2")], "a Hugging Face causal LM cannot teach this run's "
+                                                                  "model, a Hugging Face encoder-decoder")]:
+        _fails_with_one_line([*argv, "--save-dir", str(tmp_path / "x")], capsys, kinds)
+        _fails_with_one_line([*argv, "--save-dir", str(tmp_path / "x")], capsys, pairs)
+        assert not (tmp_path / "x" / "metrics.jsonl").exists()

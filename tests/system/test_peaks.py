@@ -62,3 +62,18 @@ def test_the_cpu_peak_is_the_resident_sets_through_resets(monkeypatch):
     memory.reset(torch.device("cpu"))  # folds 800
     assert memory.overall_mb(torch.device("cpu")) == {"peak_rss_mb": 800}  # 50 now, 800 kept
     assert memory.overall(torch.device("cpu")) == {"rss": 800 * MB}
+
+
+def test_a_search_row_s_state_is_the_lstm_s_h_and_c():
+    """row_state_bytes against the architecture: the built-in LSTM's decoder state per row is its h and c
+    (2 x hidden float32), whatever the source's length (the encoding the rows share is not theirs)."""
+    from twophase.models.seq2seq import Seq2Seq
+    from twophase.system.memory import row_state_bytes
+
+    torch.manual_seed(0)
+    model = Seq2Seq(30, 40, 8, 24, 0.0, False)
+    for length in (3, 50):
+        source = (torch.randint(3, 30, (2, length)), torch.tensor([length, length]))
+        state, step, vocab = row_state_bytes(model, source)
+        assert (state, vocab) == (2 * 24 * 4, 40)
+        assert step >= 2 * 24 * 4 + 40 * 4  # a step makes at least the new h, c and the row's log-probabilities

@@ -226,3 +226,43 @@ def test_second_signal_exits_at_once():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, cwd=ROOT)
     assert proc.returncode == 130 and "not reached" not in proc.stdout
     assert "exiting now without saving" in proc.stderr
+
+
+def _long_step_two(signals: int) -> str:
+    """Code for a child: MLE step 2 runs 0.6 s (then waits, if it is still alive, as a very long step would),
+    and the process sends itself SIGTERM `signals` times during it, 0.3 s into the step and then 0.1 s apart."""
+    return ("import os, signal, sys, time\nfrom twophase.train import cli\nfrom twophase.train.trainer import Trainer\n"
+            "real, calls = Trainer.mle_step, []\n"
+            "def slow(self):\n    calls.append(1)\n    if len(calls) == 2:\n"
+            "        time.sleep(0.3)\n"
+            f"        for _ in range({signals}):\n            os.kill(os.getpid(), signal.SIGTERM)\n"
+            "            time.sleep(0.1)\n"
+            "        time.sleep(0.2 if %d == 1 else 30)\n    return real(self)\n"
+            "Trainer.mle_step = slow\n"
+            "sys.exit(cli.main(sys.argv[1:]))\n") % signals
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_sigterm_during_a_long_step_says_how_long_it_has_run_and_a_second_exits_at_once(task, tmp_path, signals):
+    """The first SIGTERM names the step and how long it has run, then the step ends and the run saves it (exit
+    143). A second exits 143 at once without saving the step: checkpoint_last.pt stays step 1's, whole, and
+    --resume continues from it."""
+    save = tmp_path / "run"
+    script = tmp_path / "slow.py"
+    script.write_text(_long_step_two(signals))
+    argv = [script, "--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"),
+            "--save-dir", str(save), *TINY, "--mle-steps", "3", "--rl-steps", "0", "--save-every", "1",
+            "--no-compare-mle"]
+    proc = forks.run(argv=argv, timeout=60)
+    assert proc.returncode == 143, proc.stderr
+    first = [line for line in proc.stderr.splitlines() if line.startswith("signal 15")][0]
+    seconds = float(first.split("which has run ")[1].split(" s")[0])
+    assert first.startswith("signal 15 during step 2, which has run") and 0.3 <= seconds < 1.5, first
+    assert "the step finishes, then the run saves and exits 143" in first
+    saved = torch.load(save / "checkpoint_last.pt", weights_only=True)
+    assert saved["step"] == (2 if signals == 1 else 1)
+    if signals == 2:
+        assert "signal 15 again: exiting now without saving" in proc.stderr
+        _train_here(task, save, "--resume", "--mle-steps", "3", "--rl-steps", "0", "--save-every", "1",
+                    "--no-compare-mle")
+        assert torch.load(save / "checkpoint_last.pt", weights_only=True)["step"] == 3

@@ -437,3 +437,28 @@ def test_a_value_an_older_version_recorded_and_this_one_refuses_is_one_line(fini
     assert decode.main(["--checkpoint", str(save / "checkpoint_last.pt"), "--input", str(tmp_path / "in.txt")]) == 2
     _one_line(capsys, f"--checkpoint {save / 'checkpoint_last.pt'}: its recorded configuration: Config.dropout")
     assert (save / "checkpoint_last.pt").read_bytes() == before
+
+
+def test_resume_after_a_kill_between_the_step_file_and_checkpoint_last_takes_the_newest(task, tmp_path, capsys,
+                                                                                       monkeypatch):
+    """A save writes checkpoint_stepN.pt, then checkpoint_last.pt: kill -9 during the second write leaves the
+    older checkpoint_last.pt beside the complete, newer step file. --resume continues from the step file (no
+    step redone; a later step file cut short is passed over) and ends with the parameters of a run never killed."""
+    whole, save = tmp_path / "whole", tmp_path / "run"
+    assert cli.main(_argv(task, whole, "--mle-steps", "4", "--rl-steps", "0", "--no-compare-mle")) == 0
+    assert cli.main(_argv(task, save, "--mle-steps", "3", "--rl-steps", "0", "--no-compare-mle", "--save-every", "1",
+                          "--keep-last", "3")) == 0
+    shutil.copy(save / "checkpoint_step00000002.pt", save / "checkpoint_last.pt")  # the write of step 3 cut
+    (save / "checkpoint_step00000009.pt").write_bytes((save / "checkpoint_step00000003.pt").read_bytes()[:500])
+    from twophase.train.trainer import Trainer
+    taken = []
+    real = Trainer.mle_step
+    monkeypatch.setattr(Trainer, "mle_step", lambda self: taken.append(1) or real(self))
+    capsys.readouterr()
+    assert cli.main(["--save-dir", str(save), "--resume", "--mle-steps", "4"]) == 0
+    assert len(taken) == 1  # step 4 alone, not steps 3 and 4
+    assert "note: checkpoint_step00000003.pt (step 3) is newer than checkpoint_last.pt" in capsys.readouterr().out
+    a, b = load(whole / "checkpoint_last.pt")["model"], load(save / "checkpoint_last.pt")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] == "mle"] == [1, 2, 3, 4]

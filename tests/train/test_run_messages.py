@@ -1,6 +1,7 @@
 """What train.py says where a flag cannot mean anything or a run differs from what was asked: non-finite numbers,
 --temperature with --objective policy, flags a resumed run must not keep or blame, --init-from --eval-only scoring
 as its run did, batch sizes the data cannot fill, and a run of no steps naming no checkpoint."""
+import json
 import math
 
 import pytest
@@ -182,3 +183,130 @@ def test_progress_lines_show_each_metric_in_its_fmt():
     metrics = [Metric("len", "mean length", fmt="{:.2f}"), Metric("acc", "accuracy")]
     assert fmt_scores({"len": 2.375, "acc": 0.5, "reward": 0.25, "len@4": 2.0, "n": 3.0}, metrics) == \
         "len=2.38 acc=50.00% reward=0.2500 len@4=2.00"
+
+
+def test_init_from_without_mle_steps_tests_no_end_of_mle_model(run, task, tmp_path, capsys):
+    """--init-from --mle-steps 0: no MLE ran, so neither a `test (mle)` line nor a test row of model "mle" (the
+    starting point is not a model the run made); the continued control and RL are tested."""
+    save = tmp_path / "rl"
+    assert cli.main(_argv(task, save, "--init-from", str(run / "checkpoint_last.pt"), "--mle-steps", "0",
+                          "--rl-steps", "1", "--compare-mle", "--test", str(task / "valid.tsv"))) == 0
+    out = capsys.readouterr().out
+    assert "test (mle)" not in out and "test (rl)" in out and "test (mle-continued)" in out, out
+    rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["model"] for r in rows if r.get("phase") == "test") == ["mle-continued", "rl"]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-len", "100000000"], "--max-len 100000000: "),
+    (["--beam-size", "100000000"], "--beam-size 100000000, --max-len 7: phase one's search would hold about"),
+    (["--eval-beam", "100000000"], "--eval-beam 100000000, --max-len 7: validation's beam search would hold"),
+])
+def test_sizes_the_machine_cannot_hold_are_refused_before_any_step(task, tmp_path, capsys, flags, needle):
+    """A search (or chunk, or MLE step) sized past the memory available: one line naming the flags, their values
+    and the bytes, exit 2, before any step (no checkpoint, no log; not the MLE steps lost at the first
+    validation)."""
+    save = tmp_path / "run"
+    assert cli.main(_argv(task, save, "--mle-steps", "1", "--rl-steps", "1", *flags)) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and needle in err, err
+    assert "available on cpu; lower" in err, err
+    assert not list(save.glob("checkpoint_*.pt")) and not (save / "metrics.jsonl").exists()
+
+
+def test_the_memory_check_is_against_what_the_machine_has(task, tmp_path, capsys, monkeypatch):
+    """The tiny run fits (every other test runs it); with 1 kB available its validation search (3 sources x 1 row
+    of an 8-wide LSTM's state, its step, its 7 tokens and scores) does not."""
+    from twophase.system import memory
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1000)
+    assert cli.main(_argv(task, tmp_path / "run", "--mle-steps", "1", "--rl-steps", "0")) == 2
+    _one_line(capsys, "more than the 1 KB available on cpu")
+
+
+def test_threads_beyond_the_machine_s_cores_are_refused(task, tmp_path, capsys):
+    import os
+    cores = os.cpu_count()
+    assert cli.main(_argv(task, tmp_path / "run", "--threads", str(cores + 1), "--mle-steps", "1",
+                          "--rl-steps", "0")) == 2
+    _one_line(capsys, f"--threads {cores + 1}: this machine has {cores} CPU cores (os.cpu_count()); give at most "
+                      f"{cores}, or 0 (auto)")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("text", ["99999999999999999999", "-1"])
+def test_a_seed_no_generator_takes_is_refused_in_one_line(text, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.parse(["--seed", text])
+    assert stop.value.code == 2
+    _one_line(capsys, f"argument --seed: must be in [0, 9223372036854775807], got {text}")
+    with pytest.raises(ValueError, match=r"Config.seed: must be in \[0, 9223372036854775807\]"):
+        Config(seed=int(text))
+
+
+class _Code:
+    """An object whose unpickling would call print: what a hostile weights file carries."""
+
+    def __reduce__(self):
+        return (print, ("unpickled code ran",))
+
+
+def _pickled_folder(folder, kind: str, classifier: bool = False):
+    """A save_pretrained folder whose weights are a pytorch_model.bin carrying pickled code, not safetensors."""
+    import hf_tiny
+    import torch
+
+    if classifier:
+        import transformers as T
+        config = T.GPT2Config(vocab_size=hf_tiny.VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=64,
+                              bos_token_id=hf_tiny.EOS, eos_token_id=hf_tiny.EOS, num_labels=1)
+        T.GPT2ForSequenceClassification(config).save_pretrained(folder)
+        hf_tiny.tokenizer().save_pretrained(folder)
+    else:
+        hf_tiny.save(folder, kind)
+    (folder / "model.safetensors").unlink()
+    torch.save({"weight": _Code()}, folder / "pytorch_model.bin")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pickled(tmp_path_factory):
+    """A T5 folder and a reward model's whose weights carry pickled code, a plain T5 folder (a student) and a
+    checkpoint carrying pickled code; made outside any test's captured stderr (transformers' log handler keeps
+    the stream it first sees)."""
+    pytest.importorskip("transformers")
+    import hf_tiny
+    import torch
+
+    d = tmp_path_factory.mktemp("pickled")
+    _pickled_folder(d / "t5", "t5")
+    _pickled_folder(d / "reward", "gpt2", classifier=True)
+    hf_tiny.save(d / "student", "t5")
+    torch.save({"config": {}, "model": {}, "code": _Code()}, d / "teacher.pt")
+    return d
+
+
+def test_files_carrying_pickled_code_get_the_project_s_line_not_torch_s_advice(task, pickled, capsys):
+    """--hf-model, --teacher (a folder, a checkpoint) and --reward hf: with a file that carries pickled code: one
+    line of the project's (as --resume's), nothing executed, and never torch's advice to load it with
+    weights_only=False. A text file as --teacher is named as what it is."""
+    tmp_path = pickled
+    t5, reward = tmp_path / "t5", tmp_path / "reward"
+    capsys.readouterr()
+    words = "refused: its weights file carries pickled Python objects (only tensors and plain data are loaded, never"
+    distill = ["--objective", "distill", "--mle-steps", "0", "--rl-steps", "1"]
+    for flags, needle in [
+            (["--hf-model", str(t5), "--max-len", "12"], f"--hf-model {t5}: cannot load the model ({words}"),
+            ([*distill, "--hf-model", str(tmp_path / "student"), "--teacher", str(t5), "--max-len", "12"],
+             f"--teacher {t5}: cannot load the model ({words}"),
+            ([*distill, "--teacher", str(tmp_path / "teacher.pt")],
+             f"--teacher {tmp_path / 'teacher.pt'}: refused: the checkpoint contains pickled Python objects"),
+            ([*distill, "--teacher", str(task / "train.tsv")],
+             f"--teacher {task / 'train.tsv'}: not a twophase checkpoint (not a file torch.save wrote)"),
+            (["--reward", f"hf:{reward}"], f"--reward hf:{reward}: cannot load the model or its tokenizer ({words}")]:
+        argv = ["--train", str(task / "train.tsv"), "--valid", str(task / "valid.tsv"), "--save-dir",
+                str(tmp_path / "run"), "--batch-size", "3", "--beam-size", "2", "--no-compare-mle", *flags]
+        assert cli.main(argv) == 2
+        captured = capsys.readouterr()
+        err = captured.err
+        assert len(err.strip().splitlines()) == 1 and needle in err, err
+        assert "weights_only" not in err and "unpickled code ran" not in captured.out + err

@@ -62,6 +62,7 @@ def test_resume_cuts_the_log_back_to_the_checkpoint(task, tmp_path):
                           "--eval-every", "2")) == 0
     # As if the process had died after step 5 with its last save at step 3: steps 4 and 5 are logged, not saved.
     shutil.copy(save / "checkpoint_step00000003.pt", save / "checkpoint_last.pt")
+    (save / "checkpoint_step00000005.pt").unlink()  # never written (--resume would continue from it)
     saved_elapsed = torch.load(save / "checkpoint_last.pt", weights_only=True)["elapsed_s"]
     assert cli.main(_argv(task, save, "--mle-steps", "6", "--rl-steps", "0", "--save-every", "3",
                           "--eval-every", "2", "--resume")) == 0

@@ -9,6 +9,7 @@ import pytest
 from twophase.train import checkpoint, cli, rundir
 from twophase.train.checkpoint import CheckpointError, CheckpointManager, load, save_atomic
 
+import forks
 from taskfiles import task_dir
 from test_resume import _argv, _files, _one_line
 
@@ -81,3 +82,31 @@ def test_a_full_disk_mid_run_is_one_line_and_keeps_what_was_saved(task, tmp_path
     assert not [n for n in after if n.endswith(".tmp")]
     assert {n: v for n, v in after.items() if n.endswith(".pt")} == {n: v for n, v in kept.items()
                                                                      if n.endswith(".pt")}
+
+
+def test_a_file_size_limit_during_a_save_says_file_too_large(tmp_path):
+    """RLIMIT_FSIZE below a checkpoint's size (SIGXFSZ ignored, so a write past it fails with EFBIG): torch's zip
+    writer reports its own 'enforce fail at inline_container.cc'; the save's line says what the OS says, and no
+    temporary file is left. Both a save on its own and a run's, in a child process that takes the limit."""
+    code = ("import resource, signal, sys, torch\n"
+            "from twophase.train import checkpoint, cli\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, resource.RLIM_INFINITY))\n"
+            "try:\n    checkpoint.save_atomic({'model': torch.zeros(100000)}, sys.argv[1] + '/big.pt')\n"
+            "except checkpoint.SaveError as err:\n    print(err)\n"
+            "sys.exit(cli.main(sys.argv[2:]))\n")
+    script = tmp_path / "limited.py"
+    script.write_text(code)
+    task = tmp_path / "task"
+    task.mkdir()
+    from taskfiles import write_task
+    write_task(task / "train.tsv", "reverse", 20, seed=0)
+    write_task(task / "valid.tsv", "reverse", 4, seed=1)
+    proc = forks.run(argv=[script, tmp_path, *_argv(task, tmp_path / "run", "--mle-steps", "2", "--rl-steps", "0",
+                                                  "--no-compare-mle", "--no-picture")], timeout=60)
+    assert proc.stdout.splitlines()[0] == (f"cannot write {tmp_path / 'big.pt'}: File too large (the process's "
+                                           "file-size limit, 20,000 bytes)"), proc.stdout
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "File too large" in err[0] and "inline_container" not in err[0], proc.stderr
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left

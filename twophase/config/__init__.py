@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import re
 import sys
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 
@@ -41,6 +42,10 @@ def _remembers_given(cls):
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
+        for name in kwargs:  # Python's own TypeError, with the field meant where one is close
+            if name not in FIELDS:
+                raise TypeError(f"{cls.__name__} got an unexpected keyword argument {name!r}"
+                                f"{values.did_you_mean(name)}")
         self.__dict__["_given"] = frozenset(names[:len(args)]) | frozenset(kwargs)
         init(self, *args, **kwargs)
 
@@ -179,7 +184,13 @@ def _typed(f, kind):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """Bad flags exit with status 2 and one line (argparse would add the whole usage)."""
+    """Bad flags exit with status 2 and one line (argparse would add the whole usage). A value that starts with
+    a minus and a digit is a value, units and all (`--memory-budget -1GB` is refused by its flag, not read as an
+    unknown option): argparse takes only plain negative numbers for values."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?[a-zA-Z]*$")
 
     def error(self, message: str):
         sys.stderr.write(f"{self.prog}: error: {message}\n")

@@ -76,17 +76,18 @@ class Only:
 
 
 def arg(default, choices=None, minimum=None, parse=None, resume=FIXED, only: Only | None = None, inherited=True,
-        path=False, task_reads=True, below=None) -> Any:
+        path=False, task_reads=True, below=None, maximum=None) -> Any:
     """A documented field; its help text is the docstring written after it (where editors show it), which
     `take_help` reads into the field's metadata. `minimum`: the least value allowed; `below`: a bound the value
-    must stay under (dropout in [0, 1)); `parse` converts the flag's text where the annotation's type is not
+    must stay under (dropout in [0, 1)); `maximum`: the largest value allowed (--seed's, what every
+    generator takes); `parse` converts the flag's text where the annotation's type is not
     enough; `resume`: its rule on --resume; `only`: where this field alone applies (beyond its section's);
     `inherited=False`: a resumed run does not take it from its checkpoint (where and how this command computes);
     `path`: compared as a file on resume; `task_reads=False`: a field of a task-shaping section that no task reads
     (the trainer's)."""
     return field(default=default, metadata=dict(help="", choices=choices, minimum=minimum, parse=parse,
                                                 resume=resume, only=only, inherited=inherited, path=path,
-                                                task_reads=task_reads, below=below))
+                                                task_reads=task_reads, below=below, maximum=maximum))
 
 
 def take_help(cls) -> None:
@@ -143,10 +144,20 @@ UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb":
 
 def parse_size(text: str) -> int:
     """'2GiB', '512MB', '1.5g', '1000000' -> bytes."""
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"a size is positive, such as 2GiB or 512MB; got {text!r}")
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in UNITS or float(m.group(1)) <= 0:
         raise argparse.ArgumentTypeError(f"expected a size such as 2GiB or 512MB, got {text!r}")
     return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+def parse_device(text: str) -> str:
+    """--device's name as written: cpu, cuda, cuda:N, mps or auto (whether this machine has it is asked where the
+    run starts: a record may be resumed on another machine)."""
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:[0-9]+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N, mps or auto, got {text!r}")
+    return text
 
 
 def check_size(text: str) -> str:

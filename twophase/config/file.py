@@ -22,7 +22,6 @@ YAML is read with PyYAML under YAML 1.2's rules for booleans and numbers: `on`, 
 """
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from dataclasses import MISSING, fields
@@ -150,10 +149,8 @@ def read(path) -> dict:
         if name not in FIELDS:
             if record:  # a field of another version of twophase: as a checkpoint's, dropped
                 continue
-            close = difflib.get_close_matches(str(name), FIELDS, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigFileError(f"{where(key)}: {key}: unknown key{hint}; the keys are train.py's flags "
-                                  "(python train.py --help)")
+            raise ConfigFileError(f"{where(key)}: {key}: unknown key{values.did_you_mean(name)}; the keys are "
+                                  "train.py's flags (python train.py --help)")
         if name in spelled:
             raise ConfigFileError(f"{where(key)}: {key}: given twice (as {spelled[name]} too)")
         spelled[name] = key

@@ -78,6 +78,79 @@ def check_files(cfg) -> None:
         raise ValueError(f"--ref-checkpoint {cfg.ref_checkpoint}: no such file")
 
 
+def check_machine(cfg, cpus: int | None) -> None:
+    """The flags bounded by the machine the run starts on (not when a Config is made: a record may be resumed or
+    decoded on another machine): --threads at most its CPU cores (torch's thread pool past a few thousand crashes
+    the process)."""
+    if cfg.threads and cpus and cfg.threads > cpus:
+        raise ValueError(f"--threads {cfg.threads}: this machine has {cpus} CPU cores (os.cpu_count()); give at "
+                         f"most {cpus}, or 0 (auto)")
+
+
+# Bytes a search row keeps per position: its token (int64) and the token's log-probability (up to float64), each
+# twice while a step gathers the surviving rows into new tensors.
+POSITION_BYTES = 2 * (8 + 8)
+# Beam search's candidate scores over the vocabulary (float32, a block of sources at a time): the scores and
+# their top-k's workspace.
+SCORE_COPIES = 2
+# A row of a graph (MLE's teacher forcing, phase two's chunk) keeps per position what a step creates (its state,
+# logits, log-softmax), and backward a gradient of as much again.
+GRAPH_COPIES = 2
+
+
+def memory_needs(cfg, *, vocab: int, state: float, step: float, valid: int, test: int, target_len: int,
+                 sources: int, pairs: int, world: int = 1) -> list[tuple[str, str, int, float]]:
+    """What each part of the run holds at its largest, at least, estimated from the model's measurements per
+    row (`system.memory.row_state_bytes`: `state` bytes of decoder state, `step` bytes a decode step creates)
+    and its vocabulary: (what, the flags that size it, rows, bytes). An estimate from below (a cache growing
+    with the prefix counted at its start), so only what surely cannot fit is refused. The search's rows hold
+    their state while a step makes the next, their --max-len tokens and scores; validation decodes up to 256
+    sources a batch (`valid`, `test`: the splits' sizes); MLE and phase two keep a graph over their positions
+    (`target_len`: the longest reference, EOS included). A batch takes at most the training data's `sources`
+    (RL) and `pairs` (MLE); each process of `world` its share."""
+    L = cfg.max_len
+    row = state + step + L * POSITION_BYTES + SCORE_COPIES * 4 * vocab
+    graph_position = GRAPH_COPIES * step
+
+    def search(what: str, flags: str, rows: int) -> tuple[str, str, int, float]:
+        return what, flags, rows, rows * row
+
+    needs = [search("validation's beam search", "--eval-beam, --max-len", min(256, valid) * cfg.eval_beam)]
+    if test:
+        needs.append(search("the test split's beam search", "--eval-beam, --test-beam, --max-len",
+                            min(256, test) * max(cfg.eval_beam, cfg.test_beam)))
+    if cfg.rl_steps > 0:
+        rows = -(-min(cfg.batch_size, sources) // world) * cfg.beam_size  # this process's candidates of a step
+        needs.append(search("phase one's search", "--batch-size, --beam-size, --max-len", rows))
+        chunk = min(rows, cfg.rescore_chunk) if isinstance(cfg.rescore_chunk, int) else 0
+        if chunk:  # auto: sized to --memory-budget by its own measurement
+            needs.append(("phase two's chunk", "--rescore-chunk, --max-len", chunk, chunk * L * graph_position))
+    if cfg.mle_steps > 0 and target_len:
+        rows = -(-min(cfg.mle_batch_size, pairs) // world)
+        needs.append(("an MLE step", "--mle-batch-size", rows, rows * target_len * graph_position))
+    return needs
+
+
+def check_memory(cfg, needs: list[tuple[str, str, int, float]], available: int | None, where: str) -> None:
+    """The first part of `memory_needs` that cannot fit in the `available` bytes of `where` (the device), as
+    one line naming its flags and their values; nothing where the device does not say what it has."""
+    if available is None:
+        return
+    for what, flags, rows, need in needs:
+        if need > available:
+            given = ", ".join(f"{flag} {getattr(cfg, flag[2:].replace('-', '_'))}" for flag in flags.split(", "))
+            raise ValueError(f"{given}: {what} would hold about {_bytes(need)} ({rows:,} rows of "
+                             f"{_bytes(need / rows)}), more than the {_bytes(available)} available on {where}; "
+                             "lower " + ("it" if ", " not in flags else "one of them"))
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 def _finite(cfg) -> None:
     """Every number flag finite: NaN passes every range check (each comparison is False) and would skip every
     step; no flag means anything at infinity (--clip-norm 0 is "no clipping")."""

@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from .documented import DEFAULT_BEAM, FREE, PRESETS, Only, arg, check_size, parse_chunk
+from .documented import DEFAULT_BEAM, FREE, PRESETS, Only, arg, check_size, parse_chunk, parse_device
+
+SEED_MAX = 2**63 - 1  # torch's generators take [-2^63, 2^64); a process adds 1000 * rank, an epoch its number
 
 # The choices of the choice fields, as types (a type checker reads them; --help and the checks read get_args)
 Preset = Literal["g2p-long", "karel-paper"]
@@ -71,8 +73,9 @@ class EvaluationConfig:
     """beam width when decoding for validation and test (1: greedy); twophase-decode's default is the same"""
     best_metric: str = arg("auto")
     """validation score that picks checkpoint_best.pt, saved at every validation that improves it: one of the task's
-    metrics (g2p: word_acc, wer, per; tsv: word_acc (sequence accuracy), per (token error rate)), or reward; auto:
-    the task's main metric (word_acc for g2p, reward for tsv)"""
+    metrics (g2p: word_acc, wer, per; tsv: word_acc (sequence accuracy), per (token error rate)), or reward, or with
+    --reward bleu or chrf corpus_bleu (and corpus_chrf); auto: the task's main metric (word_acc for g2p, reward for
+    tsv)"""
 
 
 EvaluationConfig.title = "evaluation"
@@ -95,8 +98,9 @@ class RunConfig:
     TWOPHASE_PICTURE=off turns it off too)"""
     log_every: int = arg(100, minimum=0, resume=FREE)
     """when stdout is not a terminal (no progress bar), print a progress line every N steps (0: never)"""
-    seed: int = arg(1)
-    """seed of every random number generator"""
+    seed: int = arg(1, minimum=0, maximum=SEED_MAX)
+    """seed of every random number generator, in [0, 2^63 - 1] (what torch's generators take, with room for each
+    process's offset)"""
     save_dir: str | None = arg(None, resume=FREE, inherited=False)
     """where checkpoints and metrics.jsonl are written (default: runs/<task>: runs/g2p, runs/tsv, runs/karel, or the
     custom task's name); a directory that holds another run is refused unless --resume or --overwrite"""
@@ -133,7 +137,7 @@ class SystemConfig:
     """Where and how the run computes: device, threads, precision, compilation, sharding. The same training
     whatever they are, up to rounding."""
 
-    device: str = arg("auto", resume=FREE, inherited=False)
+    device: str = arg("auto", parse=parse_device, resume=FREE, inherited=False)
     """cpu, cuda, cuda:N, mps, or auto (cuda where available); under torchrun each process takes cuda:LOCAL_RANK"""
     deterministic: bool = arg(False, resume=FREE)
     """CUDA's deterministic algorithms (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8, cuDNN
@@ -145,7 +149,7 @@ class SystemConfig:
     threads: int = arg(0, minimum=0, resume=FREE)
     """CPU threads for torch; 0 (auto): 1 below --hidden-size 512 (--hf-model: the model's hidden size), whose small
     matrices gain little from more and stall when another process is busy on the machine, else torch's default (one
-    per core); OMP_NUM_THREADS, where set, is left to decide"""
+    per core); OMP_NUM_THREADS, where set, is left to decide; at most the machine's CPU cores"""
     fsdp: bool = arg(False, resume=FREE, inherited=False)
     """under torchrun: shard parameters, gradients and Adam's moments over the processes (PyTorch FSDP2); a step
     gathers the parameters once; docs/distributed.md"""

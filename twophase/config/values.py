@@ -4,6 +4,7 @@ with its own label in front of the same words.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -57,13 +58,24 @@ def out_of_range(name: str, value) -> str | None:
     """What is wrong with a number outside the field's range (`arg(minimum=..., below=...)`), or None."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
-    minimum, below = FIELDS[name].metadata.get("minimum"), FIELDS[name].metadata.get("below")
+    meta = FIELDS[name].metadata
+    minimum, below, maximum = meta.get("minimum"), meta.get("below"), meta.get("maximum")
     if below is not None and (value >= below or minimum is not None and value < minimum):
         return f"must be in [{minimum:g}, {below:g}), got {value:g}" if minimum is not None else \
             f"must be < {below:g}, got {value:g}"
+    if maximum is not None and (value > maximum or minimum is not None and value < minimum):
+        return f"must be in [{minimum}, {maximum}], got {value}" if minimum is not None else \
+            f"must be <= {maximum}, got {value}"
     if minimum is not None and value < minimum:
         return f"must be >= {minimum}, got {value}"
     return None
+
+
+def did_you_mean(name: str) -> str:
+    """" (did you mean beam_size?)" for a name close to a field's, else "": the hint of every unknown name
+    (`Config(...)`'s keywords, a configuration file's keys)."""
+    close = difflib.get_close_matches(str(name), FIELDS, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _expected(kinds: tuple[str, ...]) -> str:

@@ -119,7 +119,8 @@ def load(folder: str, flag: str):
             model, info = T.AutoModelForSequenceClassification.from_pretrained(
                 folder, output_loading_info=True, **hffolder.offline_float32())
     except Exception as exc:
-        raise RewardError(f"{flag}: cannot load the model or its tokenizer ({brief(exc)})") from None
+        raise RewardError(f"{flag}: cannot load the model or its tokenizer ({hffolder.load_failure(exc)})") \
+            from None
     if info.get("missing_keys"):  # a head initialised at random would score noise
         raise RewardError(f"{flag}: the folder's weights lack {', '.join(sorted(info['missing_keys'])[:3])}; save the "
                     "trained sequence-classification model with save_pretrained")

@@ -65,6 +65,45 @@ def chrf(hypotheses: list[str], references: list[list[str]]) -> list[float | Non
             for h, refs in zip(hypotheses, references)]
 
 
+# ---- corpus scores: what translation compares systems by, beside the mean sentence reward
+# A run whose reward is bleu reports sacrebleu's corpus BLEU of its validation and test hypotheses; chrf's, corpus
+# BLEU and corpus chrF. Each is sacrebleu's `corpus_bleu` / `corpus_chrf` (default settings, 0-100) computed from
+# its sufficient statistics, summed over the segments: sums of shards add up, so several processes' validation
+# equals one process's.
+CORPUS = {"bleu": ("bleu",), "chrf": ("bleu", "chrf")}
+
+
+def corpus_kinds(reward) -> tuple[str, ...]:
+    """The corpus scores a run of `reward` reports: ("bleu",), ("bleu", "chrf") or () (a reward of neither
+    kind); a sum of rewards (`weighted.WeightedSum`, `names`) reports those of each."""
+    names = getattr(reward, "names", None) or [getattr(reward, "name", None)]
+    kinds = {kind for name in names for kind in CORPUS.get(name, ())}
+    return tuple(kind for kind in ("bleu", "chrf") if kind in kinds)
+
+
+def _corpus_metric(kind: str) -> Any:
+    from sacrebleu.metrics import BLEU, CHRF
+
+    return BLEU() if kind == "bleu" else CHRF()  # sacrebleu.corpus_bleu's and corpus_chrf's defaults
+
+
+def corpus_statistics(kind: str, hypotheses: list[str], references: list[list[str]]) -> list[float]:
+    """sacrebleu's sufficient statistics of `kind` ("bleu" or "chrf") over the segments, summed (zeros for no
+    segment); a segment may have any number of references (at least one)."""
+    metric = _corpus_metric(kind)
+    if not hypotheses:
+        return [0.0] * len(metric._extract_corpus_statistics(["a"], [["a"]])[0])
+    # sacrebleu reads references as streams, the i-th reference of every segment; None where a segment has fewer
+    streams = [[refs[i] if i < len(refs) else None for refs in references]
+               for i in range(max(len(refs) for refs in references))]
+    return [float(sum(column)) for column in zip(*metric._extract_corpus_statistics(hypotheses, streams))]
+
+
+def corpus_score(kind: str, sums: list[float]) -> float:
+    """The corpus score (0-100) of summed `corpus_statistics`."""
+    return float(_corpus_metric(kind)._compute_score_from_stats(list(sums)).score)
+
+
 def exact(hypotheses: list[str], references: list[list[str]]) -> list[float | None]:
     """1.0 if the hypothesis equals any reference token for token, else 0.0."""
     # Token lists rather than raw strings, so stray or doubled spaces do not turn a match into a miss.

@@ -108,6 +108,52 @@ def overall_mb(device: torch.device) -> dict[str, float]:
     return {f"peak_{kind}_mb": value / MB for kind, value in overall(device).items()}
 
 
+# ------------------------------------------------------------------ what a run can hold
+def available_bytes(device: torch.device) -> int | None:
+    """Bytes this process may still take on `device`: CUDA's free memory plus what its allocator caches unused;
+    on the CPU the kernel's MemAvailable (Linux; None elsewhere: nothing to compare with)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def row_state_bytes(model, source) -> tuple[float, float, int]:
+    """What one search row holds, in bytes: its decoder state after one or two steps (the larger), the most a
+    step after the first creates for it at once (its new state, its temporaries, its scores; `TensorPeak`), and
+    the model's
+    vocabulary. Two steps of 2 and of 6 rows of `source`'s first source, without a graph; the difference of the
+    two counts is the rows' own (a tensor the rows share, such as the source's encoding, is in both). A cache
+    that grows with the prefix is counted as two steps hold it (with the room a buffered cache keeps ahead): a
+    floor, not what --max-len steps may reach."""
+    from .. import nested, owners
+    from ..protocol import eval_mode
+
+    held, made = {}, {}
+    with torch.inference_mode(), eval_mode(model):
+        enc = model.encode(source)
+        device = nested.device_of(enc)
+        enc = nested.select_rows(enc, torch.zeros(1, dtype=torch.long, device=device))  # the first source
+        for rows in (2, 6):
+            owner = owners.repeated(1, rows, device)  # (rows,) all of source 0
+            prev = torch.full((rows,), model.bos_id, dtype=torch.long, device=device)
+            state = model.init_state(enc, owner)
+            for t in range(2):
+                with TensorPeak() as peak:
+                    state, logp = model.step(enc, owner, prev, state)  # logp (rows, V)
+                held[rows, t], made[rows, t] = storage_bytes(nested.tensors(state)), peak.peak_bytes
+    state_bytes = max((held[6, t] - held[2, t]) / 4 for t in range(2))
+    step_bytes = (made[6, 1] - made[2, 1]) / 4  # the second step's: a buffered cache is made at the first
+    return max(0.0, state_bytes), max(0.0, step_bytes), logp.shape[-1]
+
+
 # ------------------------------------------------------------------ what a graph saves for backward
 def _storage_key(t: Tensor) -> tuple[int, int]:
     """(address, bytes) of t's whole storage: views of one buffer share the key, so it is counted once."""

@@ -190,7 +190,8 @@ class HFTSV(TSV):
             with hffolder.quiet_progress_bars():
                 model = self.model_class.from_pretrained(self.folder, **hffolder.offline_float32())
         except Exception as exc:
-            raise TaskError(f"--hf-model {self.folder}: cannot load the model ({brief(exc)})") from None
+            raise TaskError(f"--hf-model {self.folder}: cannot load the model ({hffolder.load_failure(exc)})") \
+                from None
         if self.cfg.lora_r:
             model = self._lora(model)
         try:

@@ -30,7 +30,10 @@ class TextTask(Task):
 
     flags = LSTM_FLAGS
 
-    metrics = (Metric("word_acc", "sequence accuracy"), Metric("per", "token error rate", higher_is_better=False))
+    # Named as metrics.jsonl, the progress lines and --best-metric name them: the keys are G2P's (a sequence is
+    # its "word"), so the labels say both.
+    metrics = (Metric("word_acc", "sequence accuracy (word_acc)"),
+               Metric("per", "token error rate (per)", higher_is_better=False))
 
     def __init__(self, cfg, char_source: bool, char_target: bool, fold_case: bool = False):
         super().__init__()
@@ -104,7 +107,12 @@ class TextTask(Task):
         return evaluate_sums([h.split() for h in hypotheses], [[r.split() for r in e.references] for e in batch])
 
     def scores(self, sums: dict) -> dict:
-        return scores_from_sums(sums) if self.metrics else {"n": int(sums["n"])}
+        """The task's metrics and n: not G2P's wer (1 - word_acc, a word's error rate where words are the
+        sequences), which no table row shows."""
+        if not self.metrics:
+            return {"n": int(sums["n"])}
+        scores = scores_from_sums(sums)
+        return {m.key: scores[m.key] for m in self.metrics} | {"n": scores["n"]}
 
 
 class G2P(TextTask):

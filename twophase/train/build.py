@@ -13,17 +13,19 @@ import sys
 
 import torch
 
-from ..system import amp, devices, distributed, fsdp
+from ..system import amp, devices, distributed, fsdp, memory
 from . import report, resume, rundir, teacher
 from .start import (batch_warnings, changed_fields, check_model_on_a_batch, check_references, check_reward_references,
                     check_task_flags, init_state, recipe_defaults, refuse_against_checkpoint, resume_state,
                     start_run_dir)
 from .. import rewards, tasks
 from ..rewards import weighted
+from ..rewards.registry import corpus_kinds
 from ..compiling import compiled
 from ..constraints import Constrained, GrammarError, teacher_forced_allowed
 from ..vocab import pad_targets
 from ..config import Config
+from ..config import rules as configrules
 from .evaluation import score
 from .run import Run
 
@@ -73,12 +75,12 @@ def load_task_data(task, state: dict | None) -> None:
         raise UsageError(f"task '{task.spec}' has no {'training' if not task.train else 'validation'} examples")
 
 
-def resolve_best_metric(cfg: Config, task) -> str:
+def resolve_best_metric(cfg: Config, task, reward=None) -> str:
     """--best-metric: auto means the task's main metric (its reward where it names none); anything else must be
-    one of the task's metrics or reward."""
+    one of the task's metrics, reward, or a corpus score `reward` reports (corpus_bleu with bleu or chrf)."""
     if cfg.best_metric == "auto":
         return task.main_metric or "reward"
-    known = [m.key for m in task.metrics] + ["reward"]
+    known = [m.key for m in task.metrics] + ["reward"] + [f"corpus_{kind}" for kind in corpus_kinds(reward)]
     if cfg.best_metric not in known:
         raise UsageError(f"--best-metric {cfg.best_metric}: task '{task.spec}' reports {', '.join(known)}")
     return cfg.best_metric
@@ -146,7 +148,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     causal = getattr(task, "causal", False)  # a reward model scores prompt + completion, else (source, hypothesis)
     reward = weighted.from_flags(reward_spec, cfg.reward_weights, device, causal) if reward is None else \
         reward_of(reward, reward_spec, cfg.reward_weights)  # before loading data: a typo fails in a second
-    run_cfg = derived(run_cfg, best_metric=resolve_best_metric(cfg, task))
+    run_cfg = derived(run_cfg, best_metric=resolve_best_metric(cfg, task, reward))
     if cfg.tensorboard:
         try:
             report.writer_class()
@@ -165,6 +167,10 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
         pairs = sum(len(ex.references) for ex in task.train)
         for warning in batch_warnings(cfg, len(task.train), pairs, given):
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
+    try:
+        configrules.check_machine(cfg, os.cpu_count())
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     torch.manual_seed(cfg.seed)
     threads = cpu_threads(cfg, getattr(task, "model_width", None))
     if threads:
@@ -185,6 +191,7 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     except ValueError as err:
         raise UsageError(str(err)) from None
     check_model_on_a_batch(task, model, device)  # a broken model named now, not trained silently
+    check_resources(run_cfg, task, model, device)  # a size the machine cannot hold named now, not at its step
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure
     if cfg.fsdp:  # before the optimizer: it is built on the shards
         fsdp.shard_model(model)
@@ -206,6 +213,28 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
     if cfg.tensorboard and training.is_main and not cfg.eval_only:
         open_tensorboard(training, resumed=state is not None)
     return training
+
+
+def check_resources(cfg: Config, task, model, device) -> None:
+    """Every search, MLE step and phase-two chunk the flags size, estimated from the model's measured decoder
+    state and vocabulary (`config.rules.memory_needs`), against the memory `device` has available: the first
+    that cannot fit is refused in one line naming its flags, before any step (rather than a run that allocates
+    for minutes, or dies at its first validation)."""
+    if cfg.eval_only:
+        return
+    try:
+        state, step, vocab = memory.row_state_bytes(model, task.collate(task.train[:1], device))
+    except Exception:  # noqa: BLE001 - a model of the user's this probe cannot drive: nothing to estimate from
+        return
+    rows = [row for ex in task.train for row in task.target_ids(ex)]
+    longest = min(max(map(len, rows), default=0) + 1, cfg.max_len)  # EOS included
+    needs = configrules.memory_needs(cfg, vocab=vocab, state=state, step=step, valid=len(task.valid),
+                                     test=len(task.test or ()), target_len=longest, sources=len(task.train),
+                                     pairs=len(rows), world=distributed.world())
+    try:
+        configrules.check_memory(cfg, needs, memory.available_bytes(device), str(device))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def derived(cfg: Config, **values) -> Config:

@@ -13,6 +13,7 @@ import os
 import pickle
 import random
 import re
+import resource
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 __all__ = ["CheckpointError", "SaveError", "save_atomic", "load", "rng_state", "set_rng_state", "python_rng_state",
            "set_python_rng_state", "set_generator_state", "host_copy", "CheckpointManager"]
 
-_STEP_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
+STEP_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
 
 
 class CheckpointError(ValueError):
@@ -38,11 +39,15 @@ class SaveError(OSError):
         return self.strerror or super().__str__()
 
 
-def _cause(err: BaseException, folder: Path) -> str:
-    """Why a write failed, in words: the OS's reason, or for torch's zip writer (whose full-disk failure is a
-    RuntimeError 'unexpected pos') the disk's state."""
+def _cause(err: BaseException, folder: Path, written: int = 0) -> str:
+    """Why a write failed, in words: the OS's reason, or for torch's zip writer (whose failed write is a
+    RuntimeError 'unexpected pos') the file-size limit the file reached (`written`: its bytes; RLIMIT_FSIZE, with
+    SIGXFSZ ignored) or the disk's state."""
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and written >= limit:
+        return f"{os.strerror(errno.EFBIG)} (the process's file-size limit, {limit:,} bytes)"
     try:
         if shutil.disk_usage(folder).free < 2**24:
             return os.strerror(errno.ENOSPC)
@@ -92,12 +97,13 @@ def save_atomic(state: dict, path) -> None:
     except BaseException as err:
         # BaseException too: a Ctrl-C mid-write must not leave a stray temp file behind.
         try:
+            written = os.path.getsize(tmp)
             os.unlink(tmp)
         except OSError:
-            pass
+            written = 0
         if isinstance(err, OSError) or (isinstance(err, RuntimeError) and _from_zip_writer(err)):
             raise SaveError(getattr(err, "errno", None) or errno.EIO,
-                            f"cannot write {path}: {_cause(err, folder)}") from None
+                            f"cannot write {path}: {_cause(err, folder, written)}") from None
         raise
     _fsync_dir(folder)
 
@@ -266,7 +272,7 @@ class CheckpointManager:
         # Runs only after the new files are on disk, so a crash here never leaves fewer checkpoints than wanted.
         # Files of later steps (a branch this run was resumed before) are never this rotation's to delete.
         steps = sorted((int(m.group(1)), p) for p in self.save_dir.iterdir()
-                       if (m := _STEP_RE.match(p.name)) and int(m.group(1)) <= step)
+                       if (m := STEP_RE.match(p.name)) and int(m.group(1)) <= step)
         stale = steps[:-self.keep_last] if self.keep_last > 0 else steps
         for _, p in stale:
             p.unlink(missing_ok=True)

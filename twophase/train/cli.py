@@ -29,7 +29,7 @@ from ..tasks.base import ExportMismatch
 from ..tasks.data import DataError
 from .evaluation import test_beams
 from .checkpoint import SaveError
-from .report import Result, summary_table, with_beams
+from .report import Result, final_column, summary_table, with_beams
 from .runstate import Interrupted
 from .run import Run
 
@@ -228,7 +228,8 @@ def _run_locked(cfg: Config, start: dict | None, given: frozenset | None, lock: 
     finally:
         training.cleanup()
     best, folder = training.checkpoints, training.save_dir.absolute()  # the Result's paths: from anywhere
-    result = Result(t.cfg, folder, summary, summary_table(summary, with_beams(t.task.metrics, test_beams(t.cfg))),
+    result = Result(t.cfg, folder, summary, summary_table(summary, with_beams(t.task.metrics, test_beams(t.cfg)),
+                                                            final_column(t.cfg.objective)),
                     model=t.model, best_metric=training.best_key, best=best.best, best_step=training.state.best_step,
                     best_checkpoint=if_written(folder / best.best_path.name) if best.best is not None else None,
                     last_checkpoint=if_written(folder / best.last_path.name),

@@ -15,6 +15,7 @@ from torch import Tensor
 from .. import protocol
 from ..system import distributed
 from ..protocol import target_mask
+from ..rewards.registry import corpus_kinds, corpus_score, corpus_statistics
 from ..rewards.weighted import mean_std, statistics
 from ..samples import Samples, best_rows
 from ..phase1.search import beam_search
@@ -78,9 +79,33 @@ def validate(model, task: Task, examples: list[Example], reward, beam_size: int,
     names = getattr(reward, "names", [])  # several rewards (rewards.weighted.WeightedSum): each one's mean and std
     if names:
         sums.update(statistics(reward.last if share else {n: [] for n in names}))
+    kinds = corpus_kinds(reward)
+    sums.update(corpus_sums(task, kinds, hyps, share))
     sums = distributed.reduce_sums(sums)
     reward = sums["reward"] / sums["rewarded"] if sums["rewarded"] else None  # None: no hypothesis was scored
-    return {**task.scores(sums), "reward": reward, **mean_std(sums, names)}
+    return {**task.scores(sums), "reward": reward, **mean_std(sums, names), **corpus_scores(kinds, sums)}
+
+
+def corpus_sums(task: Task, kinds: tuple[str, ...], hyps: list[str], examples: list[Example]) -> dict:
+    """The sufficient statistics of each corpus score (`rewards.registry.CORPUS`) of these hypotheses, as the
+    user reads them (`Task.format_output`, twophase-decode's; likewise the references), over the examples that
+    have references; {"corpus_bleu/0": ..., "corpus_bleu/n": ...}."""
+    kept = [(task.format_output(h), [task.format_output(r) for r in ex.references])
+            for h, ex in zip(hyps, examples) if ex.references]
+    out = {}
+    for kind in kinds:
+        stats = corpus_statistics(kind, [h for h, _ in kept], [refs for _, refs in kept])
+        out.update({f"corpus_{kind}/{i}": v for i, v in enumerate(stats)}, **{f"corpus_{kind}/n": len(kept)})
+    return out
+
+
+def corpus_scores(kinds: tuple[str, ...], sums: dict) -> dict:
+    """corpus_bleu (and corpus_chrf) from the reduced `corpus_sums`: None where no example had references."""
+    out = {}
+    for kind in kinds:
+        stats = [sums[f"corpus_{kind}/{i}"] for i in range(len(corpus_statistics(kind, [], [])))]
+        out[f"corpus_{kind}"] = corpus_score(kind, stats) if sums[f"corpus_{kind}/n"] else None
+    return out
 
 
 def test_beams(cfg) -> list[int]:

@@ -186,6 +186,7 @@ class MleContinued:
                 return None, signum
             if distributed.reduce_max(float(state.stats[CONTINUED][clock] < budget)) == 0:
                 break
+            stop.began(k + 1, "MLE-continued step")
             row = self.step(CONTINUED)
             k += 1
             self.log({"step": state.mle_end + k, "phase": CONTINUED, "continued": k,  # numbered from the branch

@@ -35,13 +35,22 @@ def compact(fmt: str, value: float, width: int = 15) -> str:
     return f"{value:.4g}" if len(text) > width or hidden else text
 
 
+# The corpus scores of a bleu or chrf reward (`rewards.registry.CORPUS`): rows of the closing table after the reward,
+# in sacrebleu's 0-100 scale.
+CORPUS_ROWS = (("corpus_bleu", "corpus BLEU", "{:.2f}"), ("corpus_chrf", "corpus chrF", "{:.2f}"))
+
+
 def fmt_scores(scores: dict, metrics=()) -> str:
     """The floats of a validation's scores, each task metric in its `Metric.fmt` (also at a further test beam,
-    key@K), the others in 4 decimals; a reward that scored nothing (None) as `reward=-`, not a number."""
-    fmts = {m.key: m.fmt for m in metrics}
+    key@K), a corpus score in 2 decimals, the others in 4; a reward (or corpus score) that scored nothing (None)
+    as `reward=-`, not a number."""
+    fmts = {**{m.key: m.fmt for m in metrics}, **{key: fmt for key, _, fmt in CORPUS_ROWS}}
     return " ".join(f"{k}={compact(fmts.get(k.partition('@')[0], '{:.4f}'), v)}" if isinstance(v, float) else
                     f"{k}=-" for k, v in scores.items()
-                    if (isinstance(v, float) or (k == "reward" and v is None)) and k != "n")
+                    if (isinstance(v, float) or (k.partition("@")[0] in NONE_SHOWN and v is None)) and k != "n")
+
+
+NONE_SHOWN = ("reward", "corpus_bleu", "corpus_chrf")  # scores printed as '-' where nothing was scored
 
 
 OTHER_ROWS = [("reward_mean", "train reward (mean)", "{:.4f}"), ("steps", "training steps", "{:.0f}"),
@@ -57,12 +66,18 @@ def with_beams(metrics, beams: list[int]) -> tuple:
                                   for k in beams[1:] for m in metrics)
 
 
-def summary_table(summary: dict, metrics=()) -> str:
+def final_column(objective: str) -> str:
+    """The title of the RL phase's column: named after what the phase did where "RL" would mislead."""
+    return "distilled" if objective == "distill" else "RL"
+
+
+def summary_table(summary: dict, metrics=(), final: str = "RL") -> str:
     """One column per model: the end of the MLE warm start, MLE continued for RL's time (--compare-mle) and the
-    end of RL; validation rows, then test rows (the test split scores each model the run compared, else the final
-    one only), then the phase's training figures. `metrics`: the task's (twophase.tasks.Metric)."""
-    scored = [(m.key, m.label, m.fmt) for m in metrics] + [("reward", "reward", "{:.4f}")]
-    cols = [(c, title) for c, title in COLUMNS if c in summary]
+    end of RL (titled `final`, `final_column`'s); validation rows, then test rows (the test split scores each
+    model the run compared, else the final one only), then the phase's training figures. `metrics`: the task's
+    (twophase.tasks.Metric)."""
+    scored = [(m.key, m.label, m.fmt) for m in metrics] + [("reward", "reward", "{:.4f}"), *CORPUS_ROWS]
+    cols = [(c, final if c == "rl" else title) for c, title in COLUMNS if c in summary]
     tests = summary.get("tests") or ({cols[-1][0]: summary["test"]} if "test" in summary and cols else {})
     sections = [("valid ", {c: summary[c] for c, _ in cols}, scored)]
     if tests:
@@ -140,7 +155,7 @@ class Result:
 
 def evaluation_table(task, scores: dict) -> str:
     """--eval-only's table: one row per metric (the task's, then the reward), one column per split."""
-    rows = [(m.key, m.label, m.fmt) for m in task.metrics] + [("reward", "reward", "{:.4f}")]
+    rows = [(m.key, m.label, m.fmt) for m in task.metrics] + [("reward", "reward", "{:.4f}"), *CORPUS_ROWS]
     splits = list(scores)
     lines = [f"{'':28}" + "".join(f"{s:>12}" for s in splits)]
     for key, label, fmt in rows + [("n", "examples", "{:.0f}")]:

@@ -53,7 +53,7 @@ def resume_path(cfg) -> Path | None:
     folder = Path(cfg.save_dir)
     path = folder / "checkpoint_last.pt"
     if path.exists():
-        return path
+        return newest(path)
     crash = folder / "checkpoint_crash.pt"
     if crash.exists():
         raise ValueError(f"--resume: {path}: no such file; the run stopped with {crash} (its parameters from before "
@@ -61,6 +61,30 @@ def resume_path(cfg) -> Path | None:
     steps = sorted(folder.glob("checkpoint_step*.pt")) if folder.is_dir() else []
     hint = f"; --resume-from {steps[-1]} continues from its newest step checkpoint" if steps else ""
     raise ValueError(f"--resume: {path}: no such file{hint}")
+
+
+def newest(last: Path) -> Path:
+    """checkpoint_last.pt, or a complete step checkpoint of a later step beside it: a run writes each save's step
+    checkpoint first and checkpoint_last.pt second, so a run killed between the two (or during the second write)
+    leaves the newer step file and the older checkpoint_last.pt. A step file that cannot be read (a copy cut
+    short) is passed over. (Later step files of a branch set aside by --resume-from were moved to after_step<N>/.)"""
+    step = _step_of(last)
+    if step is None:
+        return last
+    later = sorted(((int(m.group(1)), p) for p in last.parent.iterdir()
+                    if (m := checkpoint.STEP_RE.match(p.name)) and int(m.group(1)) > step), reverse=True)
+    for number, candidate in later:
+        if _step_of(candidate) == number:
+            return candidate
+    return last
+
+
+def _step_of(path: Path) -> int | None:
+    """The step a checkpoint holds (its tensors left in the file), or None where it cannot be read."""
+    try:
+        return int(load(path, mmap=True).get("step", -1))
+    except (CheckpointError, TypeError, ValueError):
+        return None
 
 
 def load_checkpoint(path, flag: str) -> dict:

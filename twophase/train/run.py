@@ -178,6 +178,7 @@ class Run:
                     self.comparison.save_branch()  # no MLE steps, or a run resumed at the end of MLE
                 while state.step < self.total and distributed.agree_to_stop(stop.received) is None:
                     phase = self.phase_at(state.step)
+                    stop.began(state.step + 1)
                     row = self.train_step(phase)
                     state.step += 1
                     self.log({"step": state.step, "phase": phase, **row})
@@ -232,8 +233,11 @@ class Run:
             return
         cfg = t.cfg
         final = "rl" if cfg.rl_steps > 0 else "mle"
+        # the end-of-MLE model is the run's starting point where no MLE step ran (--mle-steps 0): not a model
+        # the run made, so it is not tested as one
         tests = {name: self.comparison.test_model(name, params)
-                 for name, params in self.comparison.compared_models().items()}
+                 for name, params in self.comparison.compared_models().items()
+                 if name != "mle" or state.mle_end > 0}
         with fsdp.gathered(t.model):
             tests[final] = test_scores(t.model, t.task, t.test, t.reward, test_beams(cfg), cfg.max_len, t.device)
         state.summary["test"], state.summary["tests"] = tests[final], tests

@@ -10,6 +10,7 @@ continues bit-identically. Only plain data and tensors are stored, so it loads w
 """
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import sys
@@ -73,8 +74,11 @@ def layout(*parts: dict) -> dict:
 
 class GracefulStop:
     """Stopping cleanly on SIGINT / SIGTERM: the first signal asks the run to stop after the current step (it
-    then saves and exits 128 + signal: 130 for SIGINT, 143 for SIGTERM); a second one means "now" and exits at
-    once, without saving."""
+    then saves and exits 128 + signal: 130 for SIGINT, 143 for SIGTERM), and says how long that step has run, so
+    an orchestrator's grace period can be weighed against it; a second one means "now" and exits at once,
+    without saving the step in progress. What was saved stays: every checkpoint is written to a temporary file
+    and renamed, so one being written when the second signal strikes is left as it was, and --resume continues
+    from the newest complete checkpoint."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -86,6 +90,13 @@ class GracefulStop:
         self.repeats_within = repeats_within
         self._first_at = 0.0
         self._previous: dict = {}
+        self.step: str | None = None  # the step in progress (`began`), and when it began
+        self._step_began = 0.0
+
+    def began(self, step: int, what: str = "step") -> None:
+        """Step `step` (1-based; `what`: "step", or the comparison's "MLE-continued step") starts now: a first
+        signal during it says how long it has run."""
+        self.step, self._step_began = f"{what} {step}", time.monotonic()
 
     def _handle(self, signum, frame):
         if self.received == signum and time.monotonic() - self._first_at < self.repeats_within:
@@ -94,7 +105,11 @@ class GracefulStop:
             sys.stderr.write(f"\nsignal {signum} again: exiting now without saving\n")
             os._exit(128 + signum)
         self.received, self._first_at = signum, time.monotonic()
-        sys.stderr.write(f"\nsignal {signum}: finishing the current step, then saving (send again to exit now)\n")
+        running = "" if self.step is None else \
+            f" during {self.step}, which has run {_clock(self._first_at - self._step_began)}"
+        sys.stderr.write(f"\nsignal {signum}{running}: the step finishes, then the run saves and exits "
+                         f"{128 + signum}; a second signal exits at once without saving the step (the checkpoints "
+                         "saved so far stay; --resume continues from the newest)\n")
 
     def __enter__(self) -> "GracefulStop":
         # Handlers can only be installed from the main thread (e.g. not inside some test runners' workers).
@@ -107,6 +122,11 @@ class GracefulStop:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss, with tenths under a minute (a step of 0.4 s is not "0:00:00")."""
+    return f"{seconds:.1f} s" if seconds < 60 else str(datetime.timedelta(seconds=round(seconds)))
 
 
 class Interrupted(Exception):

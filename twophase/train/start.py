@@ -221,6 +221,10 @@ def start_run_dir(training, state: dict | None, recipe: dict) -> None:
     """A resumed run sets aside the checkpoints of later steps (never deleted) and cuts its logs back to the
     checkpoint (one run, one log: rows of steps after it were lost with it); every run writes config.json."""
     cfg = training.trainer.cfg
+    path = resume.resume_path(cfg)
+    if cfg.resume and path is not None and path.name != "checkpoint_last.pt":
+        print(f"note: {path.name} (step {training.state.step}) is newer than checkpoint_last.pt, whose write was cut "
+              f"short: continuing from it", flush=True)
     if state is not None:
         aside = rundir.set_aside(training.save_dir, training.state.step)
         if aside is not None:
@@ -229,7 +233,7 @@ def start_run_dir(training, state: dict | None, recipe: dict) -> None:
                   "(with a copy of metrics.jsonl); nothing was deleted", flush=True)
         for log in rundir.LOGS:
             rundir.cut_back(training.save_dir / log, training.state.step, training.state.compared)
-    rundir.write_config(training.save_dir, cfg, recipe, resume.resume_path(cfg) or cfg.init_from)
+    rundir.write_config(training.save_dir, cfg, recipe, path or cfg.init_from)
 
 
 def evaluate(training) -> dict:

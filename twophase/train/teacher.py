@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from .. import hffolder
 from ..models.seq2seq import Seq2Seq
 from ..objectives.distill import check_compatible, distillation
 from ..system import distributed, fsdp
+from . import checkpoint
 from .start import StartupError
 
 
@@ -52,16 +51,39 @@ def objective(teacher, cfg, rows: list):
     return distillation(teacher, cfg.distill_beta, temperature, num_items=tokens)
 
 
+# The pairs that work: a teacher teaches a student of its own kind, which reads the same sources and writes the
+# same targets by the same functions (its size, depth and width may differ).
+PAIRS = ("a built-in LSTM checkpoint teaches a built-in LSTM student; a Hugging Face encoder-decoder (a folder, or "
+         "the checkpoint of a --hf-model run) an encoder-decoder --hf-model; a causal LM a causal LM --hf-model")
+LSTM, ENCODER_DECODER, CAUSAL = "a built-in LSTM", "a Hugging Face encoder-decoder", "a Hugging Face causal LM"
+
+
+def student_kind(student) -> str:
+    from ..models.hf import HFCausalLM, HFSeq2Seq
+
+    if isinstance(student, Seq2Seq):
+        return LSTM
+    if isinstance(student, HFSeq2Seq):
+        return ENCODER_DECODER
+    return CAUSAL if isinstance(student, HFCausalLM) else type(student).__name__
+
+
+def _refuse_pair(path: str, teacher: str, student) -> None:
+    """The one line for a teacher of another kind than the student, naming both and the pairs that work."""
+    ours = student_kind(student)
+    if teacher != ours:
+        raise StartupError(f"--teacher {path}: {teacher} cannot teach this run's model, {ours}: {PAIRS} "
+                           "(docs/distillation.md)")
+
+
 def _hugging_face(path: str, student, task):
     from ..models.hf import HFCausalLM, HFSeq2Seq
 
     wrong = hffolder.problem(path, tokenizer=False)  # the run's tokenizer is the teacher's
     if wrong is not None:
         raise StartupError(f"--teacher {path}: {wrong}")
+    _refuse_pair(path, ENCODER_DECODER if _is_encoder_decoder(path) else CAUSAL, student)
     causal = isinstance(student, HFCausalLM)
-    if not causal and not isinstance(student, HFSeq2Seq):
-        raise StartupError(f"--teacher {path}: a Hugging Face folder teaches a --hf-model run; this run's model is "
-                           f"{type(student).__name__} (give a twophase checkpoint)")
     import transformers as T
 
     kind = T.AutoModelForCausalLM if causal else T.AutoModelForSeq2SeqLM
@@ -69,17 +91,16 @@ def _hugging_face(path: str, student, task):
         with hffolder.quiet_progress_bars():
             model = kind.from_pretrained(path, **hffolder.offline_float32())
     except Exception as exc:  # noqa: BLE001 - whatever from_pretrained raises, the folder is not a model
-        raise StartupError(f"--teacher {path}: cannot load the model ({str(exc).splitlines()[0]})") from None
+        raise StartupError(f"--teacher {path}: cannot load the model ({hffolder.load_failure(exc)})") from None
     return HFCausalLM(model, getattr(task, "tokenizer", None)) if causal else HFSeq2Seq(model)
 
 
 def _checkpoint(path: str, task, student):
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - whatever torch.load raises, the file is not a checkpoint
-        raise StartupError(f"--teacher {path}: not a checkpoint torch.load can read "
-                           f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or "model" not in state:
+    try:  # the run's own loader: a file torch.save did not write, or one carrying pickled code, in its words
+        state = checkpoint.load(path)
+    except checkpoint.CheckpointError as err:
+        raise StartupError(f"--teacher {err}") from None
+    if not isinstance(state.get("config"), dict):
         raise StartupError(f"--teacher {path}: not a twophase checkpoint (no config and model)")
     config, saved = state["config"], (state.get("task") or {}).get("state") or {}
     ours = task.state_dict() if callable(getattr(task, "state_dict", None)) else {}
@@ -92,16 +113,28 @@ def _checkpoint(path: str, task, student):
         raise StartupError(f"--teacher {path}: a --lora-r checkpoint holds adapters only; merge them "
                            "(--merge-lora) and give the folder")
     if config.get("hf_model"):
+        if os.path.isdir(config["hf_model"]):  # the run's folder, where it still is: its kind named from here
+            _refuse_pair(path, ENCODER_DECODER if _is_encoder_decoder(config["hf_model"]) else CAUSAL, student)
         teacher = _hugging_face(config["hf_model"], student, task)
-    elif isinstance(student, Seq2Seq):
+    elif config.get("task") != "karel":  # Karel's model is its own; every other checkpoint's the built-in LSTM
+        _refuse_pair(path, LSTM, student)
         teacher = Seq2Seq(len(saved["src_vocab"]), len(saved["tgt_vocab"]), config["embed_dim"],
                           config["hidden_size"], config["dropout"], config["bidirectional"])
     else:
-        raise StartupError(f"--teacher {path}: a built-in LSTM checkpoint teaches a built-in LSTM; this run's model "
-                           f"is {type(student).__name__}")
+        raise StartupError(f"--teacher {path}: a checkpoint of --task {config['task']} (its own model) cannot "
+                           f"teach: {PAIRS}")
     try:
         teacher.load_state_dict(state["model"])
     except RuntimeError as err:
         raise StartupError(f"--teacher {path}: its parameters do not fit the model its config describes "
                            f"({str(err).splitlines()[0]})") from None
     return teacher
+
+
+def _is_encoder_decoder(folder: str) -> bool:
+    """Whether a Hugging Face folder's config.json (`hffolder.problem` checked it is there) is an encoder-decoder's:
+    its own flag, as AutoModelForSeq2SeqLM reads it."""
+    import json
+
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        return bool(json.load(f).get("is_encoder_decoder", False))
