@@ -65,3 +65,4 @@ def test_phase_two_gradient_equals_a_naive_backward_through_the_obvious_model(ki
     assert loss == pytest.approx(float(want.detach()), rel=1e-12)
     for (name, p), q in zip(model.named_parameters(), obvious.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)
+        assert p.grad.grad_fn is None, name  # a gradient, not a graph that holds the chunks

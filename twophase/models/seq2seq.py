@@ -14,7 +14,8 @@ Letters used in shape comments:
     M  (row, step) positions holding a real (non-PAD) target
 
 With a graph, `attend` (`attention.additive_attention`) and `score` go through the Functions of `fused`, which
-save no (N, S, A), (N, S, D) or V-sized tensor per step; without one (search) the same helpers run directly, so the numbers agree.
+save no (N, S, A), (N, S, D) or V-sized tensor per step; without one (search) the same helpers run directly, so
+the numbers agree.
 """
 from __future__ import annotations
 
