@@ -66,3 +66,32 @@ def test_phase_two_gradient_equals_a_naive_backward_through_the_obvious_model(ki
     for (name, p), q in zip(model.named_parameters(), obvious.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)
         assert p.grad.grad_fn is None, name  # a gradient, not a graph that holds the chunks
+
+
+def test_auto_chunk_counts_what_the_models_own_step_keeps():
+    """--rescore-chunk auto for a model with only `step`: the planner's probe (a few rows through phase two's own
+    path) prices each model's graph, so the chunk it picks fits the budget, and the blocks model, which keeps no
+    (S, H) tensor per row and step, gets several times the obvious model's rows."""
+    from twophase.system.memory import SavedTensorMeter
+    from twophase.system.profiling import ChunkPlanner
+
+    torch.manual_seed(5)
+    S, budget = 30, 100_000
+    source = torch.randint(3, 9, (4, S)), torch.tensor([S, 20, 25, S])
+    chunks = {}
+    for model in _pair(5):
+        s = twophase.sample(model, source, 16, max_len=6, generator=torch.Generator().manual_seed(6))
+        c = torch.randn(len(s), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        chunks[type(model).__name__] = chunk = ChunkPlanner(budget).chunk_size(model, source, s, c)
+        assert 1 < chunk < len(s)  # the budget binds: what follows tests the plan
+
+        def graph(rows, sharing=True):
+            """Bytes saved for backward at the peak of phase two in chunks of `rows`: the encoder's graph and
+            its cut outputs (whatever the chunk), and the largest chunk's graph."""
+            with SavedTensorMeter(list(model.parameters()) + list(model.buffers())) as meter:
+                twophase.rescore_backward(model, source, s, c, chunk_size=rows, prefix_sharing=sharing)
+            return meter.peak_bytes
+        one_row = graph(1)  # the encoder's part, and a row's (a few KB) on top: the tolerance
+        assert graph(chunk) - one_row <= budget, (type(model).__name__, chunk)
+        assert graph(2 * chunk + 1, sharing=False) - one_row > 0.9 * budget  # and not needlessly small
+    assert chunks["ForumSeq2Seq"] >= 3 * chunks["ObviousForumSeq2Seq"], chunks
