@@ -57,6 +57,8 @@ def test_only_the_given_parameters_and_plain_calls_are_deferred():
         e = F.embedding(torch.tensor([1]), out.weight, max_norm=1.0)  # max_norm renormalises: left alone
         with torch.no_grad():
             n = out(torch.randn(2, 3, dtype=torch.float64))  # no graph: left alone
+        wide = out(torch.randn(deferral.DEFERRED_BELOW_ROWS, 3, dtype=torch.float64))  # a step of many rows
     assert type(y.grad_fn).__name__ == "DeferredLinearBackward"
+    assert type(wide.grad_fn).__name__ == "AddmmBackward0"
     assert type(z.grad_fn).__name__ != "DeferredLinearBackward"
     assert type(e.grad_fn).__name__ == "EmbeddingBackward0" and n.grad_fn is None

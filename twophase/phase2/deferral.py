@@ -10,7 +10,8 @@ backward and keep each step's (output gradient, input) pair; `add` then gives ea
 one product over every step's rows (and each embedding one index_add), the passes once per chunk (measured:
 docs/results/). The built-in LSTM does the same by hand for its cell (`models/deferred.py`, whose sink this is).
 
-Only the trainable parameters phase two differentiates are deferred, only plain tensors (an FSDP-sharded model's
+Only steps of fewer than DEFERRED_BELOW_ROWS rows are deferred (a larger step's product amortises its passes),
+only the trainable parameters phase two differentiates, only plain tensors (an FSDP-sharded model's
 gathered weights are not among them), and never under autocast (the products' dtypes are then autocast's, which
 these Functions do not reproduce) or while torch.compile traces: those calls run as they are. A parameter's
 gradient hooks see only autograd's share of its gradient (none where every use is deferred).
@@ -29,6 +30,9 @@ from .. import blocks
 # rows of (g, x) pairs concatenated per product: a block's worth (the pairs of a V-sized output layer together
 # are as large as the log-probabilities phase two saved, so they are summed a block at a time, not concatenated)
 BLOCK_BYTES = 8 * 2**20
+# Steps of at least this many rows keep autograd's per-step products: with that many rows a product amortises its
+# weight-sized passes, and gathering the pairs of every step would cost more than it saves (docs/results/).
+DEFERRED_BELOW_ROWS = 64
 
 
 class WeightGradients:
@@ -157,8 +161,11 @@ class Deferred(TorchFunctionMode):
         self.params = {id(p) for p in params if type(p) in (torch.Tensor, torch.nn.Parameter)}
         self.sink = WeightGradients()
 
-    def _deferred(self, weight, *tensors) -> bool:
+    def _deferred(self, weight, rows: int, *tensors) -> bool:
+        """Whether a product of `weight` with `rows` rows of input (or ids) is deferred."""
         if not isinstance(weight, Tensor) or id(weight) not in self.params or not torch.is_grad_enabled():
+            return False
+        if rows >= DEFERRED_BELOW_ROWS:
             return False
         if torch.compiler.is_compiling() or any(torch.is_autocast_enabled(t.device.type) for t in tensors):
             return False
@@ -168,15 +175,15 @@ class Deferred(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear:
             x, weight, bias = _linear_arguments(*args, **kwargs)
-            if self._deferred(weight, x):
+            if self._deferred(weight, x.numel() // max(1, x.shape[-1]), x):
                 return DeferredLinear.apply(x, weight, bias, self.sink)
         elif func is torch.lstm_cell:
             x, (h, c), w_ih, w_hh, b_ih, b_hh = _lstm_cell_arguments(*args, **kwargs)
-            if x.device.type == "cpu" and self._deferred(w_ih, x) and id(w_hh) in self.params:
+            if x.device.type == "cpu" and self._deferred(w_ih, x.shape[0], x) and id(w_hh) in self.params:
                 return _lstm_cell(x, h, c, w_ih, w_hh, b_ih, b_hh, self.sink)
         elif func is F.embedding:
             ids, table, padding_idx, plain = _embedding_arguments(*args, **kwargs)
-            if plain and self._deferred(table, table):
+            if plain and self._deferred(table, ids.numel(), table):
                 if padding_idx is not None and padding_idx < 0:
                     padding_idx += table.shape[0]
                 return DeferredEmbedding.apply(ids, table, padding_idx, self.sink)
