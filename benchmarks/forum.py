@@ -17,7 +17,8 @@ banned, so every candidate runs to T (the worst case for memory). Variants, per 
                    model's naive activations (`system.profiling.ChunkPlanner`)
 For each: the CPU time of a step (process time, the median of --repeats after a warm-up step; one thread) and its
 peak tensor memory (`system.memory.AllocationPeak`, on a separate untimed step): `activations` is that peak less
-the parameter-sized gradients the step creates. The gradients' agreement (two-phase against naive, float64) is
+the parameter-sized gradients the step creates; `phase two's` the same for `rescore_backward` alone (the search's
+own transients left out). The gradients' agreement (two-phase against naive, float64) is
 checked at a small size of the same models.
 
 Letters: B sources, K candidates per source, S source length, T target length, H hidden, V vocabulary.
@@ -112,10 +113,25 @@ def step_fn(model, source, kind: str, sizes: dict, variant: str, chunk: int | No
     return two_phase if variant == "two-phase" else naive
 
 
+def phase_two_peak(model, source, kind: str, sizes: dict, chunk: int) -> float:
+    """Bytes of phase two's own peak (`rescore_backward` alone) less the parameter-sized gradients it creates."""
+    s, _ = search(model, source, kind, sizes["samples"], sizes["max_len"], graph=False)
+    c = coefficients(s, 0, sizes["batch"], sizes["samples"])
+    model.zero_grad(set_to_none=True)
+    with AllocationPeak() as peak:
+        twophase.rescore_backward(model, source, s, c, chunk_size=chunk)
+    model.zero_grad(set_to_none=True)
+    return peak.peak_bytes - _parameter_bytes(model)
+
+
+def _parameter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def measure(model, step, repeats: int) -> dict:
     """{"cpu_s": median process seconds of step(), "peak_mb": its tensors' peak, "activations_mb": that less the
     parameter-sized gradients}."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = _parameter_bytes(model)
     model.zero_grad(set_to_none=True)
     step()  # warm-up
     times = []
@@ -166,17 +182,35 @@ def run(sizes: dict, chunks: tuple, accumulate: tuple, repeats: int, log=print) 
             for variant, chunk, every in variants:
                 row = dict(model=name, kind=kind, variant=variant, chunk=chunk, every=every,
                            **measure(model, step_fn(model, source, kind, sizes, variant, chunk, every), repeats))
+                if variant == "two-phase":
+                    row["phase_two_mb"] = phase_two_peak(model, source, kind, sizes, chunk) / MB
                 rows.append(row)
                 log(json.dumps(row))
             naive_obvious = next(r for r in rows if r["kind"] == kind and r["model"] == "obvious"
                                  and r["variant"] == "naive")
             chunk = planned_chunk(model, source, kind, sizes, naive_obvious["activations_mb"] * MB / 4)
             row = dict(model=name, kind=kind, variant="auto", chunk=chunk, every=None,
-                       **measure(model, step_fn(model, source, kind, sizes, "two-phase", chunk), repeats))
+                       **measure(model, step_fn(model, source, kind, sizes, "two-phase", chunk), repeats),
+                       phase_two_mb=phase_two_peak(model, source, kind, sizes, chunk) / MB)
             rows.append(row)
             log(json.dumps(row))
     small = dict(TINY, vocab=50, hidden=12, src_len=7, max_len=5)
     return {"sizes": sizes, "rows": rows, "gradients": gradient_agreement(small)}
+
+
+def table(report: dict) -> str:
+    """The rows as a markdown table, per candidate kind and model: time against that model's naive step, memory."""
+    lines = ["| candidates | model | variant | CPU s | x naive | peak MB | activations MB | phase two's MB |",
+             "|---|---|---|---|---|---|---|---|"]
+    naive = {(r["kind"], r["model"]): r["cpu_s"] for r in report["rows"] if r["variant"] == "naive"}
+    for r in report["rows"]:
+        variant = {"naive": "naive", "accumulate": f"accumulate {r['every']}", "two-phase": f"chunk {r['chunk']}",
+                   "auto": f"auto (chunk {r['chunk']})"}[r["variant"]]
+        lines.append(f"| {r['kind']} | {r['model']} | {variant} | {r['cpu_s']:.2f} | "
+                     f"{r['cpu_s'] / naive[r['kind'], r['model']]:.2f} | {r['peak_mb']:,.0f} | "
+                     f"{r['activations_mb']:,.0f} | {r['phase_two_mb']:,.0f} |" if "phase_two_mb" in r else
+                     f"{r['activations_mb']:,.0f} | |")
+    return "\n".join(lines)
 
 
 def targets(report: dict) -> list[str]:
@@ -191,7 +225,8 @@ def targets(report: dict) -> list[str]:
             mine, theirs = pick(model="blocks", kind=kind, variant="two-phase", chunk=chunk)[0], \
                 pick(model="obvious", kind=kind, variant="two-phase", chunk=chunk)[0]
             lines.append(f"{kind} chunk {chunk}: blocks / obvious activations "
-                         f"{mine['activations_mb'] / theirs['activations_mb']:.2f}")
+                         f"{mine['activations_mb'] / theirs['activations_mb']:.2f} (the step), "
+                         f"{mine['phase_two_mb'] / theirs['phase_two_mb']:.2f} (phase two)")
         limit = naive_obvious["peak_mb"] / 4
         for name in ("blocks", "obvious"):
             naive = pick(model=name, kind=kind, variant="naive")[0]
@@ -218,6 +253,7 @@ def main(argv=None) -> int:
     sizes = TINY if args.tiny else TARGETS
     report = run(sizes, tuple(int(x) for x in args.chunks.split(",")),
                  tuple(int(x) for x in args.accumulate.split(",")), args.repeats)
+    print(table(report))
     for line in targets(report):
         print(line)
     if args.json:

@@ -36,7 +36,7 @@ class DeferredWeights:
     def gradients(self) -> list[tuple[Tensor, Tensor]]:
         """(weight, d loss / d weight) for each weight backward reached, in the weight's dtype; the pairs are
         dropped. The product runs outside autocast, in at least float32."""
-        return self.sink.gradients()
+        return list(self.sink.gradients())
 
 
 class _DeferredLinear(torch.autograd.Function):

@@ -29,7 +29,7 @@ from .. import blocks
 
 # rows of (g, x) pairs concatenated per product: a block's worth (the pairs of a V-sized output layer together
 # are as large as the log-probabilities phase two saved, so they are summed a block at a time, not concatenated)
-BLOCK_BYTES = 8 * 2**20
+BLOCK_BYTES = 2 * 2**20
 # Steps of at least this many rows keep autograd's per-step products: with that many rows a product amortises its
 # weight-sized passes, and gathering the pairs of every step would cost more than it saves (docs/results/).
 DEFERRED_BELOW_ROWS = 64
@@ -54,26 +54,41 @@ class WeightGradients:
         entry[2].append(g)
 
     @torch.no_grad()  # a saved input comes back from backward still requiring grad: no graph through the sums
-    def gradients(self) -> list[tuple[Tensor, Tensor]]:
-        """(weight, d loss / d weight) for each weight backward reached, in the weight's dtype, computed outside
-        autocast in at least float32; the pairs are dropped."""
-        out = []
-        for weight, gs, xs in self._pairs.values():
-            acc = torch.promote_types(weight.dtype, torch.float32)
+    def gradients(self, into=None):
+        """Yields (weight, d loss / d weight) for each weight backward reached, one at a time, each pair dropped as
+        it is summed (so at most one weight's sum and one block of pairs exist beside the gradients): computed
+        outside autocast in at least float32, returned in the weight's dtype. `into(weight)` may give a tensor of
+        the weight's shape to add the sum into (its .grad, say), which is then the one yielded."""
+        while self._pairs:
+            _, (weight, gs, xs) = self._pairs.popitem()
+            acc, buffer = torch.promote_types(weight.dtype, torch.float32), into(weight) if into else None
+            total = buffer if buffer is not None and buffer.dtype == acc else \
+                torch.zeros(weight.shape, dtype=acc, device=weight.device)  # (O, I)
             with torch.autocast(weight.device.type, enabled=False):
-                total = torch.zeros(weight.shape, dtype=acc, device=weight.device)  # (O, I)
-                for lo, hi in _blocks(gs, xs, weight):
+                for lo, hi in list(_blocks(gs, xs, weight)):
                     g = torch.cat([t.to(acc) for t in gs[lo:hi]])  # (r, O)
                     x = torch.cat([t.to(acc) for t in xs[lo:hi]])  # (r, I)
+                    gs[lo:hi] = xs[lo:hi] = [None] * (hi - lo)  # summed: freed
                     total.addmm_(g.t(), x)
-            out.append((weight, total.to(weight.dtype)))
-        for table, ids, gs in self._rows.values():
-            acc = torch.promote_types(table.dtype, torch.float32)
-            total = torch.zeros(table.shape, dtype=acc, device=table.device)  # (V, E)
-            out.append((table, total.index_add_(0, torch.cat(ids), torch.cat([g.to(acc) for g in gs])).to(table.dtype)))
-        self._pairs.clear()
-        self._rows.clear()
-        return out
+                    del g, x
+            yield weight, _into(total.to(weight.dtype), buffer)
+        while self._rows:
+            _, (table, ids, gs) = self._rows.popitem()
+            acc, buffer = torch.promote_types(table.dtype, torch.float32), into(table) if into else None
+            total = buffer if buffer is not None and buffer.dtype == acc else \
+                torch.zeros(table.shape, dtype=acc, device=table.device)  # (V, E)
+            g = torch.cat([t.to(acc) for t in gs])  # (R, E)
+            gs.clear()
+            total.index_add_(0, torch.cat(ids), g)
+            del g
+            yield table, _into(total.to(table.dtype), buffer)
+
+
+def _into(total: Tensor, buffer: Tensor | None) -> Tensor:
+    """The sum, added into buffer unless it was summed there."""
+    if buffer is None or total is buffer:
+        return total
+    return buffer.add_(total)
 
 
 def _blocks(gs: list, xs: list, weight: Tensor):
@@ -194,12 +209,11 @@ class Deferred(TorchFunctionMode):
         each weight's .grad and grads returned as they are."""
         grads = list(grads)
         where = {id(x): i for i, x in enumerate(inputs)}
-        for weight, g in self.sink.gradients():
+        # each sum goes straight into what it is added to: at most one weight-sized temporary at a time
+        into = (lambda w: grads[where[id(w)]]) if collect else (lambda w: w.grad)
+        for weight, g in self.sink.gradients(into):
             if collect:
-                i = where[id(weight)]
-                grads[i] = g if grads[i] is None else grads[i] + g
+                grads[where[id(weight)]] = g
             elif weight.grad is None:
                 weight.grad = g
-            else:
-                weight.grad.add_(g)
         return grads
