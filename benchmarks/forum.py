@@ -206,10 +206,10 @@ def table(report: dict) -> str:
     for r in report["rows"]:
         variant = {"naive": "naive", "accumulate": f"accumulate {r['every']}", "two-phase": f"chunk {r['chunk']}",
                    "auto": f"auto (chunk {r['chunk']})"}[r["variant"]]
+        phase_two = f"{r['phase_two_mb']:,.0f}" if "phase_two_mb" in r else ""
         lines.append(f"| {r['kind']} | {r['model']} | {variant} | {r['cpu_s']:.2f} | "
                      f"{r['cpu_s'] / naive[r['kind'], r['model']]:.2f} | {r['peak_mb']:,.0f} | "
-                     f"{r['activations_mb']:,.0f} | {r['phase_two_mb']:,.0f} |" if "phase_two_mb" in r else
-                     f"{r['activations_mb']:,.0f} | |")
+                     f"{r['activations_mb']:,.0f} | {phase_two} |")
     return "\n".join(lines)
 
 
