@@ -20,13 +20,15 @@ from .samples import Samples, best_rows
 
 __all__ = ["SequenceModel", "ModelError", "check_model", "Seq2Seq", "Samples", "beam_search", "sample", "greedy",
            "stochastic_beam_search", "rescore_backward", "best_rows", "nested", "vocab", "rewards",
-           "objectives", "estimators", "policy", "compiled", "Compiled", "Config", "fit", "Result"]
+           "objectives", "estimators", "policy", "compiled", "Compiled", "Config", "fit", "Result",
+           "additive_attention", "dot_attention"]
 
 
 from typing import TYPE_CHECKING  # noqa: E402
 
 if TYPE_CHECKING:  # what a type checker and an editor see of the names __getattr__ imports on first use
     from .config import Config  # noqa: F401
+    from .models.attention import additive_attention, dot_attention  # noqa: F401
     from .train.fit import fit  # noqa: F401
     from .train.report import Result  # noqa: F401
 
@@ -37,6 +39,9 @@ def __getattr__(name: str):
     if name == "Seq2Seq":
         from .models.seq2seq import Seq2Seq
         return Seq2Seq
+    if name in ("additive_attention", "dot_attention"):  # the blocks for a model of your own (models/attention.py)
+        from .models import attention
+        return getattr(attention, name)
     if name == "Config":
         from .config import Config
         return Config

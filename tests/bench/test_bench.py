@@ -131,3 +131,19 @@ def test_vs_loop_runs_on_the_toy_sizes(capsys):
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["rounds"] == 1 and row["beam"] == grid.GRIDS["tiny"][1][0]
     assert row["cpu_ratio"] == pytest.approx(row["search_cpu_s"] / row["loop_cpu_s"])
+
+
+def test_forum_benchmark_runs_every_variant_and_agrees_with_naive(capsys):
+    """benchmarks.forum at a toy size: every variant measured for both models and kinds, the targets' lines, and
+    two-phase's gradient equal to naive's in float64 (a small size of the same models)."""
+    from benchmarks import forum
+
+    assert forum.main(["--tiny", "--chunks", "4", "--accumulate", "1", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert {(r["model"], r["kind"], r["variant"]) for r in rows} == {
+        (m, k, v) for m in ("blocks", "obvious") for k in ("sample", "beam")
+        for v in ("naive", "accumulate", "two-phase", "auto")}
+    assert all(r["cpu_s"] > 0 and r["peak_mb"] > 0 for r in rows)
+    agreement = dict(line.rsplit(": ", 1) for line in out.splitlines() if line.startswith("gradients"))
+    assert len(agreement) == 4 and all(float(v) < 1e-12 for v in agreement.values()), agreement

@@ -56,3 +56,9 @@ def test_task_plugin_trains_with_train_py_and_decodes(tmp_path, monkeypatch, cap
         "expected digits 0-7 separated by spaces, got '8')\n")
     for name in ("reverse_task", "custom_model"):
         sys.modules.pop(name, None)
+
+
+def test_forum_model_example_checks_and_trains():
+    done = forks.run(argv=[ROOT / "examples" / "forum_model.py", "--steps", "10"], timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert re.findall(r"^step (\d+): mean reward \d\.\d+$", done.stdout, flags=re.M) == ["0", "10"], done.stdout

@@ -13,8 +13,9 @@ Letters used in shape comments:
     A  attention size (= H)          V  target vocabulary size
     M  (row, step) positions holding a real (non-PAD) target
 
-With a graph, `attend` and `score` go through twophase.fused, whose Functions save no (N, S, A), (N, S, D)
-or V-sized tensor per step; without one (search) the same helpers run directly, so the numbers agree.
+With a graph, `attend` (`attention.additive_attention`) and `score` go through the Functions of `fused`, which
+save no (N, S, A), (N, S, D) or V-sized tensor per step; without one (search) the same helpers run directly, so
+the numbers agree.
 """
 from __future__ import annotations
 
@@ -27,17 +28,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from ..phase2 import tokenweights
 from ..vocab import BOS, EOS, PAD
-from . import deferred, fused, outputlayer
-
-
-def _recording(*tensors: Tensor) -> bool:
-    """Whether autograd will build a graph through an op on these tensors."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def _mask_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """(B, S) 0 on real source tokens, -inf on padding."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+from . import attention, deferred, outputlayer
 
 
 @dataclass
@@ -104,19 +95,9 @@ class Seq2Seq(nn.Module):
         return enc.h0[owner], enc.c0[owner]  # (N, H) each
 
     def attend(self, enc: Encoded, owner: Tensor, h: Tensor) -> Tensor:
-        """Context (N, D) for decoder states h (N, H); keys and values are read through owner."""
-        query = self.attn_W(h)  # (N, A)
-        v = self.attn_v.weight  # (1, A)
-        # Without a graph there is nothing to save, so the plain helpers run directly; with one, the Functions
-        # run the same helpers but save only (N, A), (N, S) and the shared per-source tensors.
-        recording = _recording(query, enc.keys, enc.memory, v)
-        energy_fn = fused.AttentionEnergies.apply if recording else fused.energies
-        context_fn = fused.AttentionContext.apply if recording else fused.context
-        # Adding a constant 0 / -inf mask saves nothing for backward, unlike masked_fill's (N, S) mask.
-        grp = fused.groups(owner)  # B x K beam rows read their source's keys as views, not per-row copies
-        energy = energy_fn(query, enc.keys, v, owner, grp) + _mask_bias(enc.mask, query.dtype).index_select(0, owner)
-        alpha = torch.softmax(energy, dim=-1)  # (N, S)
-        return context_fn(alpha, enc.memory, owner, grp)  # (N, D)
+        """Context (N, D) for decoder states h (N, H); keys and values are read through owner, and with a graph
+        only (N, A), (N, S) and the shared per-source tensors are saved (`attention.additive_attention`)."""
+        return attention.additive_attention(self.attn_W(h), enc.keys, enc.memory, self.attn_v.weight, owner, enc.mask)
 
     def advance(self, enc: Encoded, owner: Tensor, prev: Tensor, state: tuple[Tensor, Tensor]):
         """Consume the previous tokens prev (N,) and return the new state (h, c), each (N, H)."""

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from .. import nested, oom, owners, protocol
 from ..samples import Samples
-from . import prefixtree, tokenweights
+from . import deferral, prefixtree, tokenweights
 from .chunkplan import ChunkPlan
 
 
@@ -296,7 +296,7 @@ def tree_gradients(model, enc, nodes: prefixtree.PrefixTree, inputs: list, colle
     by_hand = getattr(model, "weighted_tree_backward", None)
     if callable(by_hand):
         return by_hand(enc, nodes, inputs, collect)
-    return _autograd(prefixtree.step_loss(model, enc, nodes), inputs, collect)
+    return _autograd(lambda: prefixtree.step_loss(model, enc, nodes), inputs, collect)
 
 
 def chunk_gradients(model, enc, tokens: Tensor, owner: Tensor, c: Tensor, inputs: list, collect: bool):
@@ -308,16 +308,25 @@ def chunk_gradients(model, enc, tokens: Tensor, owner: Tensor, c: Tensor, inputs
         return by_hand(enc, tokens, owner, c, inputs, collect)
     if isinstance(c, tokenweights.ChunkLoss):  # the objective at the per-token log-probs (C, T)
         row, col = protocol.target_mask(tokens, model.pad_id, model.eos_id).nonzero(as_tuple=True)  # (P,) each
-        tok = protocol.token_scores(model, enc, tokens, owner)
-        return _autograd(c.terms(tok[row, col], row, col), inputs, collect)
-    log_p = protocol.score(model, enc, tokens, owner)  # (C,)
-    return _autograd((c.to(log_p.dtype) * log_p).sum(), inputs, collect)
+        return _autograd(lambda: c.terms(protocol.token_scores(model, enc, tokens, owner)[row, col], row, col),
+                         inputs, collect)
+
+    def loss():
+        log_p = protocol.score(model, enc, tokens, owner)  # (C,)
+        return (c.to(log_p.dtype) * log_p).sum()
+    return _autograd(loss, inputs, collect)
 
 
-def _autograd(loss: Tensor, inputs: list, collect: bool):
+def _autograd(loss_fn, inputs: list, collect: bool):
+    """loss_fn() and, with collect, its gradients with respect to inputs (without, they go into .grad and the list
+    is empty), its per-step weight gradients summed once (`deferral`)."""
+    with deferral.Deferred(inputs) as deferred:
+        loss = loss_fn()
     if not loss.requires_grad:  # nothing in the chunk depends on a parameter (e.g. every weight zero)
         return loss, []
     if collect:
-        return loss, torch.autograd.grad(loss, inputs, allow_unused=True)  # frees this chunk's graph
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)  # frees this chunk's graph
+        return loss, deferred.add(inputs, grads, collect)
     loss.backward(inputs=inputs)
+    deferred.add(inputs, [], collect)
     return loss, []
