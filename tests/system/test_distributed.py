@@ -171,7 +171,7 @@ def test_each_rank_resumes_its_own_random_streams(tmp_path, monkeypatch):
     monkeypatch.setattr(distributed, "world", lambda: 2)
     monkeypatch.setattr(distributed, "rank", lambda: 1)
     trainer.load_state_dict(state)
-    assert torch.equal(trainer.trainer.sampling.get_state(), streams[1])
+    assert torch.equal(trainer.trainer.parts.sampling.get_state(), streams[1])
     del state["rank_rngs"]  # a single-process checkpoint resumed on 2 processes: rank 1 keeps its own stream
     trainer.load_state_dict(state)
-    assert torch.equal(trainer.trainer.sampling.get_state(), streams[1])
+    assert torch.equal(trainer.trainer.parts.sampling.get_state(), streams[1])

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from twophase.system import distributed, fsdp
 from twophase.train import cli, decode
 from twophase.config import Config
+from twophase.train.steps.parts import Gradient
 
 import hf_tiny
 from taskfiles import write_task
@@ -124,14 +125,15 @@ def _teacher_is_sharded(argv: list) -> None:
     """Under --fsdp each process keeps its half of the teacher's parameters, before and after a step and during
     its phase ones, and the whole of them for its phase twos alone; the teacher gets no gradient."""
     trainer = cli.build_from_flags(argv).trainer
-    teacher, held = trainer.teacher, []
+    teacher, held = trainer.rl.teacher, []
 
     def kept():  # the teacher's parameter elements this process holds now
         return sum(fsdp.local(p).numel() for p in teacher.parameters())
 
-    search, backward = trainer.gradient.search, trainer.gradient.backward
-    trainer.gradient.search = lambda *args: held.append(("search", kept())) or search(*args)
-    trainer.gradient.backward = lambda *args: held.append(("backward", kept())) or backward(*args)
+    gradient = trainer.rl.gradient
+    trainer.rl.gradient = Gradient(gradient.section,
+                                   lambda *args: held.append(("search", kept())) or gradient.search(*args),
+                                   lambda *args: held.append(("backward", kept())) or gradient.backward(*args))
     whole = sum(p.numel() for p in teacher.parameters())
     for _ in range(2):
         assert fsdp.is_sharded(teacher) and kept() < 0.6 * whole

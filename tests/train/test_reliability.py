@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from twophase.train import cli, trainer as trainer_module
+from twophase.train import cli
+from twophase.train.steps import parts as parts_module
 from twophase.config import Config
 from twophase.train.runstate import Interrupted
 
@@ -114,7 +115,7 @@ def _tiny_trainer(task, tmp_path, **overrides):
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(task, tmp_path, monkeypatch):
     tr = _tiny_trainer(task, tmp_path, mle_steps=10, rl_steps=0, max_bad_steps=2)
-    real = trainer_module.rescore_backward
+    real = parts_module.rescore_backward
     poisoned = {"on": False}
 
     def rescore(*args, **kwargs):
@@ -123,7 +124,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(task, tmp_path, monkeypa
             next(tr.trainer.model.parameters()).grad.view(-1)[0] = float("inf")
         return loss
 
-    monkeypatch.setattr(trainer_module, "rescore_backward", rescore)
+    monkeypatch.setattr(parts_module, "rescore_backward", rescore)
     tr.train_step("mle")
     tr.state.step += 1
     before = {k: v.clone() for k, v in tr.trainer.model.state_dict().items()}

@@ -24,7 +24,7 @@ from ..compiling import compiled
 from ..constraints import Constrained, GrammarError, teacher_forced_allowed
 from ..vocab import pad_targets
 from ..config import Config
-from .evaluation import score
+from ..rewards.calls import score
 from .run import Run
 
 
