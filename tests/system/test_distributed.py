@@ -113,7 +113,7 @@ def test_collectives_with_two_gloo_processes(tmp_path):
 FLAGS = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "5", "--mle-batch-size", "9", "--beam-size", "3",
          "--rescore-chunk", "4", "--max-len", "8", "--dropout", "0", "--sampler", "beam", "--objective", "beam",
          "--mle-weight", "0.3", "--mle-steps", "4", "--rl-steps", "4", "--lr", "0.05", "--rl-lr", "0.01",
-         "--eval-every", "100", "--save-every", "100"]
+         "--eval-every", "100", "--save-every", "100", "--compare-mle"]
 
 
 def _rows(save: Path) -> list[dict]:

@@ -52,9 +52,8 @@ def _cases(d: Path) -> dict:
                "--rl-steps", "2", "--no-compare-mle"]
     return {
         # 5 sources x 3 beams + references split 3+2: a rank's 9+ rows in chunks of 4 / 2
-        "tree": [*lstm, "--rescore-chunk", "4", "--mle-steps", "2", "--rl-steps", "2"],  # --compare-mle on
-        "rows": [*lstm, "--rescore-chunk", "2", "--no-prefix-sharing", "--mle-steps", "2", "--rl-steps", "2",
-                 "--no-compare-mle"],
+        "tree": [*lstm, "--rescore-chunk", "4", "--mle-steps", "2", "--rl-steps", "2", "--compare-mle"],
+        "rows": [*lstm, "--rescore-chunk", "2", "--mle-steps", "2", "--rl-steps", "2", "--no-compare-mle"],
         "karel": [*karel, "--mle-steps", "1", "--rl-steps", "1"],  # the model inside the grammar's wrapper
         # beam candidates (one process's), the grammar around the policy and around its sharded reference
         "karel_policy": [*karel, "--mle-steps", "1", "--rl-steps", "2", "--objective", "policy",

@@ -51,27 +51,27 @@ def test_no_class_in_train_derives_from_two_project_classes():
     assert not mixed, mixed
 
 
-def test_the_trainer_has_no_one_phase_branch():
-    """--one-phase is a measurement baseline: the trainer's step reads no flag of it and imports nothing of it;
-    the run gives the trainer its gradient part (onephase.OnePhase) where it is assembled."""
-    tree = ast.parse((ROOT / "train" / "trainer.py").read_text(encoding="utf-8"))
-    reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "one_phase"]
-    imports = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and "onephase" in (n.module or "")]
-    assert not reads and not imports, (reads, imports)
+def test_the_steps_have_no_baseline_branch():
+    """The one-phase baseline and phase two without prefix sharing are measurements (benchmarks.baselines): no
+    module of twophase/train/ reads a flag of them or imports the one-phase search."""
+    found = []
+    for path in sorted((ROOT / "train").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found += [f"{path.name}:{n.lineno}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Attribute) and n.attr in ("one_phase", "no_prefix_sharing")
+                  or isinstance(n, ast.ImportFrom) and "onephase" in (n.module or "")]
+    assert not found, found
 
 
-def test_the_sequence_step_gets_its_gradient(tmp_path):
+def test_every_sequence_step_gets_phase_two(tmp_path):
     from twophase.train import cli
     from twophase.config import Config
     from twophase.train.steps.parts import PHASE_TWO
-    from twophase.train.steps.sequence import ONE_PHASE
     from taskfiles import write_task
     write_task(tmp_path / "train.tsv", "reverse", 8, seed=0)
-    for flag, part in ((False, PHASE_TWO), (True, ONE_PHASE)):
-        run = cli.build(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
-                               embed_dim=4, batch_size=2, mle_batch_size=2, one_phase=flag,
-                               save_dir=str(tmp_path / str(flag))))
-        assert run.trainer.rl.gradient is part
+    run = cli.build(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
+                           embed_dim=4, batch_size=2, mle_batch_size=2, save_dir=str(tmp_path / "run")))
+    assert run.trainer.rl.gradient is PHASE_TWO
 
 
 # The run itself, and the command-line front that builds one and reports on it: the modules that may hold a Run.

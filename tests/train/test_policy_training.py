@@ -158,7 +158,7 @@ def test_a_generation_saved_before_grad_accum_loads_as_one_batch():
 
 @pytest.mark.parametrize("argv,match", [
     (["--objective", "beam", "--kl-beta", "0.1"], "--kl-beta applies to --objective policy only"),
-    (["--objective", "policy", "--one-phase"], "does not take --one-phase"),
+    (["--objective", "policy", "--no-prefix-sharing"], "unrecognized arguments: --no-prefix-sharing"),
     (["--objective", "policy", "--ref-checkpoint", "x.pt"], "--ref-checkpoint needs --kl-beta"),
     (["--objective", "policy", "--kl-beta", "0.1", "--ref-checkpoint", "nowhere.pt"], "no such file"),
     (["--objective", "policy", "--baseline", "greedy"], "not greedy"),

@@ -1,9 +1,9 @@
 """The one-phase baseline: search with the autograd graph of every decoding step kept, then one backward.
 
-This is what sequence-level RL costs without twophase, kept for comparison (`--one-phase`, `benchmarks`):
-`one_phase_beam_search` / `one_phase_sample` / `one_phase_stochastic_beam_search` run the very loops of
-phase one's `search` and `sbs` (same model functions, same tie-breaking, same generator draws) with gradients
-enabled, so they return the same candidates as phase one
+This is what sequence-level RL costs without twophase, kept for comparison (`benchmarks`; in the place of a run's
+phase two: `benchmarks.baselines`): `one_phase_beam_search` / `one_phase_sample` /
+`one_phase_stochastic_beam_search` run the very loops of phase one's `search` and `sbs` (same model functions,
+same tie-breaking, same generator draws) with gradients enabled, so they return the same candidates as phase one
 plus their sequence log-probabilities WITH the graph of the whole search, beam reorders included.
 `one_phase_backward` then back-propagates sum_i c_i log p_i in one go: the same gradient `rescore_backward`
 computes, but the graph of all N rows times T steps (each holding a (N, V) log-softmax) is alive at once.

@@ -7,8 +7,8 @@ settings, and calls these functions; none of them is given its owner. The functi
     phase two  - `phase_two`: rescore_backward, chunked teacher-forced re-decoding, the exact gradient of
                  sum_i c_i log p_i (with fp16 the coefficients carry the loss scale);
     update     - `update`: the gradients summed over processes, clipped, and the optimizer's step (or a skip).
-`Gradient` is phase one and phase two as one value (`PHASE_TWO`): a sequence step's search and backward, which a
-benchmark may replace with a baseline's. Letters: B sources per step, K candidates per source, N rows, T length.
+`Gradient` is phase one and phase two as one value (`PHASE_TWO`): a step's search and backward, which a benchmark
+may replace with a baseline's (`benchmarks.baselines`). Letters: B sources per step, K candidates per source, N rows, T length.
 """
 from __future__ import annotations
 
@@ -203,9 +203,10 @@ def reference_rows(p: Parts, idx: list[int]) -> Samples:
 
 # ------------------------------------------------------------------ phase two
 def phase_two(p: Parts, cfg: Config, source, rows: Samples, coef, keep_mode: bool = False,
-              stats: dict | None = None) -> float:
+              stats: dict | None = None, prefix_sharing: bool = True) -> float:
     """rescore_backward with the configured chunk size, or the largest within --memory-budget, under the autocast
-    phase one ran in; with fp16 the coefficients carry the loss scale (the returned loss does not)."""
+    phase one ran in; with fp16 the coefficients carry the loss scale (the returned loss does not). prefix_sharing
+    False: every row decoded from its first token (a benchmark's baseline, `benchmarks.baselines`)."""
     coef, scale = amp.scale_coefficients(coef, p.scaler)
     with timed(p, p.autocast(), "phase two"):
         chunk = cfg.rescore_chunk
@@ -214,8 +215,8 @@ def phase_two(p: Parts, cfg: Config, source, rows: Samples, coef, keep_mode: boo
             p.last_chunk = chunk
         stats = {} if stats is None else stats
         loss = rescore_backward(p.model, source, rows, coef, chunk, profiler=p.profiler, keep_mode=keep_mode,
-                                prefix_sharing=not cfg.no_prefix_sharing, stats=stats)
-        for key in ("positions", "nodes"):  # phase_two may run twice a step (--one-phase's MLE rows)
+                                prefix_sharing=prefix_sharing, stats=stats)
+        for key in ("positions", "nodes"):  # phase_two may run twice a step (a baseline's MLE rows)
             p.counts[key] = p.counts.get(key, 0) + stats.get(key, 0)
         return loss / scale
 

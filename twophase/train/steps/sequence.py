@@ -7,7 +7,8 @@ One update from --grad-accum batches of B sources, every loss averaged over all 
                     --include-reference's references joined first and --mle-weight's MLE rows after;
     4. phase two  - rescore_backward: chunked teacher-forced re-decoding, .grad += d/dtheta sum_i c_i log p_i;
 then 5. update    - the loss summed over processes, clipped, the optimizer's step.
-Steps 1 and 4 are the step's `gradient` (`parts.PHASE_TWO`, or --one-phase's baseline `ONE_PHASE`).
+Steps 1 and 4 are the step's `gradient` (`parts.PHASE_TWO`; a benchmark may put a baseline's in its place,
+`benchmarks.baselines`).
 """
 from __future__ import annotations
 
@@ -16,13 +17,11 @@ import torch
 from ... import objectives
 from ...config import Config
 from ...objectives import estimators
-from ...phase1.onephase import one_phase_backward, one_phase_search
 from ...phase1.search import greedy
 from ...samples import Samples
-from ...system import amp, fsdp
+from ...system import fsdp
 from ..evaluation import with_references
-from .parts import (PHASE_TWO, Gradient, Parts, Rollout, phase_two, reference_rows, rewards_of, rl_update, rollout,
-                    section)
+from .parts import PHASE_TWO, Parts, Rollout, reference_rows, rewards_of, rl_update, rollout, section
 
 
 class SequenceStep:
@@ -30,7 +29,7 @@ class SequenceStep:
 
     def __init__(self, cfg: Config, parts: Parts, teacher=None):
         self.cfg, self.parts = cfg, parts
-        self.gradient = ONE_PHASE if cfg.one_phase else PHASE_TWO
+        self.gradient = PHASE_TWO
 
     def step(self) -> dict:
         p, cfg = self.parts, self.cfg
@@ -93,23 +92,3 @@ def joined_references(p: Parts, cfg: Config, r: Rollout) -> tuple[Samples, torch
     with section(p, "references: score and reward", "references"), p.autocast():
         return with_references(p.model, r.source, r.cand, r.rewards, refs,
                                rewards_of(p, refs.tokens, refs.owner.tolist(), r.examples))
-
-
-def _one_phase_backward(p: Parts, cfg: Config, source, rows: Samples, coef: torch.Tensor, log_p) -> float:
-    """The gradient of sum_i coef[i] log p_i over the candidates (the first len(log_p) rows) through the search's
-    graph, then phase two over the rows after them (--mle-weight's references, which no search scored); with fp16
-    the coefficients carry the loss scale (the loss does not)."""
-    n = len(log_p)
-    scaled, scale = amp.scale_coefficients(coef[:n], p.scaler)
-    loss = one_phase_backward(log_p, scaled) / scale
-    if len(rows) > n:
-        refs = rows.select(torch.arange(n, len(rows), device=coef.device))
-        loss += phase_two(p, cfg, source, refs, coef[n:])
-    return loss
-
-
-# --one-phase's baseline: the search keeps its graph and one backward goes through it.
-ONE_PHASE = Gradient("phase 1: search with graph (--one-phase)",
-                     lambda p, cfg, source: one_phase_search(p.model, source, cfg.sampler, cfg.beam_size, cfg.max_len,
-                                                             cfg.temperature, p.sampling),
-                     _one_phase_backward)
