@@ -1,7 +1,7 @@
 """The same short train.py runs on two checkouts of twophase, each in its own process: equal metrics rows (timings
 left out) and equal checkpoint tensors, or the first difference of each run.
 
-    python -m tools.samerun --before ../before --after . [--jobs beam,policy] [--keep DIR]
+    python -m tools.samerun --before ../before --after . [--jobs beam,policy] [--keep DIR] [--ignore config.x]
 
 Run from a checkout's folder (its `tools` on the path). Each job is a train.py command on a small synthetic TSV
 task (`reverse` of digit strings, written here) with the given flags, run once with each checkout's `twophase`
@@ -79,8 +79,9 @@ def timing(key: str) -> bool:
 UNSEEDED = (".rng.python", ".rng.numpy")
 
 
-def differs(a, b, where: str) -> str | None:
-    """Where a and b (a checkpoint's values, nested) first differ, or None."""
+def differs(a, b, where: str, ignore: tuple = ()) -> str | None:
+    """Where a and b (a checkpoint's values, nested) first differ, or None; a value whose path ends with one of
+    `ignore` (".config.one_phase") is left out on both sides."""
     import torch
     if where.endswith(UNSEEDED) or timing(where.rpartition(".")[2]):  # the run's stats hold its seconds too
         return None
@@ -89,20 +90,21 @@ def differs(a, b, where: str) -> str | None:
             and a.shape == b.shape and torch.equal(a, b)
         return None if same else where
     if isinstance(a, dict) and isinstance(b, dict):
+        a, b = ({k: v for k, v in d.items() if not f"{where}.{k}".endswith(ignore)} for d in (a, b))
         if list(a) != list(b):
             return f"{where}: keys {sorted(set(a) ^ set(b)) or 'in another order'}"
-        return next((d for k in a if (d := differs(a[k], b[k], f"{where}.{k}")) is not None), None)
+        return next((d for k in a if (d := differs(a[k], b[k], f"{where}.{k}", ignore)) is not None), None)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return f"{where}: lengths {len(a)} / {len(b)}"
-        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := differs(x, y, f"{where}[{i}]")) is not None),
-                    None)
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := differs(x, y, f"{where}[{i}]", ignore))
+                     is not None), None)
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return None
     return None if a == b else f"{where}: {a!r} / {b!r}"
 
 
-def compare(before: Path, after: Path) -> list[str]:
+def compare(before: Path, after: Path, ignore: tuple = ()) -> list[str]:
     import torch
     out = []
     a, b = rows(before), rows(after)
@@ -119,7 +121,7 @@ def compare(before: Path, after: Path) -> list[str]:
     for name in names:
         if (after / name).exists():
             load = lambda p: torch.load(p, map_location="cpu", weights_only=False)  # noqa: E731
-            d = differs(load(before / name), load(after / name), name)
+            d = differs(load(before / name), load(after / name), name, ignore)
             if d is not None:
                 out.append(d)
     return out
@@ -131,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--after", type=Path, required=True)
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {','.join(JOBS)}")
     p.add_argument("--keep", type=Path, help="write the runs here (default: a temporary folder)")
+    p.add_argument("--ignore", default="", help="comma-separated checkpoint fields left out, an intended difference "
+                                                "(e.g. config.one_phase: a Config field one side no longer has)")
     args = p.parse_args(argv)
     folder = args.keep or Path(tempfile.mkdtemp(prefix="samerun-"))
     data = folder / "data"
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             run(checkout.resolve(), flags, folder / "run", data)
             (folder / side).mkdir(exist_ok=True)
             shutil.move(folder / "run", folder / side / job)
-        found = compare(folder / "before" / job, folder / "after" / job)
+        ignore = tuple("." + x for x in args.ignore.split(",") if x)
+        found = compare(folder / "before" / job, folder / "after" / job, ignore)
         n = len(rows(folder / "before" / job))
         print(f"{job}: " + ("equal" if not found else "DIFFERENT") + f" ({n} metrics rows, "
               f"{len(list((folder / 'before' / job).glob('checkpoint_*.pt')))} checkpoints)")

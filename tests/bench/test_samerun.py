@@ -28,3 +28,13 @@ def test_a_loss_a_tensor_or_its_dtype_is_reported(tmp_path):
     found = samerun.compare(tmp_path / "a", tmp_path / "b")
     assert found == ["metrics row 0: loss 0.5 / 0.25", "checkpoint_last.pt.model.w"]
     assert samerun.compare(tmp_path / "a", tmp_path / "c") == ["checkpoint_last.pt.model.w"]
+
+
+def test_an_ignored_field_is_left_out_on_both_sides(tmp_path):
+    _run(tmp_path / "a", 0.5, torch.ones(2), 1.0, 7)
+    _run(tmp_path / "b", 0.5, torch.ones(2), 1.0, 7)
+    state = torch.load(tmp_path / "a" / "checkpoint_last.pt")
+    state["stats"]["gone"] = 1  # a field the other side no longer writes
+    torch.save(state, tmp_path / "a" / "checkpoint_last.pt")
+    assert samerun.compare(tmp_path / "a", tmp_path / "b") == ["checkpoint_last.pt.stats: keys ['gone']"]
+    assert samerun.compare(tmp_path / "a", tmp_path / "b", (".stats.gone",)) == []
