@@ -117,8 +117,8 @@ def _measure_one(train_flags: list[str], steps: int, rl_beams: list[int], eval_t
                          **_step_seconds(training, "rl", steps)})
         if eval_tasks:
             t = training.trainer
-            run = lambda: validate(t.model, t.task, t.valid, t.reward, cfg.eval_beam, cfg.max_len, t.device,  # noqa
-                                   limit=eval_tasks)
+            run = lambda: validate(t.model, t.task, t.task.valid, t.reward, cfg.eval_beam, cfg.max_len,  # noqa
+                                   t.device, limit=eval_tasks)
             rows.append({**head, "kind": "eval", "tasks": eval_tasks, "beam": cfg.eval_beam,
                          "cpu_s": _cpu_seconds(run, 1)})
         return rows

@@ -165,3 +165,4 @@ def test_no_part_holds_its_owner_or_its_owners_methods(tmp_path, objective):
         owned = [name for name, value in vars(part).items() if _owners_in(value, (Trainer, Run))]
         assert not owned, (type(part).__name__, owned)
     assert tr.mle.parts is tr.parts and tr.rl.parts is tr.parts
+    assert not hasattr(tr, "train")  # the data splits are the task's; train() is the Run's loop alone

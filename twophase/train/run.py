@@ -226,14 +226,14 @@ class Run:
         """The test split, once per model: the final one (the summary's "test"), and after --compare-mle the
         end-of-MLE and continued-MLE models too; one "test" metrics row each, naming the model."""
         t, state = self.trainer, self.state
-        if t.test is None:
+        if not t.task.test:
             return
         cfg = t.cfg
         final = "rl" if cfg.rl_steps > 0 else "mle"
         tests = {name: self.comparison.test_model(name, params)
                  for name, params in self.comparison.compared_models().items()}
         with fsdp.gathered(t.model):
-            tests[final] = test_scores(t.model, t.task, t.test, t.reward, test_beams(cfg), cfg.max_len, t.device)
+            tests[final] = test_scores(t.model, t.task, t.task.test, t.reward, test_beams(cfg), cfg.max_len, t.device)
         state.summary["test"], state.summary["tests"] = tests[final], tests
         steps = {"mle": state.mle_end, final: state.step,  # each row carries its model's step
                  CONTINUED: state.mle_end + state.summary.get(CONTINUED, {}).get("steps", 0)}

@@ -28,7 +28,6 @@ class Trainer:
 
     def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device, teacher=None):
         self.cfg = cfg
-        self.train, self.valid, self.test = task.train, task.valid, task.test or None
         self.parts = Parts.build(cfg, task, model, reward, device)
         self.mle = MleStep(cfg, self.parts)
         self.rl = STEPS[cfg.objective](cfg, self.parts, teacher)
@@ -135,6 +134,6 @@ class Trainer:
     def validate(self) -> dict:
         cfg = self.cfg
         with fsdp.gathered(self.model):
-            return validate(self.model, self.task, self.valid, self.reward, cfg.eval_beam, cfg.max_len,
+            return validate(self.model, self.task, self.task.valid, self.reward, cfg.eval_beam, cfg.max_len,
                             self.device, limit=cfg.valid_size)
 
