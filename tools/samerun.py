@@ -4,7 +4,7 @@ left out) and equal checkpoint tensors, or the first difference of each run.
     python -m tools.samerun --before ../before --after . [--jobs beam,policy] [--keep DIR] [--ignore config.x]
 
 Run from a checkout's folder (its `tools` on the path). Each job is a train.py command on a small synthetic TSV
-task (`reverse` of digit strings, written here) with the given flags, run once with each checkout's `twophase`
+task (`reverse` of digit strings, written here; or a --task of its own) with the given flags, run once with each checkout's `twophase`
 on the path and its folder as the working directory, on one thread, into one path (a checkpoint records its
 --save-dir), then moved aside. Then, for each job: every metrics.jsonl row of the two runs, field by field (the
 timings left out: `timing`), and every checkpoint_*.pt of the two run directories, tensor by tensor (dtype,
@@ -12,8 +12,8 @@ shape, torch.equal) and every other value by ==. Exit status 1 where any differs
 
 Jobs (JOBS): one per objective family: the MLE phase alone, beam (with --include-reference and --mle-weight),
 reinforce (sampled, greedy baseline), mrt (--rescore-chunk auto), priority (--sampler sbs), policy (two updates
-per generation, KL to the start), distill (the teacher: the MLE job's end checkpoint, the before checkout's, the
-same file for both sides).
+per generation, KL to the start), g2p (the built-in task's recipe and data, 8 validation words), distill (the teacher: the MLE job's
+end checkpoint, the before checkout's, the same file for both sides).
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ JOBS = {
     "priority": ["--mle-steps", "2", "--rl-steps", "2", "--objective", "priority", "--sampler", "sbs"],
     "policy": ["--mle-steps", "2", "--rl-steps", "4", "--objective", "policy", "--sampler", "sample",
                "--updates-per-generation", "2", "--kl-beta", "0.1", "--grad-accum", "2"],
+    "g2p": ["--task", "g2p", "--valid-size", "8", "--mle-steps", "2", "--rl-steps", "2"],
     "distill": ["--mle-steps", "0", "--rl-steps", "3", "--objective", "distill", "--sampler", "sample",
                 "--teacher", "{teacher}"],
 }
@@ -58,8 +59,8 @@ def write_task(path: Path, n: int, seed: int) -> None:
 
 def run(checkout: Path, flags: list[str], save: Path, data: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(checkout), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    argv = [sys.executable, "train.py", "--train", str(data / "train.tsv"), "--valid", str(data / "valid.tsv"),
-            *COMMON, *flags, "--save-dir", str(save)]
+    files = [] if "--task" in flags else ["--train", str(data / "train.tsv"), "--valid", str(data / "valid.tsv")]
+    argv = [sys.executable, "train.py", *files, *COMMON, *flags, "--save-dir", str(save)]
     done = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{checkout}: {' '.join(argv[1:])} exited {done.returncode}:\n{done.stderr[-2000:]}")
