@@ -36,7 +36,7 @@ class DistillStep:
             with fsdp.gathered(self.teacher):  # 4. phase two of each batch
                 losses = [self.gradient.backward(p, cfg, r.source, batch_rows, objective, r.search)
                           for r, batch_rows in zip(rollouts, rows)]
-        return rl_update(p, cfg, losses, rollouts)  # 5.
+        return rl_update(p, cfg, losses, [r.rewards for r in rollouts], [r.parts for r in rollouts])  # 5.
 
     def state_dict(self) -> None:
         return None  # nothing kept between steps

@@ -8,7 +8,8 @@ settings, and calls these functions; none of them is given its owner. The functi
                  sum_i c_i log p_i (with fp16 the coefficients carry the loss scale);
     update     - `update`: the gradients summed over processes, clipped, and the optimizer's step (or a skip).
 `Gradient` is phase one and phase two as one value (`PHASE_TWO`): a step's search and backward, which a benchmark
-may replace with a baseline's (`benchmarks.baselines`). Letters: B sources per step, K candidates per source, N rows, T length.
+may replace with a baseline's (`benchmarks.baselines`). Letters: B sources per step, K candidates per source,
+N rows, T length.
 """
 from __future__ import annotations
 
@@ -250,13 +251,14 @@ def update(p: Parts, cfg: Config, loss: float) -> dict:
     return {"grad_norm": norm, "skipped": 1}
 
 
-def rl_update(p: Parts, cfg: Config, losses: list[float], rollouts: list[Rollout]) -> dict:
-    """Step 5 of a step whose batches left these losses and rollouts: the loss summed over processes, the
-    rewards' figures (with several rewards, each one's), then `update`."""
+def rl_update(p: Parts, cfg: Config, losses: list[float], rewards: list[torch.Tensor],
+              reward_parts: list[dict | None]) -> dict:
+    """Step 5 of a step whose batches left these losses, (N,) rewards and, with several rewards, each one's
+    values: the loss summed over processes, the rewards' figures, then `update`."""
     parts: dict = {}
-    for r in rollouts:
-        for name, values in (r.parts or {}).items():  # several rewards: each one's values, for the log
+    for batch_parts in reward_parts:
+        for name, values in (batch_parts or {}).items():  # several rewards: each one's values, for the log
             parts.setdefault(name, []).extend(values)
     total = distributed.reduce_sums({"loss": sum(losses, 0.0)})
-    return {"loss": total["loss"], **p.reward_log.row(torch.cat([r.rewards for r in rollouts]), parts, p.number),
+    return {"loss": total["loss"], **p.reward_log.row(torch.cat(rewards), parts, p.number),
             **update(p, cfg, total["loss"])}

@@ -34,15 +34,20 @@ class SequenceStep:
     def step(self) -> dict:
         p, cfg = self.parts, self.cfg
         p.optimizer.zero_grad(set_to_none=True)
-        losses, rollouts = [], []
         with fsdp.gathered(p.model, reduce=True):  # --fsdp: whole parameters for the step, one reduction after
-            for _ in range(cfg.grad_accum):  # each batch's phase two right after its phase one
-                r = rollout(p, cfg, next(p.rl_batches), self.gradient)  # 1-2. phase one, rewards
-                rows, coef = self.coefficients(r)  # 3. the objective's weight on each log p(row)
-                # 4. Phase two: chunked teacher-forced re-decoding; .grad = d/dtheta sum_i c_i log p_i, exactly.
-                losses.append(self.gradient.backward(p, cfg, r.source, rows, coef, r.search))
-                rollouts.append(r)
-        return rl_update(p, cfg, losses, rollouts)  # 5. update (statistics summed over processes)
+            done = [self.batch(next(p.rl_batches)) for _ in range(cfg.grad_accum)]  # .grad accumulated
+        losses, rewards, reward_parts = zip(*done)
+        return rl_update(p, cfg, list(losses), list(rewards), list(reward_parts))  # 5. update (summed over processes)
+
+    def batch(self, batch: list[int]) -> tuple:
+        """Steps 1-4 on one batch, its phase two right after its phase one: .grad += its share of the step's
+        gradient. Returns the loss, the (N,) rewards and, with several rewards, each one's values (what the
+        update's row reports: the batch's candidates and graph go with this call)."""
+        p, cfg = self.parts, self.cfg
+        r = rollout(p, cfg, batch, self.gradient)  # 1-2. phase one, rewards
+        rows, coef = self.coefficients(r)  # 3. the objective's weight on each log p(row)
+        # 4. Phase two: chunked teacher-forced re-decoding; .grad = d/dtheta sum_i c_i log p_i, exactly.
+        return self.gradient.backward(p, cfg, r.source, rows, coef, r.search), r.rewards, r.parts
 
     def state_dict(self) -> None:
         return None  # nothing kept between steps
