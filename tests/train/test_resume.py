@@ -48,7 +48,7 @@ def finished(task, tmp_path_factory):
     """A finished run (2 MLE + 2 RL steps, compared with MLE continued), every step checkpoint kept."""
     save = tmp_path_factory.mktemp("finished") / "run"
     assert cli.main(_argv(task, save, "--mle-steps", "2", "--rl-steps", "2", "--save-every", "1",
-                          "--keep-last", "10")) == 0
+                          "--keep-last", "10", "--compare-mle")) == 0
     return save
 
 
