@@ -129,6 +129,14 @@ def test_no_part_of_train_is_given_the_run():
     assert not uses, uses
 
 
+def test_every_objective_has_its_step_family():
+    """The registry replaces the branches: each --objective choice names its RL step's family, none is left out."""
+    from typing import get_args
+    from twophase.config.sections import Objective
+    from twophase.train.steps import STEPS
+    assert set(STEPS) == set(get_args(Objective))
+
+
 def _owners_in(value, owners: tuple) -> bool:
     """value is one of owners' instances, or a method bound to one."""
     return isinstance(value, owners) or isinstance(getattr(value, "__self__", None), owners)
