@@ -5,7 +5,7 @@
 
 Everything after `--` is train.py's flags (their recipe's defaults apply, as in a run); the trainer is built as
 the run builds it, with `--compile` (default on: inductor) added. Each round takes the next RL batch, as the run
-would, and runs phase one (`Trainer.search`) eagerly (`Compiled.enabled = False`) and compiled, in an order that
+would, and runs phase one (`train.steps.parts.search`) eagerly (`Compiled.enabled = False`) and compiled, in an order that
 alternates round by round, timing process CPU time. The first --cold compiled rounds (compiling) are reported
 apart: their wall time and the graphs compiled, and the backend's compile seconds; then the median over the
 --rounds warm rounds of phase one and of one decoding step (phase one / its candidates' length), and the graphs
@@ -26,6 +26,7 @@ from twophase import rewards, tasks
 from twophase.compiling import Compiled
 from twophase.tasks.data import DataError
 from twophase.train import cli
+from twophase.train.steps.parts import presented, search
 from twophase.config import OneLineParser
 
 
@@ -35,7 +36,7 @@ def _compiled_part(model) -> Compiled:
 
 def _timed(trainer, source, clock=time.process_time) -> tuple[float, int]:
     start = clock()
-    cand = trainer.search(source)
+    cand = search(trainer.parts, trainer.cfg, source)
     return clock() - start, max(1, cand.tokens.shape[1])  # seconds, decoding steps taken
 
 
@@ -52,7 +53,8 @@ def measure(train_flags: list[str], rounds: int, cold: int, eos_bias: float | No
             with torch.no_grad():
                 fast.out.bias[fast.eos_id] = eos_bias
         trainer.model.eval()
-        batch = lambda: trainer.task.collate(trainer._presented(next(trainer.rl_batches)), trainer.device)  # noqa
+        batch = lambda: trainer.task.collate(presented(trainer.parts, next(trainer.parts.rl_batches)),  # noqa
+                                             trainer.device)
         fast.enabled = False
         _timed(trainer, batch())  # warm-up of the eager side: allocator, first-call costs
         fast.enabled = True

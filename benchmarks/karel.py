@@ -68,15 +68,21 @@ def _step_seconds(run, phase: str, steps: int) -> dict:
     return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
 
 
-def untied(rewards_of, seed: int = 0):
-    """A trainer's rewards_of with a random offset in [0, 1e-3) added to every reward: no two candidates tie,
-    so no coefficient is 0 and phase two rescores every row (see the module docstring)."""
-    draws = torch.Generator().manual_seed(seed)
+class Untied:
+    """A reward with a random offset in [0, 1e-3) added to every value it gives: no two candidates tie, so no
+    coefficient is 0 and phase two rescores every row (see the module docstring). Its other attributes (the
+    several rewards' `last`, `names`) are the reward's."""
 
-    def offset(tokens, owner, examples):
-        rewards = rewards_of(tokens, owner, examples)  # (N,)
-        return rewards + 1e-3 * torch.rand(len(rewards), generator=draws, dtype=rewards.dtype).to(rewards.device)
-    return offset
+    def __init__(self, reward, seed: int = 0):
+        self.reward, self.draws = reward, torch.Generator().manual_seed(seed)
+
+    def __call__(self, hypotheses, references, **context) -> list[float]:
+        values = self.reward(hypotheses, references, **context)
+        offsets = torch.rand(len(values), generator=self.draws, dtype=torch.float64).tolist()
+        return [v + 1e-3 * o for v, o in zip(values, offsets)]
+
+    def __getattr__(self, name):
+        return getattr(self.reward, name)
 
 
 def measure(train_flags: list[str], steps: int, rl_beams: list[int], eval_tasks: int,
@@ -100,7 +106,7 @@ def _measure_one(train_flags: list[str], steps: int, rl_beams: list[int], eval_t
             inner = model.model if isinstance(model, Constrained) else model  # grammar on
             inner.out.bias[inner.eos_id] = -30.0
         if untie:
-            training.trainer.rewards_of = untied(training.trainer.rewards_of)
+            training.trainer.parts.reward = Untied(training.trainer.parts.reward)
         params = sum(p.numel() for p in training.trainer.model.parameters())
         head = {"model": cfg.karel_model, "grammar": cfg.grammar, "ties": "broken" if untie else "kept",
                 "parameters": params, "threads": torch.get_num_threads()}
@@ -111,8 +117,8 @@ def _measure_one(train_flags: list[str], steps: int, rl_beams: list[int], eval_t
                          **_step_seconds(training, "rl", steps)})
         if eval_tasks:
             t = training.trainer
-            run = lambda: validate(t.model, t.task, t.valid, t.reward, cfg.eval_beam, cfg.max_len, t.device,  # noqa
-                                   limit=eval_tasks)
+            run = lambda: validate(t.model, t.task, t.task.valid, t.reward, cfg.eval_beam, cfg.max_len,  # noqa
+                                   t.device, limit=eval_tasks)
             rows.append({**head, "kind": "eval", "tasks": eval_tasks, "beam": cfg.eval_beam,
                          "cpu_s": _cpu_seconds(run, 1)})
         return rows

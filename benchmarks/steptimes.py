@@ -5,7 +5,7 @@
     run.train_step("rl")             # times == {"phase one": ..., "rewards": ..., "phase two": ..., "update": ...}
     times.detach(run.trainer)
 
-The trainer's timed parts (its `timer` hook, around the same sections `--profile-memory` names) then add their
+The trainer's timed parts (its parts' `timer` hook, around the same sections `--profile-memory` names) then add their
 process CPU time (`time.process_time`: this process's, which other jobs on the machine do not add to) under the
 part's name. Without a timer, the default, the trainer reads no clock.
 
@@ -33,9 +33,9 @@ class PartTimes(dict):
             self[part] = self.get(part, 0.0) + time.process_time() - start
 
     def attach(self, trainer) -> "PartTimes":
-        trainer.timer = self.timer
+        trainer.parts.timer = self.timer
         return self
 
     @staticmethod
     def detach(trainer) -> None:
-        trainer.timer = None
+        trainer.parts.timer = None

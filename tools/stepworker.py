@@ -14,7 +14,8 @@ Jobs (JOB_JSON's "kind"):
          output bias set ("eos_bias": every candidate runs to --max-len, as benchmarks.karel) and each reward
          offset by a random [0, 1e-3) ("untie": see benchmarks.karel); parts: phase one, rewards and update
          (clipping and the optimizer step) by the trainer's own sections (`Trainer.section`), phase two
-         (`Trainer.phase_two`); in a checkout from before `Run`, the trainer is what cli.build returns
+         (`Trainer.phase_two`), or, where the steps run on `train.steps.parts`, the parts' timer hook around the
+         same sections and phase two; in a checkout from before `Run`, the trainer is what cli.build returns
     hf   `benchmarks.hf`'s two-phase step on its model "model" (t5, causal) at its default sizes; parts:
          phase one (`sample`), phase two (the step's `phase2_cpu`)
 The parts are timed by wrapping those functions from outside, so that a checkout without the trainer's timer
@@ -74,6 +75,21 @@ def untied(rewards_of, seed: int = 0):
     return offset
 
 
+class UntiedReward:
+    """untied's offsets on a reward itself (its values, in the order rewards_of draws them)."""
+
+    def __init__(self, reward, seed: int = 0):
+        self.reward, self.draws = reward, torch.Generator().manual_seed(seed)
+
+    def __call__(self, hypotheses, references, **context):
+        values = self.reward(hypotheses, references, **context)
+        offsets = torch.rand(len(values), generator=self.draws, dtype=torch.float64).tolist()
+        return [v + 1e-3 * o for v, o in zip(values, offsets)]
+
+    def __getattr__(self, name):
+        return getattr(self.reward, name)
+
+
 def rl_job(job: dict, parts: dict):
     """The step function of an `rl` job (see the module docstring)."""
     from twophase.train import cli
@@ -90,10 +106,16 @@ def rl_job(job: dict, parts: dict):
     if job.get("eos_bias") is not None:
         with torch.no_grad():
             inner.out.bias[inner.eos_id] = job["eos_bias"]
+    if not hasattr(trainer, "parts"):  # a checkout whose trainer's methods are its steps' parts
+        if job.get("untie"):
+            trainer.rewards_of = untied(trainer.rewards_of)
+        trainer.section = sectioned(trainer.section, parts)
+        trainer.phase_two = timed(trainer.phase_two, parts, "phase two")
+        return lambda: run.train_step("rl"), trainer.model
+    # The steps' parts (train.steps.parts): their timer hook, around the same sections and phase two
     if job.get("untie"):
-        trainer.rewards_of = untied(trainer.rewards_of)
-    trainer.section = sectioned(trainer.section, parts)
-    trainer.phase_two = timed(trainer.phase_two, parts, "phase two")
+        trainer.parts.reward = UntiedReward(trainer.parts.reward)
+    trainer.parts.timer = lambda part: _timed_section(contextlib.nullcontext(), parts, part)
     return lambda: run.train_step("rl"), trainer.model
 
 

@@ -5,7 +5,8 @@ import time
 import pytest
 
 from benchmarks.steptimes import PartTimes
-from twophase.train import cli, trainer as trainer_module
+from twophase.train import cli
+from twophase.train.steps import parts as parts_module
 from twophase.config import Config
 from taskfiles import task_dir
 
@@ -36,12 +37,12 @@ def test_each_part_gets_its_own_seconds(task, tmp_path, monkeypatch, one_thread)
             return out
         return run
 
-    monkeypatch.setattr(tr, "search", advancing(tr.search, 1.0))
-    monkeypatch.setattr(tr, "rewards_of", advancing(tr.rewards_of, 10.0))
-    monkeypatch.setattr(trainer_module, "rescore_backward", advancing(trainer_module.rescore_backward, 100.0))
+    monkeypatch.setattr(parts_module, "search", advancing(parts_module.search, 1.0))
+    monkeypatch.setattr(parts_module, "rewards_of", advancing(parts_module.rewards_of, 10.0))
+    monkeypatch.setattr(parts_module, "rescore_backward", advancing(parts_module.rescore_backward, 100.0))
     monkeypatch.setattr(tr.optimizer, "step", advancing(tr.optimizer.step, 1000.0))
     run.train_step("rl")  # not asked: nothing recorded
-    assert tr.timer is None
+    assert tr.parts.timer is None
     times = PartTimes().attach(tr)
     run.train_step("rl")
     assert times == {"phase one": 1.0, "rewards": 10.0, "phase two": 100.0, "update": 1000.0}
@@ -64,15 +65,16 @@ def test_karel_bench_splits_the_step(task, tmp_path, one_thread):
     from benchmarks import karel as bench_karel
     run = _run(task, tmp_path / "run")
     tr = run.trainer
-    true_rewards = tr.rewards_of
-    tr.rewards_of = bench_karel.untied(true_rewards)
+    true_reward = tr.parts.reward
+    tr.parts.reward = bench_karel.Untied(true_reward)
     row = bench_karel._step_seconds(run, "rl", 2)
     assert set(row) == {"cpu_s", "phase_one_s", "rewards_s", "phase_two_s", "update_s", "other_s"}
-    assert tr.timer is None and row["phase_two_s"] > 0 and row["phase_one_s"] > 0
-    cand = tr.search(tr._sources([0, 1]))
-    examples = [tr.train[0], tr.train[1]]
-    exact = true_rewards(cand.tokens, cand.owner.tolist(), examples)
-    untied = tr.rewards_of(cand.tokens, cand.owner.tolist(), examples)
+    assert tr.parts.timer is None and row["phase_two_s"] > 0 and row["phase_one_s"] > 0
+    cand = parts_module.search(tr.parts, tr.cfg, parts_module.sources(tr.parts, [0, 1]))
+    examples = [tr.task.train[0], tr.task.train[1]]
+    untied = parts_module.rewards_of(tr.parts, cand.tokens, cand.owner.tolist(), examples)
+    tr.parts.reward = true_reward
+    exact = parts_module.rewards_of(tr.parts, cand.tokens, cand.owner.tolist(), examples)
     assert ((untied - exact) >= 0).all() and ((untied - exact) < 1e-3).all()
     assert len(set(untied.tolist())) == len(untied)
 

@@ -39,6 +39,6 @@ def test_a_negative_memory_budget_is_its_flag_s_refusal(text, capsys):
         cli.parse(["--rescore-chunk", "auto", "--memory-budget", text])
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"train.py: error: argument --memory-budget: a size is positive, such as 2GiB or 512MB; got '{text}'"
-    with pytest.raises(ValueError, match="Config.memory_budget: a size is positive"):
+    assert err == f"train.py: error: argument --memory-budget: expected a size such as 2GiB or 512MB, got '{text}'"
+    with pytest.raises(ValueError, match="Config.memory_budget: expected a size such as 2GiB"):
         Config(rescore_chunk="auto", memory_budget=text)

@@ -23,7 +23,7 @@ FROZEN_KEYS = (
     "use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target "
     "mask_truncated_completions updates_per_generation clip_epsilon clip_epsilon_high kl_beta "
     "kl_importance_weighted ref_checkpoint advantage_scale drop_zero_std mrt_alpha compare_mle mle_weight reward "
-    "max_len grammar rescore_chunk memory_budget profile_memory one_phase no_prefix_sharing reward_weights top_k "
+    "max_len grammar rescore_chunk memory_budget profile_memory reward_weights top_k "
     "top_p min_len lora_r lora_alpha lora_dropout lora_target_modules merge_lora rl_from_best include_reference "
     "karel_reward_pairs test_beam clip_norm eval_every eval_beam best_metric tensorboard picture log_every seed "
     "device deterministic tf32 save_dir save_every keep_last resume overwrite max_bad_steps threads resume_from "

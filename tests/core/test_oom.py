@@ -4,6 +4,7 @@ is emptied), and the compile wrapper neither keeps a failed call's tensors nor b
 The errors are injected on the CPU (monkeypatched), as a GPU would raise them."""
 import gc
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from twophase import Compiled, beam_search, objectives, oom, rescore_backward
 from twophase.phase2 import rescoring
 from twophase.train import run as run_module, trainer as trainer_module
+from twophase.train.steps.parts import Parts
 
 from conftest import take_grads, tiny_model, toy_batch
 
@@ -95,7 +97,9 @@ def test_the_trainer_skips_a_batch_after_releasing_it(monkeypatch):
 
         def __init__(self):
             self.optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-            self.device, self.profiler, self.last_chunk = torch.device("cuda"), None, 8
+            self.device = torch.device("cuda")
+            self.parts = SimpleNamespace(optimizer=self.optimizer, profiler=None, last_chunk=8)
+            self.parts.start = lambda *args: Parts.start(self.parts, *args)
 
         def rl_step(self):
             held = torch.ones(1000)

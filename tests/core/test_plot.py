@@ -28,7 +28,7 @@ def run(tmp_path_factory):
     with contextlib.redirect_stdout(out):
         code = cli.main(["--train", str(d / "train.tsv"), "--valid", str(d / "valid.tsv"), "--test",
                          str(d / "test.tsv"), "--mle-steps", "6", "--rl-steps", "6", "--eval-every", "2",
-                         "--save-dir", str(d / "run"), *TINY])
+                         "--compare-mle", "--save-dir", str(d / "run"), *TINY])
     mp.undo()
     assert code == 0
     return d / "run", out.getvalue()

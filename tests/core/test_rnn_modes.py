@@ -77,7 +77,7 @@ def test_a_model_that_is_not_a_module_has_its_rnn_attributes_switched():
 
 
 def test_phase_two_of_a_dropout_lstm_left_in_evaluation_mode(one_thread):
-    """What Trainer.rl_batch does (model.eval(), then phase two) on the built-in model, its encoder an nn.LSTM:
+    """What an RL step does (model.eval() in its rollout, then phase two) on the built-in model, its encoder an nn.LSTM:
     runs under the guard and gives the plain autograd gradient of evaluation mode's scores."""
     from conftest import rnn_graph_mode, tiny_model, toy_batch
     from twophase import beam_search

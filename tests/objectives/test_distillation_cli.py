@@ -13,7 +13,8 @@ from taskfiles import write_task
 from test_cli import _fails_with_one_line
 from test_distillation import jsd, step_distributions
 from twophase import protocol
-from twophase.train import cli, trainer
+from twophase.train import cli, steps
+from twophase.train.steps.parts import Gradient
 
 TINY = ["--embed-dim", "8", "--batch-size", "4", "--mle-batch-size", "8", "--beam-size", "3", "--rescore-chunk",
         "5", "--max-len", "8", "--eval-every", "100", "--save-every", "100", "--lr", "0.05", "--rl-lr", "0.01"]
@@ -69,7 +70,7 @@ def test_fit_distils_too(data, tmp_path, one_thread):
     assert header[-1] == "distilled" and "RL" not in header, result.table
 
 
-def test_grad_accum_divides_by_the_whole_generations_tokens(data, tmp_path, one_thread):
+def test_grad_accum_divides_by_the_whole_generations_tokens(data, tmp_path, one_thread, monkeypatch):
     """--grad-accum 2: TRL generates once per accumulation and divides every micro-batch's summed divergence by
     the generation's scored tokens (num_items_in_batch). The step's gradient equals a float64 autograd of the
     divergence summed over both batches' rows (references mixed in) over their tokens together; the batches'
@@ -80,20 +81,20 @@ def test_grad_accum_divides_by_the_whole_generations_tokens(data, tmp_path, one_
                           distill_beta=0.5, include_reference=True, max_len=8, rescore_chunk=5, compare_mle=False,
                           save_dir=str(tmp_path))
     tr = cli.build(cfg).trainer  # its steps, taken directly
-    tr.model.double(), tr.teacher.double()
-    tr.step_counts = {}  # set by start_step, which this test goes around
+    tr.model.double(), tr.rl.teacher.double()
     seen, grads = [], []
+    backward = tr.rl.gradient.backward
 
-    class Recorded(trainer.PhaseTwo):
-        def backward(self, trainer_, source, rows, coef, graph):
-            seen.append((source, rows))
-            return super().backward(trainer_, source, rows, coef, graph)
+    def recorded(p, cfg, source, rows, coef, graph):
+        seen.append((source, rows))
+        return backward(p, cfg, source, rows, coef, graph)
 
-    tr.gradient = Recorded()
-    tr.update = lambda loss: grads.append(take_grads(tr.model)) or {"grad_norm": 0.0, "skipped": 0}
+    tr.rl.gradient = Gradient(tr.rl.gradient.section, tr.rl.gradient.search, recorded)
+    monkeypatch.setattr(steps.parts, "update", lambda p, cfg, loss: grads.append(take_grads(tr.model))
+                        or {"grad_norm": 0.0, "skipped": 0})
     loss = tr.rl_step()["loss"]
 
-    student, teacher_model = tr.model, tr.teacher
+    student, teacher_model = tr.model, tr.rl.teacher
     allowed = ~student.banned  # banned tokens: probability 0 in both, left out (kl_div would read 0 * (-inf))
     total, tokens = 0.0, []
     with protocol.scoring_mode(student), protocol.scoring_mode(teacher_model):

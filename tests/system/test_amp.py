@@ -18,7 +18,7 @@ from twophase.system import amp
 from twophase.train import cli
 from twophase import beam_search, objectives, rescore_backward, sample
 from twophase.models import outputlayer
-from twophase.train import trainer as trainer_module
+from twophase.train.steps import parts as parts_module
 from twophase.train.checkpoint import load, save_atomic
 from twophase.config import Config
 from twophase.vocab import BOS, PAD
@@ -188,28 +188,28 @@ def test_loss_scaling_in_the_trainer(task, tmp_path, monkeypatch, one_thread):
     loss and clipped norm as unscaled, an overflow skips the step and halves the scale without counting as a
     bad step, good steps grow it, and the scale survives a weights-only checkpoint."""
     plain, scaled = _trainer(task, tmp_path / "a"), _trainer(task, tmp_path / "b")
-    scaled.trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    scaled.trainer.parts.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
     rows = [t.train_step("mle") for t in (plain, scaled)]
     assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-6)
     assert rows[1]["grad_norm"] == pytest.approx(rows[0]["grad_norm"], rel=1e-5)
-    assert scaled.trainer.scaler.get_scale() == 2.0**11  # a good step with growth_interval 1
+    assert scaled.trainer.parts.scaler.get_scale() == 2.0**11  # a good step with growth_interval 1
     before = {k: v.clone() for k, v in scaled.trainer.model.state_dict().items()}
-    real = trainer_module.rescore_backward
+    real = parts_module.rescore_backward
 
     def overflowing(*args, **kwargs):
         loss = real(*args, **kwargs)
         next(scaled.trainer.model.parameters()).grad.view(-1)[0] = math.inf
         return loss
 
-    monkeypatch.setattr(trainer_module, "rescore_backward", overflowing)
+    monkeypatch.setattr(parts_module, "rescore_backward", overflowing)
     assert scaled.train_step("mle")["skipped"] == 1
-    assert scaled.trainer.scaler.get_scale() == 2.0**10 and scaled.state.bad_in_a_row == 0
+    assert scaled.trainer.parts.scaler.get_scale() == 2.0**10 and scaled.state.bad_in_a_row == 0
     assert all(torch.equal(v, before[k]) for k, v in scaled.trainer.model.state_dict().items())
     save_atomic(scaled.state_dict(), tmp_path / "ck.pt")
     resumed = _trainer(task, tmp_path / "c")
-    resumed.trainer.scaler = torch.amp.GradScaler("cpu")
+    resumed.trainer.parts.scaler = torch.amp.GradScaler("cpu")
     resumed.load_state_dict(load(tmp_path / "ck.pt"))  # weights_only=True
-    assert resumed.trainer.scaler.get_scale() == 2.0**10
+    assert resumed.trainer.parts.scaler.get_scale() == 2.0**10
 
 
 def test_train_with_amp_bf16_finishes_with_finite_losses(task, tmp_path, one_thread):

@@ -72,13 +72,13 @@ def test_rng_states_are_set_from_the_cpu(trainer, monkeypatch, how):
     sampling = state["sampling_rng"].clone()
     state["sampling_rng"] = OnDevice(state["sampling_rng"])
     state["rng"]["torch"] = OnDevice(state["rng"]["torch"])
-    trainer.trainer.device = torch.device("cuda")  # what the trainer believes: a GPU run (nothing here touches it)
-    trainer.trainer.sampling = Generator()
+    trainer.trainer.parts.device = torch.device("cuda")  # what the trainer believes: a GPU run (nothing touches it)
+    trainer.trainer.parts.sampling = Generator()
     if how == "resume":
         trainer.load_state_dict(state)
     else:
         trainer.trainer.restore(state)
-    assert torch.equal(trainer.trainer.sampling.got, sampling)
+    assert torch.equal(trainer.trainer.parts.sampling.got, sampling)
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def loads(monkeypatch):
 
 
 def test_checkpoints_are_read_onto_the_cpu(trainer, loads, tmp_path):
-    trainer.trainer.device = torch.device("meta")  # stands for an accelerator: a load there would be recorded as such
+    trainer.trainer.parts.device = torch.device("meta")  # an accelerator's stand-in: a load there would be recorded
     resume.export_model(trainer.trainer.model, "best", trainer.checkpoints.best_path)
     assert trainer.comparison.load_branch() is not None
     trainer.state.compared, trainer.comparison.test_models = True, None
@@ -110,7 +110,7 @@ def test_rl_from_best_reads_the_best_checkpoint_onto_the_cpu(trainer, loads):
     class Bar:
         def write(self, line):
             pass
-    trainer.trainer.device = torch.device("meta")
+    trainer.trainer.parts.device = torch.device("meta")
     trainer.state.best_step, trainer.state.step = 1, 2
     mlephase.start_from_best(trainer.trainer, trainer.state, trainer.checkpoints, trainer.best_key, {}, trainer.log,
                              Bar().write)

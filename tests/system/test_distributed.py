@@ -113,7 +113,7 @@ def test_collectives_with_two_gloo_processes(tmp_path):
 FLAGS = ["--hidden-size", "16", "--embed-dim", "8", "--batch-size", "5", "--mle-batch-size", "9", "--beam-size", "3",
          "--rescore-chunk", "4", "--max-len", "8", "--dropout", "0", "--sampler", "beam", "--objective", "beam",
          "--mle-weight", "0.3", "--mle-steps", "4", "--rl-steps", "4", "--lr", "0.05", "--rl-lr", "0.01",
-         "--eval-every", "100", "--save-every", "100"]
+         "--eval-every", "100", "--save-every", "100", "--compare-mle"]
 
 
 def _rows(save: Path) -> list[dict]:
@@ -171,7 +171,7 @@ def test_each_rank_resumes_its_own_random_streams(tmp_path, monkeypatch):
     monkeypatch.setattr(distributed, "world", lambda: 2)
     monkeypatch.setattr(distributed, "rank", lambda: 1)
     trainer.load_state_dict(state)
-    assert torch.equal(trainer.trainer.sampling.get_state(), streams[1])
+    assert torch.equal(trainer.trainer.parts.sampling.get_state(), streams[1])
     del state["rank_rngs"]  # a single-process checkpoint resumed on 2 processes: rank 1 keeps its own stream
     trainer.load_state_dict(state)
-    assert torch.equal(trainer.trainer.sampling.get_state(), streams[1])
+    assert torch.equal(trainer.trainer.parts.sampling.get_state(), streams[1])

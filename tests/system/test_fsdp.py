@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from twophase.system import distributed, fsdp
 from twophase.train import cli, decode
 from twophase.config import Config
+from twophase.train.steps.parts import Gradient
 
 import hf_tiny
 from taskfiles import write_task
@@ -51,9 +52,8 @@ def _cases(d: Path) -> dict:
                "--rl-steps", "2", "--no-compare-mle"]
     return {
         # 5 sources x 3 beams + references split 3+2: a rank's 9+ rows in chunks of 4 / 2
-        "tree": [*lstm, "--rescore-chunk", "4", "--mle-steps", "2", "--rl-steps", "2"],  # --compare-mle on
-        "rows": [*lstm, "--rescore-chunk", "2", "--no-prefix-sharing", "--mle-steps", "2", "--rl-steps", "2",
-                 "--no-compare-mle"],
+        "tree": [*lstm, "--rescore-chunk", "4", "--mle-steps", "2", "--rl-steps", "2", "--compare-mle"],
+        "rows": [*lstm, "--rescore-chunk", "2", "--mle-steps", "2", "--rl-steps", "2", "--no-compare-mle"],
         "karel": [*karel, "--mle-steps", "1", "--rl-steps", "1"],  # the model inside the grammar's wrapper
         # beam candidates (one process's), the grammar around the policy and around its sharded reference
         "karel_policy": [*karel, "--mle-steps", "1", "--rl-steps", "2", "--objective", "policy",
@@ -124,14 +124,15 @@ def _teacher_is_sharded(argv: list) -> None:
     """Under --fsdp each process keeps its half of the teacher's parameters, before and after a step and during
     its phase ones, and the whole of them for its phase twos alone; the teacher gets no gradient."""
     trainer = cli.build_from_flags(argv).trainer
-    teacher, held = trainer.teacher, []
+    teacher, held = trainer.rl.teacher, []
 
     def kept():  # the teacher's parameter elements this process holds now
         return sum(fsdp.local(p).numel() for p in teacher.parameters())
 
-    search, backward = trainer.gradient.search, trainer.gradient.backward
-    trainer.gradient.search = lambda *args: held.append(("search", kept())) or search(*args)
-    trainer.gradient.backward = lambda *args: held.append(("backward", kept())) or backward(*args)
+    gradient = trainer.rl.gradient
+    trainer.rl.gradient = Gradient(gradient.section,
+                                   lambda *args: held.append(("search", kept())) or gradient.search(*args),
+                                   lambda *args: held.append(("backward", kept())) or gradient.backward(*args))
     whole = sum(p.numel() for p in teacher.parameters())
     for _ in range(2):
         assert fsdp.is_sharded(teacher) and kept() < 0.6 * whole

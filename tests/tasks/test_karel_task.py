@@ -14,7 +14,7 @@ from twophase.tasks.karel.reward import ExecutionReward
 from twophase.tasks.karel.task import Karel
 from twophase.train import cli, decode
 from twophase.config import Config
-from twophase.train.evaluation import score
+from twophase.rewards.calls import score
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, R, C = 9, 3, 4

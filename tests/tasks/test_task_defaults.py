@@ -30,6 +30,15 @@ def test_g2p_converges_its_warm_start_and_tsv_keeps_the_flags_defaults(seen, tmp
     assert (tsv.lr_decay, tsv.mle_steps, tsv.beam_size) == (1.0, 4000, 8)
 
 
+def test_the_mle_control_runs_for_the_demo_recipes_alone(seen, tmp_path):
+    """--compare-mle: on for the shipped demos (their closing table's third column), off for a user's own data
+    unless asked for, and --no-compare-mle still turns a demo's off."""
+    for argv in (["--task", "g2p"], ["--task", "karel"], ["--train", "t.tsv", "--valid", "v.tsv"],
+                 ["--train", "t.tsv", "--valid", "v.tsv", "--compare-mle"], ["--task", "g2p", "--no-compare-mle"]):
+        assert cli.main(argv) == 0
+    assert [cfg.compare_mle for cfg in seen] == [True, True, False, True, False]
+
+
 def test_preset_overrides_the_task_recipe(seen, monkeypatch):
     class Recipe(Task):
         flag_defaults = dict(rl_steps=3, dropout=0.1)

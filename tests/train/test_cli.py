@@ -27,7 +27,8 @@ def test_train_py_end_to_end_then_decode(task, capsys):
     save = task / "run"
     proc = forks.run(  # python train.py ..., in a fresh interpreter forked from one that imported torch
         argv=[ROOT / "train.py", "--train", task / "train.tsv", "--valid", task / "valid.tsv", "--mle-steps", "20",
-              "--rl-steps", "6", "--save-dir", save, *TINY, "--log-every", "5"], timeout=120, cwd=task)
+              "--rl-steps", "6", "--compare-mle", "--save-dir", save, *TINY, "--log-every", "5"], timeout=120,
+        cwd=task)
     assert proc.returncode == 0, proc.stderr
     header = next(line for line in proc.stdout.splitlines() if "end of MLE" in line)
     assert header.split() == ["end", "of", "MLE", "MLE", "continued", "RL"] and "peak memory" in proc.stdout

@@ -28,7 +28,7 @@ def task(tmp_path_factory):
 def _trainer(task, save, **overrides):
     cfg = Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=16, embed_dim=8,
                  batch_size=4, mle_batch_size=8, beam_size=3, rescore_chunk=5, max_len=8, save_dir=str(save),
-                 eval_every=4, log_every=0, **overrides)
+                 eval_every=4, log_every=0, **{"compare_mle": True, **overrides})
     return cli.build(cfg)
 
 

@@ -3,6 +3,8 @@ run holds its trainer and parts; it is not assembled from base classes that shar
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2] / "twophase"
 
 
@@ -49,27 +51,27 @@ def test_no_class_in_train_derives_from_two_project_classes():
     assert not mixed, mixed
 
 
-def test_the_trainer_has_no_one_phase_branch():
-    """--one-phase is a measurement baseline: the trainer's step reads no flag of it and imports nothing of it;
-    the run gives the trainer its gradient part (onephase.OnePhase) where it is assembled."""
-    tree = ast.parse((ROOT / "train" / "trainer.py").read_text(encoding="utf-8"))
-    reads = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "one_phase"]
-    imports = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and "onephase" in (n.module or "")]
-    assert not reads and not imports, (reads, imports)
+def test_the_steps_have_no_baseline_branch():
+    """The one-phase baseline and phase two without prefix sharing are measurements (benchmarks.baselines): no
+    module of twophase/train/ reads a flag of them or imports the one-phase search."""
+    found = []
+    for path in sorted((ROOT / "train").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        found += [f"{path.name}:{n.lineno}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Attribute) and n.attr in ("one_phase", "no_prefix_sharing")
+                  or isinstance(n, ast.ImportFrom) and "onephase" in (n.module or "")]
+    assert not found, found
 
 
-def test_the_run_gives_the_trainer_its_gradient(tmp_path):
-    from twophase.phase1.onephase import OnePhase
+def test_every_sequence_step_gets_phase_two(tmp_path):
     from twophase.train import cli
     from twophase.config import Config
-    from twophase.train.trainer import PhaseTwo
+    from twophase.train.steps.parts import PHASE_TWO
     from taskfiles import write_task
     write_task(tmp_path / "train.tsv", "reverse", 8, seed=0)
-    for flag, part in ((False, PhaseTwo), (True, OnePhase)):
-        run = cli.build(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
-                               embed_dim=4, batch_size=2, mle_batch_size=2, one_phase=flag,
-                               save_dir=str(tmp_path / str(flag))))
-        assert type(run.trainer.gradient) is part
+    run = cli.build(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
+                           embed_dim=4, batch_size=2, mle_batch_size=2, save_dir=str(tmp_path / "run")))
+    assert run.trainer.rl.gradient is PHASE_TWO
 
 
 # The run itself, and the command-line front that builds one and reports on it: the modules that may hold a Run.
@@ -127,22 +129,48 @@ def test_no_part_of_train_is_given_the_run():
     assert not uses, uses
 
 
-def test_the_parts_hold_neither_the_run_nor_the_policy_step_the_trainer(tmp_path):
-    """Built for a run: no part the Run holds keeps the Run, and --objective policy's step keeps what it uses of
-    the trainer (its model, batches, optimizer and calls), not the trainer."""
+def test_every_objective_has_its_step_family():
+    """The registry replaces the branches: each --objective choice names its RL step's family, none is left out."""
+    from typing import get_args
+    from twophase.config.sections import Objective
+    from twophase.train.steps import STEPS
+    assert set(STEPS) == set(get_args(Objective))
+
+
+def _owners_in(value, owners: tuple) -> bool:
+    """value is one of owners' instances, or a method bound to one."""
+    return isinstance(value, owners) or isinstance(getattr(value, "__self__", None), owners)
+
+
+@pytest.mark.parametrize("objective", ["beam", "reinforce", "policy", "distill"])
+def test_no_part_holds_its_owner_or_its_owners_methods(tmp_path, objective):
+    """Built for a run: no part the Run holds keeps the Run; the steps (MLE and the objective's RL step) and the
+    parts they run on keep neither the trainer nor the Run, nor a method bound to either, and every step runs on
+    the trainer's one `Parts`."""
     from twophase.train import cli
     from twophase.config import Config
     from twophase.train.run import Run
+    from twophase.train.steps import STEPS
     from twophase.train.trainer import Trainer
     from taskfiles import write_task
     write_task(tmp_path / "train.tsv", "reverse", 8, seed=0)
+    teacher = None
+    if objective == "distill":  # a teacher: a checkpoint of the same vocabularies
+        assert cli.main(["--train", str(tmp_path / "train.tsv"), "--valid", str(tmp_path / "train.tsv"),
+                         "--hidden-size", "8", "--embed-dim", "4", "--mle-steps", "1", "--rl-steps", "0",
+                         "--save-dir", str(tmp_path / "teacher")]) == 0
+        teacher = str(tmp_path / "teacher" / "checkpoint_last.pt")
     run = cli.build(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
-                           embed_dim=4, batch_size=2, mle_batch_size=2, objective="policy",
-                           save_dir=str(tmp_path / "run")))
-    parts = [run.trainer, run.state, run.checkpoints, run.metrics, run.plateau, run.comparison, run.trainer.policy]
+                           embed_dim=4, batch_size=2, mle_batch_size=2, objective=objective, teacher=teacher,
+                           sampler="beam" if objective == "beam" else "sample", save_dir=str(tmp_path / "run")))
+    tr = run.trainer
+    assert type(tr.rl) is STEPS[objective]
+    parts = [tr, run.state, run.checkpoints, run.metrics, run.plateau, run.comparison, tr.parts, tr.mle, tr.rl]
     held = {type(part).__name__: [name for name, value in vars(part).items() if isinstance(value, Run)]
             for part in parts}
     assert not any(held.values()), held
-    policy = vars(run.trainer.policy)
-    assert not [name for name, value in policy.items() if isinstance(value, Trainer)]
-    assert policy["model"] is run.trainer.model and policy["batches"] is run.trainer.rl_batches
+    for part in (tr.parts, tr.mle, tr.rl):
+        owned = [name for name, value in vars(part).items() if _owners_in(value, (Trainer, Run))]
+        assert not owned, (type(part).__name__, owned)
+    assert tr.mle.parts is tr.parts and tr.rl.parts is tr.parts
+    assert not hasattr(tr, "train")  # the data splits are the task's; train() is the Run's loop alone

@@ -67,7 +67,7 @@ def test_hf_model_trains_saves_resumes_and_decodes(kind, folder, monkeypatch, ca
     monkeypatch.chdir(folder)
     monkeypatch.syspath_prepend(str(folder))
     (folder / "calls.jsonl").unlink(missing_ok=True)
-    assert _run(folder, kind, "--mle-steps", "3", "--rl-steps", "2", "--test", "test.tsv") == 0
+    assert _run(folder, kind, "--mle-steps", "3", "--rl-steps", "2", "--test", "test.tsv", "--compare-mle") == 0
     out = capsys.readouterr().out
     assert "1 of 11 training references read back otherwise" in out and "'z a' -> 'a'" in out
     save = folder / f"run_{kind}"

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from twophase.train import cli, trainer as trainer_module
+from twophase.train import cli
+from twophase.train.steps import parts as parts_module
 from twophase.config import Config
 from twophase.train.runstate import Interrupted
 
@@ -59,7 +60,7 @@ def _assert_identical(a, b):
 def test_resume_is_bit_identical_with_sampling(task, tmp_path, one_thread):
     # under deterministic algorithms (--deterministic): no op of a whole run refuses to run, resumed or not
     flags = ["--sampler", "sample", "--objective", "reinforce", "--baseline", "loo", "--mle-weight", "0.2",
-             "--deterministic"]
+             "--deterministic", "--compare-mle"]
     # the whole run in a fresh process, its pieces in this one: the resumed run is the same in another process
     # (both on one thread, as the fork server's children run: another count sums in another order)
     _train(task, tmp_path / "full", "--mle-steps", "6", "--rl-steps", "6", *flags)
@@ -100,7 +101,7 @@ def test_signal_finishes_the_step_saves_and_exits(task, tmp_path, capsys, signum
     last = [json.loads(x) for x in metrics.read_text().splitlines()][-1]
     assert state["step"] == last["step"] >= 2  # the step in flight was finished and saved
     capsys.readouterr()
-    _train_here(task, save, "--mle-steps", str(state["step"] + 2), "--rl-steps", "1", "--resume")
+    _train_here(task, save, "--mle-steps", str(state["step"] + 2), "--rl-steps", "1", "--resume", "--compare-mle")
     resumed = capsys.readouterr().out
     assert "end of MLE" in resumed and "MLE continued" in resumed
 
@@ -114,7 +115,7 @@ def _tiny_trainer(task, tmp_path, **overrides):
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(task, tmp_path, monkeypatch):
     tr = _tiny_trainer(task, tmp_path, mle_steps=10, rl_steps=0, max_bad_steps=2)
-    real = trainer_module.rescore_backward
+    real = parts_module.rescore_backward
     poisoned = {"on": False}
 
     def rescore(*args, **kwargs):
@@ -123,7 +124,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(task, tmp_path, monkeypa
             next(tr.trainer.model.parameters()).grad.view(-1)[0] = float("inf")
         return loss
 
-    monkeypatch.setattr(trainer_module, "rescore_backward", rescore)
+    monkeypatch.setattr(parts_module, "rescore_backward", rescore)
     tr.train_step("mle")
     tr.state.step += 1
     before = {k: v.clone() for k, v in tr.trainer.model.state_dict().items()}

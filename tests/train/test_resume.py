@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from twophase.train import cli
+from twophase.train import cli, steps
 from twophase.config import rules
 from twophase.train.checkpoint import load, save_atomic
 from twophase.config import Config
@@ -48,7 +48,7 @@ def finished(task, tmp_path_factory):
     """A finished run (2 MLE + 2 RL steps, compared with MLE continued), every step checkpoint kept."""
     save = tmp_path_factory.mktemp("finished") / "run"
     assert cli.main(_argv(task, save, "--mle-steps", "2", "--rl-steps", "2", "--save-every", "1",
-                          "--keep-last", "10")) == 0
+                          "--keep-last", "10", "--compare-mle")) == 0
     return save
 
 
@@ -265,21 +265,21 @@ def test_run_flag_combinations_are_refused(finished, capsys):
 
 # ---- --grad-accum: N batches of B accumulate the gradient of one batch of N*B, exactly (float64)
 @pytest.mark.parametrize("phase, objective", [("mle", "beam"), ("rl", "beam"), ("rl", "mrt")])
-def test_grad_accum_equals_one_big_batch(task, tmp_path, phase, objective):
+def test_grad_accum_equals_one_big_batch(task, tmp_path, phase, objective, monkeypatch):
     cfg = Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=8, embed_dim=4,
                  beam_size=3, max_len=7, rescore_chunk=4, save_dir=str(tmp_path), objective=objective,
                  mle_weight=0.3, compare_mle=False)
     tr = cli.build(cfg).trainer  # its steps, taken directly
     tr.model.double()
-    tr.step_counts = {}  # set by start_step, which this test goes around
     grads = []
-    tr.update = lambda loss: grads.append([p.grad.clone() for p in tr.model.parameters()]) or \
-        {"grad_norm": 0.0, "skipped": 0}
+    for module in (steps.mle, steps.parts):  # the update, where each step calls it: the gradient, kept
+        monkeypatch.setattr(module, "update", lambda p, cfg, loss: grads.append(
+            [q.grad.clone() for q in tr.model.parameters()]) or {"grad_norm": 0.0, "skipped": 0})
     first, second = [0, 5, 7], [2, 9, 11]  # pair indices (MLE) or source indices (RL)
     batches = "mle_batches" if phase == "mle" else "rl_batches"
     for accum, plan in ((2, [first, second]), (1, [first + second])):
         tr.cfg.grad_accum = accum
-        setattr(tr, batches, iter(plan))
+        setattr(tr.parts, batches, iter(plan))
         row = tr.mle_step() if phase == "mle" else tr.rl_step()
         assert row["skipped"] == 0
     accumulated, big = grads

@@ -102,14 +102,15 @@ def test_nan_log_probabilities_mid_run_name_the_model_and_the_step(tmp_path):
 
 
 def test_a_task_without_references_turns_the_control_off_beside_the_config(capsys):
-    """Data without references cannot continue MLE: the default control is off for the run (build records it in
-    the run's own Config), and the Config it was given still says what the user asked."""
+    """Data without references cannot continue MLE: a recipe's control (a task's flag_defaults, not a flag the
+    user gave) is off for the run (build records it in the run's own Config), and the Config it was given still
+    says what the recipe asked."""
     from types import SimpleNamespace
     from twophase.train import start
-    cfg = Config(mle_steps=0)
+    cfg = Config(mle_steps=0, compare_mle=True)
     task = SimpleNamespace(train=[SimpleNamespace(references=[])], spec="verifier")
     assert start.check_references(cfg, task, frozenset()) is False
-    assert cfg.compare_mle is True and cfg == Config(mle_steps=0)
+    assert cfg.compare_mle is True and cfg == Config(mle_steps=0, compare_mle=True)
     assert "--compare-mle cannot run" in capsys.readouterr().out
     with_refs = SimpleNamespace(train=[SimpleNamespace(references=["a"])], spec="tsv")
     assert start.check_references(cfg, with_refs, frozenset()) is True

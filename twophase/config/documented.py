@@ -144,8 +144,6 @@ UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb":
 
 def parse_size(text: str) -> int:
     """'2GiB', '512MB', '1.5g', '1000000' -> bytes."""
-    if text.strip().startswith("-"):
-        raise argparse.ArgumentTypeError(f"a size is positive, such as 2GiB or 512MB; got {text!r}")
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in UNITS or float(m.group(1)) <= 0:
         raise argparse.ArgumentTypeError(f"expected a size such as 2GiB or 512MB, got {text!r}")

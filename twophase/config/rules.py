@@ -166,8 +166,6 @@ def _trl(cfg) -> None:
         raise ValueError(f"--top-p must be in (0, 1], got {cfg.top_p:g}")
     if (cfg.top_k or cfg.top_p < 1 or cfg.min_len) and cfg.sampler != "sample":
         raise ValueError("--top-k, --top-p and --min-len apply to --sampler sample only")
-    if (cfg.top_k or cfg.top_p < 1 or cfg.min_len) and cfg.one_phase:
-        raise ValueError("--top-k, --top-p and --min-len are two-phase sampling's; --one-phase samples without them")
     if cfg.min_len >= cfg.max_len:
         raise ValueError(f"--min-len {cfg.min_len} leaves no room for eos within --max-len {cfg.max_len}")
     refuse_inert(cfg, section_fields("lora"), own=False)  # a LoRA flag without --lora-r
@@ -195,10 +193,8 @@ def _policy(cfg) -> None:
     if cfg.objective != "policy":
         refuse_inert(cfg, section_fields("policy"), own=False)
         return
-    for name, why in (("one_phase", "phase one keeps no graph for several updates"),
-                      ("mle_weight", "the MLE rows have no old policy")):
-        if getattr(cfg, name) != defaults[name]:
-            raise ValueError(f"--objective policy does not take {_flag(name)} ({why})")
+    if cfg.mle_weight != defaults["mle_weight"]:
+        raise ValueError(f"--objective policy does not take {_flag('mle_weight')} (the MLE rows have no old policy)")
     if cfg.amp == "fp16":
         raise ValueError("--objective policy does not take --amp fp16 (its loss scale); use --amp bf16")
     if cfg.baseline == "greedy":
@@ -276,8 +272,6 @@ def _distill(cfg) -> None:
                          "references beside the candidates")
     if cfg.amp == "fp16":
         raise ValueError("--objective distill does not take --amp fp16 (its loss scale); use --amp bf16")
-    if cfg.one_phase:
-        raise ValueError("--objective distill does not take --one-phase (its divergence is phase two's)")
 
 
 def warnings(cfg) -> list[str]:

@@ -33,12 +33,6 @@ class PhaseTwoConfig:
     profile_memory: bool = arg(False, resume=FREE)
     """report time, allocated/peak memory and autograd graph bytes of each part of a step (encoder, phase one, every
     phase-two chunk, optimizer step)"""
-    one_phase: bool = arg(False, resume=FREE)
-    """the memory-hungry baseline, for comparison: phase one keeps the graph of every search step and one backward
-    replaces phase two (same gradient, far more memory)"""
-    no_prefix_sharing: bool = arg(False, resume=FREE)
-    """phase two re-decodes every candidate from its first token instead of each distinct (source, prefix) once: the
-    same gradient, slower (for comparison)"""
 
 
 PhaseTwoConfig.title = "phase two: rescoring"

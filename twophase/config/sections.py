@@ -229,10 +229,10 @@ class RLConfig:
     policy (none, mean, loo) (default: mean)"""
     mrt_alpha: float = arg(MRT_ALPHA, minimum=0.0, only=Only("objective", "mrt"))
     """MRT sharpness alpha: Q ∝ p^alpha over a source's candidates"""
-    compare_mle: bool = arg(True, resume=FREE)
+    compare_mle: bool = arg(False, resume=FREE)
     """after RL, continue MLE from the end-of-MLE state at --rl-lr for the RL phase's training time (CPU time on CPU,
     wall time on GPU), validate (and test) it, and report it beside RL: the control RL must beat; adds the RL phase's
-    time to the run; the final model stays RL's (--no-compare-mle: skip it)"""
+    time to the run; the final model stays RL's (--task g2p and karel: on, --no-compare-mle: skip it)"""
     mle_weight: float = arg(0.0, minimum=0.0)
     """lambda of the mixed objective lambda*MLE + (1-lambda)*RL"""
     reward: str | None = arg(None)

@@ -1,9 +1,9 @@
 """The one-phase baseline: search with the autograd graph of every decoding step kept, then one backward.
 
-This is what sequence-level RL costs without twophase, kept for comparison (`--one-phase`, `benchmarks`):
-`one_phase_beam_search` / `one_phase_sample` / `one_phase_stochastic_beam_search` run the very loops of
-phase one's `search` and `sbs` (same model functions, same tie-breaking, same generator draws) with gradients
-enabled, so they return the same candidates as phase one
+This is what sequence-level RL costs without twophase, kept for comparison (`benchmarks`; in the place of a run's
+phase two: `benchmarks.baselines`): `one_phase_beam_search` / `one_phase_sample` /
+`one_phase_stochastic_beam_search` run the very loops of phase one's `search` and `sbs` (same model functions,
+same tie-breaking, same generator draws) with gradients enabled, so they return the same candidates as phase one
 plus their sequence log-probabilities WITH the graph of the whole search, beam reorders included.
 `one_phase_backward` then back-propagates sum_i c_i log p_i in one go: the same gradient `rescore_backward`
 computes, but the graph of all N rows times T steps (each holding a (N, V) log-softmax) is alive at once.
@@ -75,26 +75,3 @@ def one_phase_backward(log_probs: Tensor, coefficients: Tensor) -> float:
     loss.backward()
     return loss.item()
 
-
-class OnePhase:
-    """--one-phase's gradient for a trainer's RL step (`train.trainer.Trainer`, in the place of its `PhaseTwo`):
-    the search keeps its graph and one backward goes through it. The reference rows of --mle-weight have no
-    search graph, so the trainer's phase two scores those."""
-
-    section = "phase 1: search with graph (--one-phase)"  # its --profile-memory name
-
-    def search(self, trainer, source) -> tuple[Samples, Tensor]:
-        cfg = trainer.cfg
-        return one_phase_search(trainer.model, source, cfg.sampler, cfg.beam_size, cfg.max_len, cfg.temperature,
-                                trainer.sampling)
-
-    def backward(self, trainer, source, rows: Samples, coef: Tensor, log_p: Tensor) -> float:
-        """The gradient of sum_i coef[i] log p_i over the candidates (the first len(log_p) rows), then phase two
-        over the rows after them; with fp16 the coefficients carry the trainer's loss scale (the loss does not)."""
-        n = len(log_p)
-        scaled, scale = trainer.scale_coefficients(coef[:n])
-        loss = one_phase_backward(log_p, scaled) / scale
-        if len(rows) > n:
-            refs = rows.select(torch.arange(n, len(rows), device=coef.device))
-            loss += trainer.phase_two(source, refs, coef[n:])
-        return loss

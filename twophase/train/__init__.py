@@ -1,4 +1,5 @@
-"""A run: the trainer's steps (`trainer`, `policy_step`), the run that owns them (`run`, `runstate`, `mlephase`),
+"""A run: the trainer and its steps (`trainer`; `steps`: one module per step family, given the parts as plain
+data), the run that owns them (`run`, `runstate`, `mlephase`),
 validation and the KL reference (`evaluation`, `klreference`), the run's directory and checkpoints (`rundir`,
 `checkpoint`, `resume`, `report`), and the commands that assemble a run from a `twophase.config.Config`
 (`build`, `start`, `cli`, `fit`, `decode`). Only the run and those commands hold a `run.Run`: every other part

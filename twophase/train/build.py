@@ -26,7 +26,7 @@ from ..constraints import Constrained, GrammarError, teacher_forced_allowed
 from ..vocab import pad_targets
 from ..config import Config
 from ..config import rules as configrules
-from .evaluation import score
+from ..rewards.calls import score
 from .run import Run
 
 

@@ -214,9 +214,9 @@ def _run_locked(cfg: Config, start: dict | None, given: frozenset | None, lock: 
         return Result(training.trainer.cfg, training.save_dir.absolute(), scores, table)
     t = training.trainer
     if training.is_main:
-        test = f" / {len(t.test)} test" if t.test is not None else ""
+        test = f" / {len(t.task.test)} test" if t.task.test else ""
         threads = torch.get_num_threads()
-        print(f"task {t.task.describe()}: {len(t.train)} train / {len(t.valid)} valid{test} sources; "
+        print(f"task {t.task.describe()}: {len(t.task.train)} train / {len(t.task.valid)} valid{test} sources; "
               f"reward {t.reward.name}; "
               f"{sum(p.numel() for p in t.model.parameters()):,} parameters{trainable(t.model)} on "
               f"{t.device}"

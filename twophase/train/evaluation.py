@@ -1,5 +1,5 @@
 """Validation: decode examples with beam search and score the best hypothesis of each with the task's metrics
-and the reward; the one way the trainer calls a reward (with the examples' context); and --include-reference's
+and the reward (called as training calls it, `rewards.calls.score`); and --include-reference's
 ground-truth references joined to the candidates (`with_references`; not the KL reference model, `klreference`).
 
 Several processes each decode a share and reduce the sufficient statistics, so the scores equal one process's.
@@ -14,37 +14,12 @@ from torch import Tensor
 
 from .. import protocol
 from ..system import distributed
-from ..protocol import target_mask
+from ..rewards.calls import completion_ids, score
 from ..rewards.registry import corpus_kinds, corpus_score, corpus_statistics
 from ..rewards.weighted import mean_std, statistics
 from ..samples import Samples, best_rows
 from ..phase1.search import beam_search
 from ..tasks.base import Example, Task
-
-
-def reward_context(examples: list[Example]) -> dict:
-    """The keywords a source-aware reward may declare, one entry per hypothesis: `sources` (the raw source of
-    each hypothesis' example) and every extra field of the task's examples."""
-    context = {"sources": [ex.source for ex in examples]}
-    for key in (examples[0].fields if examples else {}):
-        context[key] = [ex.fields[key] for ex in examples]
-    return context
-
-
-def score(reward, hypotheses: list[str], examples: list[Example], ids: list[list[int]] | None = None) -> list[float]:
-    """reward(hypotheses, references, **context) with hypothesis i from examples[i]; `ids`, where known, each
-    hypothesis' ids up to and including its eos (the context's `completion_ids`). NaN: no reward (a TRL-style
-    reward's None)."""
-    context = reward_context(examples)
-    if ids is not None:
-        context["completion_ids"] = ids
-    return reward(hypotheses, [ex.references for ex in examples], **context)
-
-
-def completion_ids(tokens: torch.Tensor, pad_id: int, eos_id: int) -> list[list[int]]:
-    """Rows (N, T) as lists of their ids up to and including the first eos (TRL's completion_ids)."""
-    lengths = target_mask(tokens, pad_id, eos_id).sum(dim=1).tolist()  # (N,)
-    return [row[:n] for row, n in zip(tokens.tolist(), lengths)]
 
 
 @torch.inference_mode()

@@ -213,8 +213,8 @@ class MleContinued:
         fsdp.load_model(trainer.model, state_dict)
         try:
             with fsdp.gathered(trainer.model):
-                return test_scores(trainer.model, trainer.task, trainer.test, trainer.reward, test_beams(trainer.cfg),
-                                   trainer.cfg.max_len, trainer.device)
+                return test_scores(trainer.model, trainer.task, trainer.task.test, trainer.reward,
+                                   test_beams(trainer.cfg), trainer.cfg.max_len, trainer.device)
         finally:
             fsdp.load_model(trainer.model, final)
 

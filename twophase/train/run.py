@@ -19,7 +19,6 @@ import torch
 from tqdm import tqdm
 
 from .. import oom
-from ..phase1.onephase import OnePhase
 from ..protocol import ModelError
 from ..rewards import RewardError
 from ..system import distributed, fsdp, memory
@@ -31,7 +30,7 @@ from .mlephase import CONTINUED, MleContinued, Plateau, budget_clock, start_from
 from .report import ProgressLines, fmt_scores, peak_memory_mb
 from .rundir import MetricsLog
 from .runstate import GracefulStop, Interrupted, RunState
-from .trainer import PhaseTwo, Trainer
+from .trainer import Trainer
 
 
 class Run:
@@ -58,9 +57,8 @@ class Run:
 
     @classmethod
     def assemble(cls, cfg, task, model, reward, device: torch.device, teacher=None) -> "Run":
-        """The run of this configuration; its RL step's gradient is phase two's, or --one-phase's baseline;
-        `teacher`: --objective distill's frozen teacher."""
-        return cls(Trainer(cfg, task, model, reward, device, OnePhase() if cfg.one_phase else PhaseTwo(), teacher))
+        """The run of this configuration; `teacher`: --objective distill's frozen teacher."""
+        return cls(Trainer(cfg, task, model, reward, device, teacher))
 
     def setup(self, saved: dict | None = None, base_model: dict | None = None) -> None:
         """Before the first step: the frozen base the saved parameters need (--lora-r: resume.record's), recorded
@@ -114,11 +112,11 @@ class Run:
         if row is None:  # out of the except block: the failed step's tensors, held by its traceback, are gone
             row = self.skip_out_of_memory(phase)
         row.update(trainer.step_figures())
-        if trainer.profiler is not None:  # --profile-memory: every step to memory_profile.jsonl, the first printed
+        if trainer.parts.profiler is not None:  # --profile-memory: every step to memory_profile.jsonl, 1st printed
             if self.is_main:
-                trainer.profiler.write(self.save_dir / "memory_profile.jsonl", state.step + 1, phase,
+                trainer.parts.profiler.write(self.save_dir / "memory_profile.jsonl", state.step + 1, phase,
                                        echo=state.stats[phase]["steps"] == 0)
-            trainer.profiler = None
+            trainer.parts.profiler = None
         stats = state.stats[phase]
         stats["seconds"] += time.perf_counter() - start
         # this process's CPU time: --compare-mle's budget on CPU, which other processes on the machine do not tilt
@@ -133,7 +131,7 @@ class Run:
     def count_bad_update(self) -> None:
         """--max-bad-steps: a taken update resets the count, a bad skip adds one; past the limit, the run stops
         with a crash checkpoint holding the parameters from before them."""
-        outcome, state = self.trainer.update_outcome, self.state
+        outcome, state = self.trainer.parts.outcome, self.state
         if outcome == "taken":
             state.bad_in_a_row = 0
         elif outcome is not None:
@@ -229,7 +227,7 @@ class Run:
         """The test split, once per model: the final one (the summary's "test"), and after --compare-mle the
         end-of-MLE and continued-MLE models too; one "test" metrics row each, naming the model."""
         t, state = self.trainer, self.state
-        if t.test is None:
+        if not t.task.test:
             return
         cfg = t.cfg
         final = "rl" if cfg.rl_steps > 0 else "mle"
@@ -239,7 +237,7 @@ class Run:
                  for name, params in self.comparison.compared_models().items()
                  if name != "mle" or state.mle_end > 0}
         with fsdp.gathered(t.model):
-            tests[final] = test_scores(t.model, t.task, t.test, t.reward, test_beams(cfg), cfg.max_len, t.device)
+            tests[final] = test_scores(t.model, t.task, t.task.test, t.reward, test_beams(cfg), cfg.max_len, t.device)
         state.summary["test"], state.summary["tests"] = tests[final], tests
         steps = {"mle": state.mle_end, final: state.step,  # each row carries its model's step
                  CONTINUED: state.mle_end + state.summary.get(CONTINUED, {}).get("steps", 0)}

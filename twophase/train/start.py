@@ -240,6 +240,6 @@ def evaluate(training) -> dict:
     """--eval-only: the checkpoint's model on the validation data (--valid-size's share) and the test data."""
     t = training.trainer
     scores = {"valid": training.validate()}
-    if t.test is not None:
-        scores["test"] = validate(t.model, t.task, t.test, t.reward, t.cfg.eval_beam, t.cfg.max_len, t.device)
+    if t.task.test:
+        scores["test"] = validate(t.model, t.task, t.task.test, t.reward, t.cfg.eval_beam, t.cfg.max_len, t.device)
     return scores

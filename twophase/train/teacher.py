@@ -6,7 +6,7 @@ config describes, with the checkpoint's parameters) or a Hugging Face model fold
 checkpoint's vocabularies must be the run's, a folder's vocabulary size the model's (checked again on the first
 batch by `objectives.distill.check_compatible`). The teacher is in evaluation mode, its parameters frozen, on
 the run's device; under --fsdp it is sharded as the model is (each process keeps 1/W of its parameters) and
-gathered for the step's phase two alone (`Trainer.distill_batches`), as the KL reference is for its scoring
+gathered for the step's phase two alone (`train.steps.distill`), as the KL reference is for its scoring
 pass. The divergence (`objectives.distill`) is TRL's DistillationTrainer loss with --distill-beta as its beta
 and --temperature (with --sampler sample, else 1) as its temperature, normalised as TRL's: by the scored tokens
 of the step's whole generation, all --grad-accum batches of all processes.

@@ -75,7 +75,8 @@ class Karel(Task):
     # the paper's syntax checker (--grammar off: without).
     flag_defaults = dict(hidden_size=128, embed_dim=64, max_len=31, mle_steps=10000, lr_decay=0.5, patience=2,
                          min_lr=2.5e-4, rl_from_best=True, objective="beam", beam_size=16, rl_steps=2000,
-                         rl_lr=5e-4, eval_every=500, test_beam=64, save_dir="runs/karel", grammar="on")
+                         rl_lr=5e-4, eval_every=500, test_beam=64, save_dir="runs/karel", grammar="on",
+                         compare_mle=True)
 
     def __init__(self, cfg):
         super().__init__()

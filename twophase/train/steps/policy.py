@@ -1,4 +1,5 @@
-"""--objective policy: phase one once per generation, then --updates-per-generation optimizer steps on it.
+"""The token-level policy objective's RL step (--objective policy, GRPO and its kin): phase one once per
+generation, then --updates-per-generation optimizer steps on it.
 
 A generation is --grad-accum batches of sources (one by default), each batch's candidates with phase one's
 per-token log-probabilities (the old policy, `Samples.token_scores`), their rewards and advantages, and, with
@@ -25,29 +26,22 @@ import math
 
 import torch
 
-from ..system import distributed, fsdp
-from ..objectives.entropycontrol import AdaptiveEntropy
-from ..objectives.policy import advantages, policy_loss, scored_moments, truncated_rows, zero_std_groups
-from ..samples import Samples
-from .klreference import Reference
+from ...system import distributed, fsdp
+from ...objectives.entropycontrol import AdaptiveEntropy
+from ...objectives.policy import advantages, policy_loss, scored_moments, truncated_rows, zero_std_groups
+from ...samples import Samples
+from ..klreference import Reference
+from .parts import phase_two, rewards_of, search, section, sources, update
 
 REF_CHUNK = 64  # rows per chunk of the reference's no-graph scoring when --rescore-chunk is auto
 FIELDS = ("tokens", "lengths", "owner", "scores", "token_scores")  # a batch's candidates, as Samples holds them
 
 
 class PolicyStep:
-    """The policy objective's RL step, given what it runs of its trainer: the model, task and device, the RL batch
-    sampler, the optimizer, the reward and its log, and the trainer's parts of a step (`sources`: training
-    examples as the model reads them; `search`: phase one; `rewards_of`: a batch's rewards; `phase_two`: the
-    chunked re-decoding with gradients; `update`: clip and step; `section` and `autocast`: the step's profiling
-    sections and --amp's autocast)."""
+    """The policy objective's RL step, given the parts (`steps.parts.Parts`) and its settings."""
 
-    def __init__(self, cfg, model, task, device, batches, optimizer, reward, reward_log, *, sources, search,
-                 rewards_of, phase_two, update, section, autocast):
-        self.cfg, self.model, self.task, self.device = cfg, model, task, device
-        self.batches, self.optimizer, self.reward, self.reward_log = batches, optimizer, reward, reward_log
-        self.sources, self.search_rows, self.rewards_of = sources, search, rewards_of
-        self.phase_two, self.update, self.section, self.autocast = phase_two, update, section, autocast
+    def __init__(self, cfg, parts, teacher=None):
+        self.cfg, self.parts = cfg, parts
         self.generation: dict | None = None  # the current generation (see the module docstring)
         self.reference: Reference | None = None  # the frozen reference, made at the first RL step (or loaded)
         # --use-adaptive-entropy: the entropy bonus's coefficient, moved after every update (its state checkpointed)
@@ -59,24 +53,25 @@ class PolicyStep:
     def ensure_reference(self) -> None:
         cfg = self.cfg
         if cfg.kl_beta != 0 and self.reference is None:  # this is the first RL step: the end-of-MLE model
-            self.reference = Reference.of(self.model, cfg.ref_checkpoint, self.device, self.task.build_model)
+            p = self.parts
+            self.reference = Reference.of(p.model, cfg.ref_checkpoint, p.device, p.task.build_model)
 
     def reference_log_probs(self, source, cand: Samples) -> torch.Tensor:
         """(N, T) the reference's per-token log-probabilities of the candidates, a chunk of rows at a time."""
         chunk = self.cfg.rescore_chunk if self.cfg.rescore_chunk != "auto" else REF_CHUNK
-        return self.reference.log_probs(self.model, source, cand, chunk, self.autocast)
+        return self.reference.log_probs(self.parts.model, source, cand, chunk, self.parts.autocast)
 
     # ------------------------------------------------------------------ generation
-    def search(self, batch: list[int]) -> dict:
+    def rollout(self, batch: list[int]) -> dict:
         """Phase one and rewards of one batch (this process's share of it)."""
-        idx = distributed.shard(batch)
-        source, examples = self.sources(idx), [self.task.train[i] for i in idx]
-        self.model.eval()
-        with fsdp.gathered(self.model), self.section("phase 1: search"), self.autocast():  # --fsdp: gathered
-            cand = self.search_rows(source)
-        with self.section("rewards"):
-            rewards = self.rewards_of(cand.tokens, cand.owner.tolist(), examples)  # (N,), NaN: no reward
-            parts = getattr(self.reward, "last", None)  # several rewards: each one's values, for the log
+        p, idx = self.parts, distributed.shard(batch)
+        source, examples = sources(p, idx), [p.task.train[i] for i in idx]
+        p.model.eval()
+        with fsdp.gathered(p.model), section(p, "phase 1: search"), p.autocast():  # --fsdp: gathered
+            cand = search(p, self.cfg, source)
+        with section(p, "rewards"):
+            rewards = rewards_of(p, cand.tokens, cand.owner.tolist(), examples)  # (N,), NaN: no reward
+            parts = getattr(p.reward, "last", None)  # several rewards: each one's values, for the log
         return {"idx": idx, "source": source, "cand": cand, "rewards": rewards, "parts": parts or {},
                 "zero": zero_std_groups(rewards, cand.owner, len(idx))}  # (B_local,)
 
@@ -84,11 +79,12 @@ class PolicyStep:
         """Phase one and rewards of every batch, then advantages (and dropped groups) and the reference's
         log-probs with the whole generation's statistics: one generation, drawn at step `number` (1-based)."""
         cfg = self.cfg
-        batches = [next(self.batches) for _ in range(cfg.grad_accum)]
-        found = [self.search(batch) for batch in batches]
+        batches = [next(self.parts.rl_batches) for _ in range(cfg.grad_accum)]
+        found = [self.rollout(batch) for batch in batches]
         cands, rewards = [f["cand"] for f in found], torch.cat([f["rewards"] for f in found])  # (N,) all batches
         lengths = torch.cat([c.lengths for c in cands])
-        ended = sum(int((c.tokens == self.model.eos_id).any(dim=1).sum()) for c in cands)  # rows that produced eos
+        eos = self.parts.model.eos_id
+        ended = sum(int((c.tokens == eos).any(dim=1).sum()) for c in cands)  # rows that produced eos
         B = sum(len(batch) for batch in batches)
         scored, total, squares = scored_moments(rewards)  # the rewards' moments, None (NaN) left out as TRL's nanstd
         sums = distributed.reduce_sums({"scored": scored, "reward": total, "reward_sq": squares, "rows": len(rewards),
@@ -100,7 +96,7 @@ class PolicyStep:
         for f in found:  # several rewards: each one's values over the generation's batches
             for name, values in f["parts"].items():
                 parts.setdefault(name, []).extend(values)
-        metrics = {**self.reward_log.row(rewards, parts, number), "frac_reward_zero_std": sums["zero_std"] / B,
+        metrics = {**self.parts.reward_log.row(rewards, parts, number), "frac_reward_zero_std": sums["zero_std"] / B,
                    "completion_length_mean": sums["length"] / n, "terminated": sums["ended"] / n,
                    "completion_length_min": -distributed.reduce_max(-float(lengths.min())),
                    "completion_length_max": distributed.reduce_max(float(lengths.max()))}
@@ -152,29 +148,29 @@ class PolicyStep:
         """(N,) the batch's candidates that end without EOS, with --mask-truncated-completions (else None)."""
         if not self.cfg.mask_truncated_completions:
             return None
-        return truncated_rows(part["tokens"], part["lengths"], self.model.eos_id)
+        return truncated_rows(part["tokens"], part["lengths"], self.parts.model.eos_id)
 
     # ------------------------------------------------------------------ the step
-    def step(self, number: int) -> dict:
-        """Update `number` (1-based; a phase two per batch of the generation, gradients accumulated); a new
-        generation first when the last one has had its --updates-per-generation."""
+    def step(self) -> dict:
+        """One update (a phase two per batch of the generation, gradients accumulated); a new generation first
+        when the last one has had its --updates-per-generation."""
         cfg = self.cfg
         self.ensure_reference()
         if self.generation is None or self.generation["used"] >= cfg.updates_per_generation:
-            self.generation = self.new_generation(number)
+            self.generation = self.new_generation(self.parts.number)
         gen = self.generation
         counts = distributed.reduce_sums({"rows": sum(len(p["lengths"]) for p in gen["parts"]),
                                           "tokens": sum(int(self.counted_tokens(p)) for p in gen["parts"])})
-        self.model.eval()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.parts.model.eval()
+        self.parts.optimizer.zero_grad(set_to_none=True)
         loss, stats = 0.0, {}
-        with fsdp.gathered(self.model, reduce=True):  # --fsdp: whole parameters for the update, one reduction after
+        with fsdp.gathered(self.parts.model, reduce=True):  # --fsdp: whole parameters, one reduction after
             for part in gen["parts"]:
                 rows = Samples(*(part[k] for k in FIELDS))
                 if len(rows):
                     got = {}  # phase_two counts this call's positions: its own dict
-                    loss += self.phase_two(self.sources(part["idx"]), rows, self.objective(gen, part, counts),
-                                           stats=got)
+                    loss += phase_two(self.parts, cfg, sources(self.parts, part["idx"]), rows,
+                                      self.objective(gen, part, counts), stats=got)
                     for key in ("tokens", "clip_low", "clip_high", "kl", "entropy", "entropy_tokens"):
                         stats[key] = stats.get(key, 0) + got.get(key, 0)
         gen["used"] += 1
@@ -191,7 +187,7 @@ class PolicyStep:
             entropy = total["entropy"] / max(total["entropy_tokens"], 1.0)  # the window's token-weighted mean
             row.update(entropy=entropy, entropy_coef_applied=self.entropy_control.applied(),
                        entropy_coef=self.entropy_control.update(entropy))
-        return {**row, **self.update(total["loss"])}
+        return {**row, **update(self.parts, self.cfg, total["loss"])}
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
@@ -213,11 +209,12 @@ class PolicyStep:
         if gen is not None and "parts" not in gen:  # saved before --grad-accum: one batch, its fields at the top
             gen = {"num_sources": gen["num_sources"], "used": gen["used"], "metrics": gen["metrics"],
                    "parts": [{k: gen[k] for k in ("idx", *FIELDS, "advantages", "ref")}]}
-        self.generation = _moved(gen, self.device)
+        self.generation = _moved(gen, self.parts.device)
         if self.entropy_control is not None and "entropy_control" in state:  # its coefficient and last entropy
             self.entropy_control.load_state_dict(state["entropy_control"])
         ref = state.get("reference")
-        self.reference = None if ref is None else Reference.from_state(ref, self.model, self.task.build_model)
+        p = self.parts
+        self.reference = None if ref is None else Reference.from_state(ref, p.model, p.task.build_model)
 
 
 def _moved(gen: dict | None, device) -> dict | None:
