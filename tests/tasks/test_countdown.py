@@ -14,6 +14,7 @@ from twophase.tasks.countdown import problems, rpn
 from twophase.tasks.countdown.grammar import RPNGrammar
 from twophase.tasks.countdown.reward import countdown
 from twophase.tasks.data import DataError
+from twophase.train import decode
 from twophase.vocab import EOS, SPECIALS
 
 import forks
@@ -207,6 +208,11 @@ def test_train_py_runs_countdown_end_to_end_and_records_its_files(tmp_path):
     config = json.loads((save / "config.json").read_text())["config"]
     assert Path(config["train"]).parent.parent == tmp_path / "cache" / "countdown" and config["grammar"] == "on"
     assert len(problems.read_tsv(config["test"])) == 20
+    out = tmp_path / "decoded.txt"  # the recorded test file decodes as it is (SOURCE<TAB>SOLUTION lines)
+    assert decode.main(["--checkpoint", str(save / "checkpoint_last.pt"), "--input", config["test"],
+                        "--output", str(out), "--beam-size", "3"]) == 0
+    decoded = out.read_text().splitlines()
+    assert len(decoded) == 20 and all(infix(line.split()) and len(line.split()) == 5 for line in decoded)  # grammar
     (tmp_path / "bad.tsv").write_text("3 4 = 7\t3 4 +\n3 4 = 7\t3 4 -\n")
     proc = forks.run(argv=[ROOT / "train.py", "--task", "countdown", "--valid", tmp_path / "bad.tsv",
                            "--train-size", "200", "--valid-size", "20", "--countdown-max", "9",

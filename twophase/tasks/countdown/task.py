@@ -99,9 +99,10 @@ class Countdown(TextTask):
 
     # ---- decoding
     def parse_source(self, line: str) -> str:
-        """`3 7 25 = 250` or `3 7 25 250`: the numbers, then the target."""
+        """`3 7 25 = 250` or `3 7 25 250`: the numbers, then the target; a TSV line's SOURCE (what precedes a
+        tab), so a split's file decodes as it is."""
         try:
-            numbers, target = parse_source(line)
+            numbers, target = parse_source(line.partition("\t")[0])
         except ValueError as err:
             raise DataError(f"countdown source: {err}") from None
         return problems.Problem(numbers, target).source
