@@ -200,7 +200,7 @@ def test_train_py_runs_countdown_end_to_end_and_records_its_files(tmp_path):
                            "--eval-beam", "3", "--save-dir", save, "--rescore-chunk", "16"],
                      env={"TWOPHASE_CACHE_DIR": str(tmp_path / "cache")}, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "200 train problems (100 without a solution: RL only) / 20 valid / 20 test" in proc.stdout
+    assert "200 train problems (160 without a solution: RL only) / 20 valid / 20 test" in proc.stdout
     assert "solves 100.00% of the 20 test problems" in proc.stdout
     rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     tests = [r for r in rows if r["phase"] == "test"]

@@ -121,7 +121,7 @@ class CountdownConfig:
     countdown_max: int = arg(30, "the numbers are drawn from 1 to this", minimum=1)
     countdown_target_min: int = arg(1, "smallest target", minimum=0)
     countdown_target_max: int = arg(100, "largest target", minimum=0)
-    countdown_hidden: float = arg(0.5, "share of the training problems generated without their solution: MLE "
+    countdown_hidden: float = arg(0.8, "share of the training problems generated without their solution: MLE "
                                        "trains on the others, RL on all (the checker needs none)",
                                   minimum=0.0)
 

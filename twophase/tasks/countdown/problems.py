@@ -44,7 +44,7 @@ class Params:
     max_number: int = 30
     target_min: int = 1
     target_max: int = 100
-    hidden: float = 0.5  # the share of training problems whose solution is withheld
+    hidden: float = 0.8  # the share of training problems whose solution is withheld
 
     def check(self) -> str | None:
         """Why these settings cannot generate problems (one line naming the flag), or None."""
