@@ -156,7 +156,7 @@ def test_a_task_receives_its_own_settings_only(monkeypatch):
         getattr(settings, "seed", 0)  # never a silent default for a setting that exists but is not the task's
     assert getattr(settings, "no_such_setting", 0) == 0  # what is no setting at all is an ordinary attribute
     names = set(settings.__dataclass_fields__)
-    assert names == {n for s in ("data", "model", "karel", "lora") for n in config.section_fields(s)} | {"max_len"}
+    assert names == {n for s in ("data", "model", "karel", "countdown", "lora") for n in config.section_fields(s)} | {"max_len"}
 
 
 def test_a_task_reading_a_trainer_setting_is_one_line_naming_it(monkeypatch):

@@ -29,8 +29,8 @@ from . import values
 from .documented import DEFAULT_BEAM, PRESETS, _flag, parse_chunk, parse_size  # noqa: F401 (the package's names)
 from .runsections import EvaluationConfig, PhaseTwoConfig, RunConfig, StepConfig, SystemConfig  # noqa: F401
 from .sections import (FIELDS, KINDS, SECTION_OF, SECTIONS, SHAPING_FLAGS, TASK_EXTRA, TASK_SECTIONS,  # noqa: F401
-                       DataConfig, KarelConfig, LoraConfig, MLEConfig, ModelConfig, PolicyConfig, RLConfig,
-                       SearchConfig, section_fields)
+                       CountdownConfig, DataConfig, KarelConfig, LoraConfig, MLEConfig, ModelConfig, PolicyConfig,
+                       RLConfig, SearchConfig, section_fields)
 
 
 def _remembers_given(cls):
@@ -58,7 +58,7 @@ def _remembers_given(cls):
 @_remembers_given
 @dataclass
 class Config(SystemConfig, RunConfig, EvaluationConfig, StepConfig, PhaseTwoConfig, PolicyConfig, RLConfig,
-             SearchConfig, MLEConfig, LoraConfig, KarelConfig, ModelConfig, DataConfig):
+             SearchConfig, MLEConfig, LoraConfig, CountdownConfig, KarelConfig, ModelConfig, DataConfig):
     """Every training setting, one field per train.py flag (the fields of the sections, in SECTIONS' order).
     `cfg.section("search")` gives one section's values. Made only valid: a bad value or combination raises a
     one-line ValueError naming the field (`Config.<field>: ...`) or the flags (the checks of `rules`)."""
@@ -90,6 +90,7 @@ class Config(SystemConfig, RunConfig, EvaluationConfig, StepConfig, PhaseTwoConf
     data = property(lambda self: self.section("data"))
     model = property(lambda self: self.section("model"))
     karel = property(lambda self: self.section("karel"))
+    countdown = property(lambda self: self.section("countdown"))
     lora = property(lambda self: self.section("lora"))
     mle = property(lambda self: self.section("mle"))
     search = property(lambda self: self.section("search"))
@@ -113,7 +114,7 @@ class Config(SystemConfig, RunConfig, EvaluationConfig, StepConfig, PhaseTwoConf
         return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 
     def for_task(self):
-        """What a task reads (`TaskConfig`): the data, model, karel and lora sections and --max-len."""
+        """What a task reads (`TaskConfig`): the data, model, karel, countdown and lora sections and --max-len."""
         return TaskConfig(**{name: getattr(self, name) for name in TASK_FIELDS})
 
     @property

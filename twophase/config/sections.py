@@ -134,6 +134,28 @@ KarelConfig.title = "karel"
 
 
 @dataclass
+class CountdownConfig:
+    """The Countdown task's generated problems (--task countdown; docs/countdown.md): how many numbers, their
+    range, the target's range, and the share of training problems whose solution is withheld."""
+
+    countdown_numbers: int = arg(3, minimum=1)
+    """numbers in each problem, each used exactly once"""
+    countdown_max: int = arg(30, minimum=1)
+    """the numbers are drawn from 1 to this"""
+    countdown_target_min: int = arg(1, minimum=0)
+    """smallest target"""
+    countdown_target_max: int = arg(100, minimum=0)
+    """largest target"""
+    countdown_hidden: float = arg(0.8, minimum=0.0, below=1.0)
+    """share of the training problems generated without their solution: MLE trains on the others, RL on all (the
+    checker needs none)"""
+
+
+CountdownConfig.title = "countdown"
+CountdownConfig.only = Only("task", "countdown", "{flag} applies to {switch} {value} only")
+
+
+@dataclass
 class LoraConfig:
     """LoRA adapters on a Hugging Face model (peft; docs/hf.md)."""
 
@@ -325,8 +347,8 @@ PolicyConfig.only = Only("objective", "policy")
 
 
 # The sections, in the order --help prints them: {view name: section class}.
-SECTIONS = {"data": DataConfig, "model": ModelConfig, "karel": KarelConfig, "lora": LoraConfig, "mle": MLEConfig,
-            "search": SearchConfig, "rl": RLConfig, "policy": PolicyConfig, "phase_two": PhaseTwoConfig,
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "karel": KarelConfig, "countdown": CountdownConfig,
+            "lora": LoraConfig, "mle": MLEConfig, "search": SearchConfig, "rl": RLConfig, "policy": PolicyConfig, "phase_two": PhaseTwoConfig,
             "steps": StepConfig, "evaluation": EvaluationConfig, "run": RunConfig, "system": SystemConfig}
 
 for _section in SECTIONS.values():
@@ -350,7 +372,7 @@ def section_fields(name: str) -> tuple[str, ...]:
 
 
 # What a task reads (`Task.__init__(settings)`): these sections and the longest candidate its targets must fit in.
-TASK_SECTIONS = ("data", "model", "karel", "lora")
+TASK_SECTIONS = ("data", "model", "karel", "countdown", "lora")
 TASK_EXTRA = ("max_len",)
 # The flags that shape a task's data or its model: the fields of the sections that declare `shapes_task` (data,
 # model), less those no task reads (the trainer's). Each task declares in `Task.flags` those it reads; the others,

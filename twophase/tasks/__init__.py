@@ -2,7 +2,7 @@
 
 `get(name)` resolves `--task NAME` like rewards: `package.module:callable` (the working directory is searched
 too), then the entry-point group `twophase.tasks`, then the built-ins. The callable takes the task's settings (the
-training Config's data, model, karel and lora sections and max_len: `twophase.config.TaskConfig`) and
+training Config's data, model, karel, countdown and lora sections and max_len: `twophase.config.TaskConfig`) and
 returns a `Task` (see `twophase.tasks.base`); adding a task changes nothing in the trainer.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .base import Example, Metric, Task, TaskError
 
 GROUP = "twophase.tasks"
 BUILTINS = {"g2p": "twophase.tasks.text:G2P", "tsv": "twophase.tasks.text:TSV",
-            "karel": "twophase.tasks.karel.task:Karel"}
+            "karel": "twophase.tasks.karel.task:Karel", "countdown": "twophase.tasks.countdown.task:Countdown"}
 REQUIRED = ("load_data", "state_dict", "load_state_dict", "build_model", "collate", "target_ids", "detokenize",
             "metric_sums", "scores", "parse_source", "format_output")
 

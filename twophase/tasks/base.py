@@ -7,7 +7,7 @@ Its `state_dict` (vocabularies, say) goes into every checkpoint, so decoding and
 ids without the data.
 
 A task is found by `--task NAME` (see twophase.tasks.get): `package.module:callable`, an entry point of the
-group `twophase.tasks`, or a built-in (`g2p`, `tsv`, `karel`). The callable takes the task's settings (the
+group `twophase.tasks`, or a built-in (`g2p`, `tsv`, `karel`, `countdown`). The callable takes the task's settings (the
 training Config's data, model, karel and lora sections and max_len, by their Config names: `cfg.hidden_size`,
 `cfg.train`; `twophase.config.TaskConfig`) and returns a `Task`; it should be cheap: data is read by
 `load_data`, which runs after `load_state_dict` on --resume.
@@ -76,6 +76,12 @@ class Task:
     def load_data(self) -> None:
         """Read or generate the splits (and build vocabularies not restored by load_state_dict)."""
         raise NotImplementedError
+
+    def data_files(self) -> dict:
+        """The files a task read its splits from where the flags did not name them ({"train": path, ...}: the
+        TSV files of generated problems, say): the run records them as its --train, --valid and --test, so
+        decoding and checking find the same data. None by default."""
+        return {}
 
     def state_dict(self) -> dict:
         """Plain data (lists, dicts, numbers, strings) that rebuilds this task's ids without the data."""

@@ -156,6 +156,9 @@ def build(cfg: Config, start: dict | None = None, given: frozenset | None = None
             raise UsageError(str(err)) from None
     stale, state, init = claim_and_read(run_cfg, start, lock)
     load_task_data(task, state if state is not None else init)
+    files = task.data_files() if callable(getattr(task, "data_files", None)) else {}  # a plug-in may predate it
+    if files:  # generated splits (countdown's TSV files): recorded as the run's --train/--valid/--test
+        run_cfg = derived(run_cfg, **{split: str(path) for split, path in files.items()})
     if not check_references(run_cfg, task, given):  # the control it runs: off without references
         run_cfg = derived(run_cfg, compare_mle=False)
     if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(task.train)):
