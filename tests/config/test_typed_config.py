@@ -150,14 +150,14 @@ def test_the_fields_passed_are_remembered_outside_equality_and_the_record():
 
 def test_an_assigned_field_is_checked_and_counts_as_given():
     """`cfg.beam_size = 4` after construction is the user's, as a constructor keyword is: fit runs with it, even
-    where it equals Config's default and the task's recipe says otherwise (g2p's 10,000 MLE steps)."""
+    where it equals Config's default and the task's recipe says otherwise (countdown's, the default task's, 2,000 MLE steps)."""
     from twophase.train.fit import resolved
     cfg = Config(beam_size=3)
     cfg.beam_size, cfg.lr, cfg.mle_steps = 4, 0.05, Config().mle_steps
     assert cfg.given() == {"beam_size", "lr", "mle_steps"}
     run, _, _ = resolved(cfg)
     assert (run.beam_size, run.lr, run.mle_steps) == (4, 0.05, 4000)
-    assert resolved(Config())[0].mle_steps == 10000  # the recipe's, where the field was not set
+    assert resolved(Config())[0].mle_steps == 2000  # the recipe's, where the field was not set
     cfg.beam_size = 1  # valid alone; the checks across fields run where the Config is used
     with pytest.raises(ValueError, match="--beam-size 1 with --objective beam trains nothing"):
         resolved(cfg)

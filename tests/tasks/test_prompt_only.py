@@ -70,7 +70,7 @@ def test_a_run_can_earn_a_token_only_the_target_vocab_holds(prompts, capsys):
     assert "no training or validation row has a reference (completion/target)" in out
     rows = [json.loads(line) for line in (prompts / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("reward_mean", 0) > 0 for r in rows if r["phase"] == "rl")  # "yes" sampled and rewarded
-    assert cli.main(["--save-dir", "g2p", "--target-vocab", "outputs.txt"]) == 2  # the built-in data's task
+    assert cli.main(["--save-dir", "g2p", "--task", "g2p", "--target-vocab", "outputs.txt"]) == 2  # the built-in data's task
     assert "--target-vocab: task 'g2p' does not read this flag" in capsys.readouterr().err
 
 

@@ -23,7 +23,7 @@ def test_karel_runs_its_recipe_and_given_flags_win(seen):
 
 
 def test_g2p_converges_its_warm_start_and_tsv_keeps_the_flags_defaults(seen, tmp_path):
-    assert cli.main([]) == 0  # the built-in G2P: validation-driven MLE of at most 10,000 steps
+    assert cli.main(["--task", "g2p"]) == 0  # the built-in G2P: validation-driven MLE of at most 10,000 steps
     assert cli.main(["--train", "t.tsv", "--valid", "v.tsv"]) == 0
     g2p, tsv = seen
     assert (g2p.lr_decay, g2p.mle_steps, g2p.hidden_size, g2p.save_dir) == (0.5, 10000, 256, None)  # runs/<task>

@@ -5,15 +5,17 @@ import importlib.metadata
 import pytest
 
 from twophase import tasks
+from twophase.tasks.countdown.task import Countdown
 from twophase.tasks.text import G2P, TSV
 from twophase.train import cli
 from twophase.config import Config
 
 
 def test_builtins_and_defaults():
-    assert tasks.default_name(Config()) == "g2p" and tasks.default_name(Config(train="a", valid="b")) == "tsv"
-    assert isinstance(tasks.build(Config()), G2P) and isinstance(tasks.build(Config(train="a", valid="b")), TSV)
-    assert {"g2p", "tsv"} <= set(tasks.available())
+    assert tasks.default_name(Config()) == "countdown" and tasks.default_name(Config(train="a", valid="b")) == "tsv"
+    assert isinstance(tasks.build(Config()), Countdown) and isinstance(tasks.build(Config(task="g2p")), G2P)
+    assert isinstance(tasks.build(Config(train="a", valid="b")), TSV)
+    assert {"countdown", "g2p", "tsv"} <= set(tasks.available())
 
 
 def test_a_module_in_the_working_directory(tmp_path, monkeypatch):

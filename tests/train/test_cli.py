@@ -71,10 +71,10 @@ def test_train_py_end_to_end_then_decode(task, capsys):
                           "--output", str(task / "missing" / "out.txt")], capsys, "missing", entry=decode.main)
 
 
-def test_default_task_runs_on_cmudict(tmp_path, capsys):
+def test_g2p_task_runs_on_cmudict(tmp_path, capsys):
     # greedy and short outputs: the test split (3,143 words) is decoded in full at the end
-    assert cli.main(["--mle-steps", "2", "--rl-steps", "1", "--valid-size", "16", "--hidden-size", "16",
-                     "--embed-dim", "8", "--batch-size", "2", "--beam-size", "2", "--eval-beam", "1",
+    assert cli.main(["--task", "g2p", "--mle-steps", "2", "--rl-steps", "1", "--valid-size", "16",
+                     "--hidden-size", "16", "--embed-dim", "8", "--batch-size", "2", "--beam-size", "2", "--eval-beam", "1",
                      "--max-len", "6", "--save-dir", str(tmp_path), "--no-compare-mle"]) == 0
     out = capsys.readouterr().out
     assert "119810 train / 3099 valid / 3143 test" in out and "test phoneme error rate" in out

@@ -50,13 +50,13 @@ class DataConfig:
     """The data: which task, its files and how their text is split and limited."""
 
     task: str | None = arg(None, task_reads=False)
-    """what to train on: g2p (CMUdict grapheme-to-phoneme, the default without --train), tsv (--train/--valid files,
-    the default with --train), an installed twophase.tasks entry point, or package.module:callable returning a
-    twophase.tasks.Task"""
+    """what to train on: countdown (numbers and a target to an expression, the default without --train), g2p (CMUdict
+    grapheme-to-phoneme), tsv (--train/--valid files, the default with --train), an installed twophase.tasks entry
+    point, or package.module:callable returning a twophase.tasks.Task"""
     train: str | None = arg(None, path=True)
     """training TSV (source<TAB>target; repeated sources = several references), or a prompt table (.jsonl, .json,
     .csv, .parquet: a prompt column, optional completion/target references, other columns for the rewards;
-    docs/trl.md); default: the CMU Pronouncing Dictionary, grapheme-to-phoneme"""
+    docs/trl.md); default: the task's own data (countdown's generated problems, CMUdict for g2p)"""
     valid: str | None = arg(None, path=True)
     """validation TSV, same format; required with --train"""
     test: str | None = arg(None, resume=FREE, path=True)
