@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from twophase import plot
-from twophase.train import cli, report
+from twophase.train import cli, mlephase, report, runparts
+from twophase.train import run as run_module
 from twophase.config import Config
 from twophase.train.runstate import Interrupted
 from twophase.train.report import summary_table
@@ -53,22 +54,32 @@ def _close(a: dict, b: dict) -> bool:
     return all(torch.allclose(a[k], b[k], rtol=0, atol=1e-7) for k in a)
 
 
-def test_continued_mle_starts_from_the_end_of_mle_for_the_rl_time(task, tmp_path):
+def _watch_steps(monkeypatch, watch) -> None:
+    """`watch(phase, take)` around every step, the run's and the comparison's (`take()`: the step itself)."""
+    real = runparts.take_step
+
+    def take_step(trainer, state, saver, phase, *args, **kwargs):
+        return watch(phase, lambda: real(trainer, state, saver, phase, *args, **kwargs))
+    monkeypatch.setattr(run_module, "take_step", take_step)
+    monkeypatch.setattr(mlephase, "take_step", take_step)
+
+
+def test_continued_mle_starts_from_the_end_of_mle_for_the_rl_time(task, tmp_path, monkeypatch):
     tr = _trainer(task, tmp_path, mle_steps=6, rl_steps=4, mle_weight=0.5)  # RL surely moves the parameters
-    seen, real_step = {}, tr.train_step
+    seen = {}
     _slow_rl(tr, 0.05)  # RL's budget: 4 steps of at least 50 ms
 
-    def step(phase):
+    def step(phase, take):
         if phase == "mle-continued" and "start" not in seen:
             seen["start"] = copy.deepcopy(tr.trainer.model.state_dict())
             seen["rl_end"] = copy.deepcopy(tr.comparison.final["model"])
         before = tr.state.stats[phase].get("cpu_seconds", 0.0)
-        row = real_step(phase)
+        row = take()
         # the step's CPU time as the budget counts it (wall time differs on a loaded machine)
         seen.setdefault(phase, []).append(tr.state.stats[phase]["cpu_seconds"] - before)
         return row
 
-    tr.train_step = tr.comparison.step = step  # the run's steps and the comparison's
+    _watch_steps(monkeypatch, step)  # the run's steps and the comparison's
     summary = tr.train()
     branch = torch.load(tmp_path / "checkpoint_mle_end.pt", weights_only=True)
     assert branch["step"] == 6
@@ -147,19 +158,19 @@ def test_schedule_survives_resume(task, tmp_path):
     assert _close(part.trainer.model.state_dict(), full.trainer.model.state_dict())
 
 
-def test_resume_during_the_comparison_redoes_it(task, tmp_path):
+def test_resume_during_the_comparison_redoes_it(task, tmp_path, monkeypatch):
     tr = _trainer(task, tmp_path, mle_steps=4, rl_steps=3)
-    real_step, calls = tr.train_step, []
+    calls = []
     _slow_rl(tr, 0.1)  # budget for a few continued steps
 
-    def step(phase):
+    def step(phase, take):
         if phase == "mle-continued":
             calls.append(1)
             if len(calls) == 2:
                 os.kill(os.getpid(), signal.SIGINT)  # caught by the run: it stops after this step
-        return real_step(phase)
+        return take()
 
-    tr.comparison.step = step
+    _watch_steps(monkeypatch, step)
     with pytest.raises(Interrupted) as stop:
         tr.train()
     assert "comparison" in str(stop.value) and stop.value.code == 130

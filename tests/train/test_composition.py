@@ -165,12 +165,19 @@ def test_no_part_holds_its_owner_or_its_owners_methods(tmp_path, objective):
                            sampler="beam" if objective == "beam" else "sample", save_dir=str(tmp_path / "run")))
     tr = run.trainer
     assert type(tr.rl) is STEPS[objective]
-    parts = [tr, run.state, run.checkpoints, run.metrics, run.plateau, run.comparison, tr.parts, tr.mle, tr.rl]
+    parts = [tr, run.state, run.checkpoints, run.metrics, run.plateau, run.comparison, run.saver, tr.parts, tr.mle,
+             tr.rl]
     held = {type(part).__name__: [name for name, value in vars(part).items() if isinstance(value, Run)]
             for part in parts}
     assert not any(held.values()), held
     for part in (tr.parts, tr.mle, tr.rl):
         owned = [name for name, value in vars(part).items() if _owners_in(value, (Trainer, Run))]
+        assert not owned, (type(part).__name__, owned)
+    # the --compare-mle control and the checkpoint it shares with the run: the trainer they wind back and save,
+    # never the Run nor a method bound to the Run or the trainer
+    for part in (run.comparison, run.saver):
+        owned = [name for name, value in vars(part).items()
+                 if _owners_in(value, (Run,)) or isinstance(getattr(value, "__self__", None), Trainer)]
         assert not owned, (type(part).__name__, owned)
     assert tr.mle.parts is tr.parts and tr.rl.parts is tr.parts
     assert not hasattr(tr, "train")  # the data splits are the task's; train() is the Run's loop alone

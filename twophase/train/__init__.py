@@ -1,7 +1,7 @@
 """A run: the trainer and its steps (`trainer`; `steps`: one module per step family, given the parts as plain
-data), the run that owns them (`run`, `runstate`, `mlephase`),
+data), the run that owns them (`run`, `runstate`, `runparts`, `mlephase`),
 validation and the KL reference (`evaluation`, `klreference`), the run's directory and checkpoints (`rundir`,
 `checkpoint`, `resume`, `report`), and the commands that assemble a run from a `twophase.config.Config`
 (`build`, `start`, `cli`, `fit`, `decode`). Only the run and those commands hold a `run.Run`: every other part
-is given what it uses (the trainer, the run's state, the calls it makes) and writes its own part of a
+is given what it uses (the trainer, the run's state, the parts and functions it calls) and writes its own part of a
 checkpoint."""

@@ -282,7 +282,7 @@ def save_final(training: Run):
         model = plain or resume.export_model(t.model, t.cfg.export, training.checkpoints.best_path)
         return t.task.save_final(model, training.save_dir) or resume.save_export(
             model, t.cfg, t.task, training.save_dir, training.state.best_step if best else training.state.step,
-            training.base_model, training.own_model)
+            training.saver.base_model, training.own_model)
     except ExportMismatch as err:  # read back, the export is another model: the checkpoint holds this one
         source = training.checkpoints.best_path if best else training.checkpoints.last_path
         raise UsageError(f"{err}; {source} holds the trained model") from None

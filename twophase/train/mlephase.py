@@ -23,6 +23,7 @@ from .checkpoint import CheckpointError, host_copy, load
 from .evaluation import test_beams, test_scores
 from ..system.fsdp import saved_state
 from .report import fmt_scores
+from .runparts import Saver, take_step, validated
 
 CONTINUED = "mle-continued"
 
@@ -106,14 +107,13 @@ def budget_clock(device) -> str:
 class MleContinued:
     """--compare-mle's branch (see the module docstring): its branch point, the RL model kept aside while it
     runs, and the models it tested. It is given what it runs: the `trainer` it winds back and forth, the run's
-    `state` (its steps, statistics and summary), the folder of its checkpoints, and the run's calls it makes:
-    `step(phase)` (one training step, its row), `validate()` (the validation scores), `save(path=None,
-    phase=None)` (a checkpoint of the run: checkpoint_last.pt, or that file) and `log(row)` (a metrics row);
-    `speaks`: whether this process prints (the main one)."""
+    `state` (its steps, statistics and summary), the run's checkpoint (`saver`: its folder, what it composes and
+    writes), the `metrics` log its rows go to; `speaks`: whether this process prints (the main one). Its steps
+    and validations are the run's own functions (`runparts.take_step`, `runparts.validated`)."""
 
-    def __init__(self, trainer, state, save_dir, *, step, validate, save, log, speaks: bool):
-        self.trainer, self.state, self.save_dir = trainer, state, save_dir
-        self.step, self.validate, self.save, self.log, self.speaks = step, validate, save, log, speaks
+    def __init__(self, trainer, state, saver: Saver, metrics, speaks: bool):
+        self.trainer, self.state, self.saver, self.metrics, self.speaks = trainer, state, saver, metrics, speaks
+        self.save_dir = saver.save_dir
         self.branch: dict | None = None  # the end-of-MLE snapshot
         self.final: dict | None = None  # the RL model, set aside during the comparison
         self.test_models: dict | None = None  # name -> parameters of the compared models
@@ -129,7 +129,7 @@ class MleContinued:
     def save_branch(self) -> None:
         """At the end of the MLE phase: keep the branch point in memory and in checkpoint_mle_end.pt."""
         self.branch = self.trainer.snapshot()
-        self.save(path=self.branch_path)
+        self.saver.save(path=self.branch_path)
 
     def load_branch(self) -> dict | None:
         """The branch point saved by an earlier process of this run (resumed after it), this process's streams."""
@@ -169,11 +169,11 @@ class MleContinued:
                                     "skipped": st["skipped"], "steps": st["steps"], "seconds": st["seconds"],
                                     "cpu_seconds": st["cpu_seconds"]}
         self.test_models = {"mle": branch["model"], CONTINUED: host_copy(saved_state(trainer.model))}
-        self.save(path=self.continued_path, phase=CONTINUED)
+        self.saver.save(path=self.continued_path, phase=CONTINUED)
         trainer.restore(self.final)
         self.final, state.compared = None, True
         state.log_step = state.step + st["steps"]
-        self.save()  # checkpoint_last.pt: the RL model again, the comparison done
+        self.saver.save()  # checkpoint_last.pt: the RL model again, the comparison done
         return None
 
     def _continue(self, budget: float, clock: str, stop) -> tuple[dict | None, int | None]:
@@ -187,10 +187,10 @@ class MleContinued:
             if distributed.reduce_max(float(state.stats[CONTINUED][clock] < budget)) == 0:
                 break
             stop.began(k + 1, "MLE-continued step")
-            row = self.step(CONTINUED)
+            row = take_step(self.trainer, state, self.saver, CONTINUED, self.trainer.cfg.rl_lr)
             k += 1
-            self.log({"step": state.mle_end + k, "phase": CONTINUED, "continued": k,  # numbered from the branch
-                      "since_branch_s": round(time.monotonic() - start, 3), **row})
+            self.metrics.write({"step": state.mle_end + k, "phase": CONTINUED, "continued": k,  # from the branch
+                                "since_branch_s": round(time.monotonic() - start, 3), **row})
             scores = None
             if k % self.trainer.cfg.eval_every == 0:
                 scores = self._validate(k, start)
@@ -198,10 +198,10 @@ class MleContinued:
 
     def _validate(self, k: int, start: float) -> dict:
         state = self.state
-        scores = self.validate()
-        self.log({"step": state.mle_end + k, "phase": "eval", "after": CONTINUED, "continued": k,
-                  "since_branch_s": round(time.monotonic() - start, 3), **scores,
-                  "train_s": round(state.stats[CONTINUED].get(budget_clock(self.trainer.device), 0.0), 3)})
+        scores = validated(self.trainer, state.step)
+        self.metrics.write({"step": state.mle_end + k, "phase": "eval", "after": CONTINUED, "continued": k,
+                            "since_branch_s": round(time.monotonic() - start, 3), **scores,
+                            "train_s": round(state.stats[CONTINUED].get(budget_clock(self.trainer.device), 0.0), 3)})
         if self.speaks:
             print(f"MLE continued +{k} steps valid " + fmt_scores(scores, self.trainer.task.metrics), flush=True)
         return scores

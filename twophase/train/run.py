@@ -6,29 +6,25 @@ and the parts it holds: the checkpoints, the metrics log, the MLE plateau schedu
 --compare-mle control (`mlephase`). It gives each part what it uses, never itself: no part calls back into the
 run. Its interface is a recipe's: `setup` (what the run continues from), `train`, `save` and `cleanup`. A
 checkpoint is the trainer's `state_dict` (the model, the optimizer and its streams), the state's, the plateau
-schedule's and the run's own few fields, composed by `save` in one fixed order (`runstate.KEYS`).
+schedule's and the run's own few fields, composed in one fixed order (`runstate.KEYS`) by its `runparts.Saver`,
+a part it shares with the --compare-mle control, as it shares its step (`runparts.take_step`) and validation.
 """
 from __future__ import annotations
 
 import math
-import sys
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from .. import oom
-from ..protocol import ModelError
 from ..rewards import RewardError
 from ..system import distributed, fsdp, memory
-from ..system.profiling import StepProfiler
-from . import runstate
-from .checkpoint import CheckpointManager, save_atomic
+from .checkpoint import CheckpointManager
 from .evaluation import test_beams, test_scores
 from .mlephase import CONTINUED, MleContinued, Plateau, budget_clock, start_from_best
 from .report import ProgressLines, fmt_scores, peak_memory_mb
 from .rundir import MetricsLog
+from .runparts import Saver, take_step, validated
 from .runstate import GracefulStop, Interrupted, RunState
 from .trainer import Trainer
 
@@ -50,9 +46,8 @@ class Run:
         self.comparing = cfg.compare_mle and cfg.rl_steps > 0
         self.is_main = distributed.rank() == 0  # the one process that logs, draws the bar and saves
         self.metrics = MetricsLog(self.save_dir / "metrics.jsonl", enabled=self.is_main)
-        self.comparison = MleContinued(trainer, self.state, self.save_dir, step=self.train_step,
-                                       validate=self.validate, save=self.save, log=self.log, speaks=self.is_main)
-        self.base_model: dict | None = None  # the frozen base the saved parameters need (--lora-r: resume.record's)
+        self.saver = Saver(trainer, self.state, self.plateau, self.metrics, self.checkpoints, self.is_main)
+        self.comparison = MleContinued(trainer, self.state, self.saver, self.metrics, speaks=self.is_main)
         self.own_model = False  # twophase.fit(model=...): a model its task does not build (--export reads it back so)
 
     @classmethod
@@ -63,7 +58,7 @@ class Run:
     def setup(self, saved: dict | None = None, base_model: dict | None = None) -> None:
         """Before the first step: the frozen base the saved parameters need (--lora-r: resume.record's), recorded
         in every checkpoint, and the checkpoint the run continues from (--resume), where there is one."""
-        self.base_model = base_model
+        self.saver.base_model = base_model
         if saved is not None:
             self.load_state_dict(saved)
 
@@ -85,77 +80,14 @@ class Run:
         return self.state.mle_end + self.trainer.cfg.rl_steps
 
     def validate(self) -> dict:
-        try:
-            return self.trainer.validate()
-        except ModelError as err:
-            raise ModelError(f"validation after step {self.state.step}: {err}") from None
+        return validated(self.trainer, self.state.step)
 
     # ------------------------------------------------------------------ one step
     def train_step(self, phase: str) -> dict:
-        """One step of the phase (mle, rl or mle-continued, the comparison's); a non-finite loss or gradient skips
-        the update (counted; too many in a row stop the run with a crash checkpoint)."""
-        trainer, state = self.trainer, self.state
-        cfg = trainer.cfg
-        profiled = cfg.profile_memory and phase != CONTINUED  # the profile is of the run's own steps
-        trainer.start_step(state.step + 1, self.plateau.lr if phase == "mle" else cfg.rl_lr,
-                           StepProfiler(trainer.device) if profiled else None)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        row = None  # None after an out-of-memory error
-        try:
-            row = trainer.rl_step() if phase == "rl" else trainer.mle_step()
-            self.count_bad_update()
-        except ModelError as err:  # NaN log-probabilities, say: the model and the step, never a dropped source
-            raise ModelError(f"step {state.step + 1} [{phase}]: {err}") from None
-        except Exception as err:  # noqa: BLE001  (any error but out-of-memory is raised again)
-            if not oom.is_out_of_memory(err) or distributed.world() > 1:
-                raise  # several processes: one cannot skip alone, the others would wait for it in the all-reduce
-        if row is None:  # out of the except block: the failed step's tensors, held by its traceback, are gone
-            row = self.skip_out_of_memory(phase)
-        row.update(trainer.step_figures())
-        if trainer.parts.profiler is not None:  # --profile-memory: every step to memory_profile.jsonl, 1st printed
-            if self.is_main:
-                trainer.parts.profiler.write(self.save_dir / "memory_profile.jsonl", state.step + 1, phase,
-                                       echo=state.stats[phase]["steps"] == 0)
-            trainer.parts.profiler = None
-        stats = state.stats[phase]
-        stats["seconds"] += time.perf_counter() - start
-        # this process's CPU time: --compare-mle's budget on CPU, which other processes on the machine do not tilt
-        stats["cpu_seconds"] = stats.get("cpu_seconds", 0.0) + time.process_time() - cpu_start
-        stats["steps"] += 1
-        stats["skipped"] += row["skipped"]
-        if row.get("reward_mean") is not None:  # None: no candidate of the step was scored
-            stats["reward_sum"] += row["reward_mean"]
-            stats["reward_steps"] += 1
-        return row
-
-    def count_bad_update(self) -> None:
-        """--max-bad-steps: a taken update resets the count, a bad skip adds one; past the limit, the run stops
-        with a crash checkpoint holding the parameters from before them."""
-        outcome, state = self.trainer.parts.outcome, self.state
-        if outcome == "taken":
-            state.bad_in_a_row = 0
-        elif outcome is not None:
-            state.bad_in_a_row += outcome == "bad"
-            if state.bad_in_a_row > self.trainer.cfg.max_bad_steps:
-                self.save(crash=True)
-                raise Interrupted(3, f"{state.bad_in_a_row} non-finite steps in a row at step {state.step + 1}; "
-                                     f"saved {self.save_dir / 'checkpoint_crash.pt'} (parameters from before them)")
-
-    def skip_out_of_memory(self, phase: str) -> dict:
-        """Out of memory outside phase two's chunks (those halve themselves and retry): drop this batch with a
-        memory summary on stderr, count it, and go on with the next."""
-        device = self.trainer.device
-        self.trainer.optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            summary = torch.cuda.memory_summary(device, abbreviated=True)
-            oom.release()
-        else:
-            summary = f"peak memory {peak_memory_mb(device):.0f} MB"
-        stats = self.state.stats[phase]
-        stats["out_of_memory"] += 1
-        print(f"step {self.state.step + 1} [{phase}]: out of memory, batch skipped ({stats['out_of_memory']} so "
-              f"far)\n{summary}", file=sys.stderr, flush=True)
-        return {"loss": None, "skipped": 1, "out_of_memory": 1}  # None: metrics.jsonl stays strict JSON
+        """One step of the run's own (mle or rl; see `runparts.take_step`), --profile-memory's profile of it."""
+        cfg = self.trainer.cfg
+        return take_step(self.trainer, self.state, self.saver, phase,
+                         self.plateau.lr if phase == "mle" else cfg.rl_lr, profiled=cfg.profile_memory)
 
     # ------------------------------------------------------------------ the run
     def train(self) -> dict:
@@ -294,33 +226,12 @@ class Run:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """The run's checkpoint: the trainer's part, the state's, the plateau schedule's and the run's own (the
-        phase, the elapsed time, the frozen base), in the order of `runstate.KEYS`. A collective (the trainer's
-        part): every process calls it."""
-        s = self.state
-        own = {"phase": self.phase_at(s.step - 1) if s.step else "mle", "elapsed_s": self.metrics.elapsed,
-               "schedule": self.plateau.state_dict(),
-               **({"base_model": self.base_model} if self.base_model else {})}
-        return runstate.layout(self.trainer.state_dict(), s.state_dict(), own)
+        """The run's checkpoint (`runparts.Saver.state_dict`); a collective: every process calls it."""
+        return self.saver.state_dict()
 
     def save(self, best: bool = False, crash: bool = False, path=None, phase: str | None = None) -> None:
-        """checkpoint_last.pt and a step checkpoint (best: checkpoint_best.pt instead; crash: checkpoint_crash.pt;
-        path: that file alone, e.g. --compare-mle's branch point; phase: what the state says it is the end of).
-        Every process calls this at the same step: rank 0's checkpoint gathers every process's RNG streams, so a
-        resumed multi-process run continues exactly too."""
-        state = self.state_dict()  # a collective
-        if not self.is_main:
-            return
-        if phase is not None:
-            state["phase"] = phase
-        if path is not None:
-            save_atomic({**state, "best_metric": self.checkpoints.best}, path)
-        elif crash:
-            save_atomic(state, self.save_dir / "checkpoint_crash.pt")
-        elif best:
-            self.checkpoints.write_best(state)
-        else:
-            self.checkpoints.save(state, self.state.step)
+        """checkpoint_last.pt and a step checkpoint, or the file asked for (`runparts.Saver.save`)."""
+        self.saver.save(best=best, crash=crash, path=path, phase=phase)
 
     def save_best(self, scores: dict) -> None:
         """checkpoint_best.pt at every validation that improves the --best-metric score. Every process calls this

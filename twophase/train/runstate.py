@@ -6,7 +6,7 @@ and every random stream (Python, numpy, torch, CUDA, and each process's sampling
 state: step, end of the MLE phase, best step and scores, statistics, summary, the plateau schedule. So `--resume`
 continues bit-identically. Only plain data and tensors are stored, so it loads with
 `torch.load(weights_only=True)`. Each part writes and reads its own share (`Trainer.state_dict`,
-`RunState.state_dict`, `Plateau.state_dict`); `run.Run.save` composes them in the order of `KEYS`.
+`RunState.state_dict`, `Plateau.state_dict`); `runparts.Saver` composes them in the order of `KEYS`.
 """
 from __future__ import annotations
 
