@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,7 +35,8 @@ import torch  # noqa: E402
 from twophase import protocol, rescore_backward, sample  # noqa: E402
 from twophase.models.hf import HFCausalLM  # noqa: E402
 from twophase.objectives import distillation  # noqa: E402
-from twophase.system.memory import AllocationPeak  # noqa: E402
+
+from .stepcost import measure  # noqa: E402
 
 PAD, EOS, BOS = 0, 1, 2
 
@@ -150,24 +149,6 @@ def breakdown(step, model, vocab: int) -> dict:
             "beyond_parameters_mb": (peak / 2**20) - out["gradients"] - out["gradient-sized"]}
 
 
-def measure(step, model, repeats: int) -> dict:
-    """{"cpu_s": median process seconds of step(), "peak_mb": its tensors' peak, "grads": the gradients}."""
-    model.zero_grad(set_to_none=True)
-    step()  # warm-up
-    times = []
-    for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        start = time.process_time()
-        step()
-        times.append(time.process_time() - start)
-    model.zero_grad(set_to_none=True)
-    with AllocationPeak() as peak:
-        step()
-    grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    return {"cpu_s": statistics.median(times), "peak_mb": peak.peak_bytes / 2**20, "grads": grads}
-
-
 def largest_difference(a: list, b: list) -> float:
     scale = max(float(x.abs().max()) for x in b)
     return max(float((x - y).abs().max()) for x, y in zip(a, b)) / scale
@@ -185,13 +166,13 @@ def pair(args, vocab: int, with_trl: bool, chunks: list[int], broken_down: bool 
     if with_trl:
         trainer = trl_trainer(student, teacher, vocab, len(s), args.completion_len, args.beta, args.temperature)
         wrapper.eval()  # TRL's eval mode: no gradient-accumulation scaling (and no dropout, as phase two)
-        trl = measure(lambda: trl_step(trainer, source, s, mask), wrapper, args.repeats)
+        trl = measure(lambda: trl_step(trainer, source, s, mask), wrapper, args.repeats, keep_grads=True)
         out.append({"method": "TRL DistillationTrainer.compute_loss", "chunk": len(s), **common,
                     "cpu_s": trl["cpu_s"], "peak_mb": trl["peak_mb"], "grad_diff": 0.0})
     objective = distillation(teacher_wrapper, args.beta, args.temperature)
     for chunk in chunks:
         ours = measure(lambda: rescore_backward(wrapper, source, s, objective, chunk_size=chunk), wrapper,
-                       args.repeats)
+                       args.repeats, keep_grads=True)
         out.append({"method": "twophase rescore_backward", "chunk": chunk, **common, "cpu_s": ours["cpu_s"],
                     "peak_mb": ours["peak_mb"],
                     "grad_diff": largest_difference(ours["grads"], trl["grads"]) if trl else None})

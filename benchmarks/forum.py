@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # forum_model, beside the checkout
@@ -41,6 +39,8 @@ from forum_model import ForumSeq2Seq  # noqa: E402
 from twophase.phase1.onephase import one_phase_backward, one_phase_search  # noqa: E402
 from twophase.system.memory import AllocationPeak  # noqa: E402
 from twophase.system.profiling import ChunkPlanner  # noqa: E402
+
+from . import stepcost  # noqa: E402
 
 TARGETS = dict(batch=8, samples=32, src_len=50, max_len=24, hidden=256, vocab=5000)
 TINY = dict(batch=2, samples=4, src_len=6, max_len=4, hidden=16, vocab=40)
@@ -129,23 +129,9 @@ def _parameter_bytes(model) -> int:
 
 
 def measure(model, step, repeats: int) -> dict:
-    """{"cpu_s": median process seconds of step(), "peak_mb": its tensors' peak, "activations_mb": that less the
-    parameter-sized gradients}."""
-    params = _parameter_bytes(model)
-    model.zero_grad(set_to_none=True)
-    step()  # warm-up
-    times = []
-    for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        start = time.process_time()
-        step()
-        times.append(time.process_time() - start)
-    model.zero_grad(set_to_none=True)
-    with AllocationPeak() as peak:
-        step()
-    model.zero_grad(set_to_none=True)
-    return {"cpu_s": statistics.median(times), "peak_mb": peak.peak_bytes / MB,
-            "activations_mb": (peak.peak_bytes - params) / MB}
+    """{"cpu_s", "peak_mb" (`stepcost.measure`), "activations_mb": the peak less the parameter-sized gradients}."""
+    out = stepcost.measure(step, model, repeats)
+    return {**out, "activations_mb": out["peak_mb"] - _parameter_bytes(model) / MB}
 
 
 def planned_chunk(model, source, kind: str, sizes: dict, budget_bytes: float) -> int:
