@@ -11,7 +11,7 @@ import torch
 
 from twophase import Compiled, beam_search, objectives, oom, rescore_backward
 from twophase.phase2 import rescoring
-from twophase.train import run as run_module, trainer as trainer_module
+from twophase.train import run as run_module, runparts, trainer as trainer_module
 from twophase.train.steps.parts import Parts
 
 from conftest import take_grads, tiny_model, toy_batch
@@ -87,11 +87,11 @@ def test_phase_two_raises_other_errors_and_oom_without_retry(monkeypatch, one_th
 
 
 def test_the_trainer_skips_a_batch_after_releasing_it(monkeypatch):
-    """Run.train_step on a cuBLAS allocation failure: the batch is skipped (counted), the cache emptied only
+    """A run's step (runparts.take_step) on a cuBLAS allocation failure: the batch is skipped (counted), the cache emptied only
     once the failed step's tensors are gone."""
     watch = _Watch(monkeypatch)
 
-    class Steps:  # what Run.train_step reads of its trainer, the step itself failing
+    class Steps:  # what take_step reads of its trainer, the step itself failing
         cfg = type("Cfg", (), {"profile_memory": False, "rescore_chunk": 8, "rl_lr": 0.1})()
         start_step, step_figures = trainer_module.Trainer.start_step, trainer_module.Trainer.step_figures
 
@@ -106,11 +106,10 @@ def test_the_trainer_skips_a_batch_after_releasing_it(monkeypatch):
             watch.hold(held)
             raise RuntimeError(CUBLAS)
 
-    trainer = run_module.Run.__new__(run_module.Run)  # a run of these steps, none of its files
-    trainer.trainer, trainer.state, trainer.is_main = Steps(), run_module.RunState(mle_end=0), True
+    state = run_module.RunState(mle_end=0)  # a run's state, none of its files (no saver: nothing is saved)
     monkeypatch.setattr(torch.cuda, "memory_summary", lambda *a, **k: "summary")
-    row = trainer.train_step("rl")
-    assert row["out_of_memory"] == 1 and trainer.state.stats["rl"]["out_of_memory"] == 1
+    row = runparts.take_step(Steps(), state, None, "rl", lr=0.1)
+    assert row["out_of_memory"] == 1 and state.stats["rl"]["out_of_memory"] == 1
     assert watch.dead_at_release == [True]
 
 

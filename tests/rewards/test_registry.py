@@ -106,7 +106,7 @@ def test_get_module_spec_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 
 def test_unknown_name_lists_available() -> None:
-    with pytest.raises(RewardError, match=r"unknown reward 'blue'; available: bleu, chrf, edit, exact"):
+    with pytest.raises(RewardError, match=r"unknown reward 'blue'; available: bleu, chrf, countdown, edit, exact"):
         rewards.get("blue")
 
 
