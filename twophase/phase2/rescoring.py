@@ -188,16 +188,12 @@ def _with_row_statistics(model, enc, samples: Samples, objective, plan: "ChunkPl
 def _step_scores_and_entropies(model, enc, tokens: Tensor, owner: Tensor) -> tuple[Tensor, Tensor]:
     """((C, T) log p of tokens, (C, T) the entropy of each position's next-token distribution), teacher-forced
     by `step` without a graph (0 past each row's end)."""
-    mask = protocol.target_mask(tokens, model.pad_id, model.eos_id)  # (C, T)
-    prev = protocol.teacher_forced_inputs(tokens, model.bos_id)  # (C, T)
-    state, toks, ents = model.init_state(enc, owner), [], []
-    for t in range(tokens.shape[1]):
-        state, log_probs = model.step(enc, owner, prev[:, t], state)  # (C, V)
+    toks, ents = [], []
+    for tok, scored, log_probs in protocol.teacher_forced_steps(model, enc, tokens, owner):  # (C,), (C,), (C, V)
         log_probs = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
-        tok = log_probs.gather(1, tokens[:, t:t + 1]).squeeze(1)  # (C,)
         ent = tokenweights.entropy(log_probs)  # (C,)
-        toks.append(torch.where(mask[:, t], tok, torch.zeros_like(tok)))
-        ents.append(torch.where(mask[:, t], ent, torch.zeros_like(ent)))
+        toks.append(tok.to(log_probs.dtype))
+        ents.append(torch.where(scored, ent, torch.zeros_like(ent)))
     return torch.stack(toks, 1), torch.stack(ents, 1)
 
 
