@@ -58,6 +58,7 @@ temporaries); `vocab_size`, where present, sizes those blocks before the first o
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -104,29 +105,32 @@ def teacher_forced_inputs(tokens: Tensor, bos_id: int) -> Tensor:
     return torch.cat([bos, tokens[:, :-1]], dim=1)
 
 
-def step_token_scores(model: SequenceModel, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:
-    """(N, T) log p(tokens[i, t] | source owner[i], tokens[i, :t]) by running `step` over the rows,
-    teacher-forced, 0 past each row's end: the very numbers search computed."""
+def teacher_forced_steps(model: SequenceModel, enc: Any, tokens: Tensor,
+                         owner: Tensor) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """For t = 0, 1, ..., T - 1: ((N,) log p(tokens[i, t] | source owner[i], tokens[i, :t]), 0 where row i does
+    not score t; (N,) whether it does; (N, V) the whole next-token log-distribution), by running `step` over the
+    rows teacher-forced: the one loop behind `step_token_scores`, `step_score` and phase two's entropies."""
     mask = target_mask(tokens, model.pad_id, model.eos_id)  # (N, T)
     prev = teacher_forced_inputs(tokens, model.bos_id)  # (N, T)
-    state, columns = model.init_state(enc, owner), []
+    state = model.init_state(enc, owner)
     for t in range(tokens.shape[1]):
         state, log_probs = model.step(enc, owner, prev[:, t], state)  # (N, V)
         tok = log_probs.gather(1, tokens[:, t:t + 1]).squeeze(1)  # (N,)
-        columns.append(torch.where(mask[:, t], tok, torch.zeros_like(tok)))  # a pad position may read -inf
+        yield torch.where(mask[:, t], tok, torch.zeros_like(tok)), mask[:, t], log_probs  # a pad may read -inf
+
+
+def step_token_scores(model: SequenceModel, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:
+    """(N, T) log p(tokens[i, t] | source owner[i], tokens[i, :t]) by running `step` over the rows,
+    teacher-forced, 0 past each row's end: the very numbers search computed."""
+    columns = [tok for tok, _, _ in teacher_forced_steps(model, enc, tokens, owner)]  # T of (N,)
     return torch.stack(columns, 1) if columns else torch.zeros(len(owner), 0, device=tokens.device)
 
 
 def step_score(model: SequenceModel, enc: Any, tokens: Tensor, owner: Tensor) -> Tensor:
     """(N,) log p(tokens[i] | source owner[i]) by running `step` over the rows, teacher-forced: the default
-    `score` of a model that has none, with the very numbers search summed."""
-    mask = target_mask(tokens, model.pad_id, model.eos_id)  # (N, T)
-    prev = teacher_forced_inputs(tokens, model.bos_id)  # (N, T)
-    state, total = model.init_state(enc, owner), None
-    for t in range(tokens.shape[1]):
-        state, log_probs = model.step(enc, owner, prev[:, t], state)  # (N, V)
-        tok = log_probs.gather(1, tokens[:, t:t + 1]).squeeze(1)  # (N,)
-        tok = torch.where(mask[:, t], tok, torch.zeros_like(tok))  # a pad position's gather may read -inf
+    `score` of a model that has none, with the very numbers search summed, in its order (left to right)."""
+    total = None
+    for tok, _, _ in teacher_forced_steps(model, enc, tokens, owner):
         total = tok if total is None else total + tok
     return total if total is not None else torch.zeros(len(owner), device=tokens.device)
 

@@ -48,16 +48,20 @@ from .. import nested, oom, owners, protocol
 from ..samples import Samples
 from . import deferral, prefixtree, tokenweights
 from .chunkplan import ChunkPlan
+from .tokenweights import DecodesChunks, TokenObjective, UnboundObjective
 
 
-def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chunk_size: int, profiler=None,
+def rescore_backward(model, source, samples: Samples, coefficients: Tensor | TokenObjective | UnboundObjective,
+                     chunk_size: int, profiler=None,
                      oom_retry: bool | None = None, keep_mode: bool = False, prefix_sharing: bool = True,
                      stats: dict | None = None) -> float:
     """Accumulate into .grad the gradient of sum_i coefficients[i] * log p(samples.tokens[i] | source[owner[i]]),
     decoding a chunk at a time. Returns the value of that sum. `coefficients` may instead be a token-level
-    objective over the rows (`twophase.objectives.policy.policy_loss`): the gradient and value are then its loss's;
-    or a teacher's divergence (`twophase.objectives.distillation`), bound to the batch here: the
-    teacher encodes the sources once and decodes each chunk's rows, in evaluation mode and without a graph.
+    objective over the rows (a `tokenweights.TokenObjective`, e.g. `twophase.objectives.policy.policy_loss`): the
+    gradient and value are then its loss's; or an `UnboundObjective`, bound to the batch here, such as a
+    teacher's divergence (`twophase.objectives.distillation`): the teacher encodes the sources once and decodes
+    each chunk's rows (`DecodesChunks`), in evaluation mode and without a graph. Anything else that is not
+    numbers is refused with a TypeError naming the methods it lacks.
 
     With prefix_sharing (where the model decodes through a prefix tree, see `shares_prefixes`), the rows are
     sorted so that each source's rows sharing a prefix are neighbours, and a chunk decodes each distinct
@@ -81,7 +85,7 @@ def rescore_backward(model, source, samples: Samples, coefficients: Tensor, chun
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if callable(getattr(coefficients, "bind", None)):  # a teacher's divergence: its encoder once, no graph
+    if isinstance(coefficients, UnboundObjective):  # a teacher's divergence: its encoder once, no graph
         coefficients = coefficients.bind(model, source, samples)
     coefficients, token_level = _checked(coefficients, len(samples), samples.tokens.device)
     # Rows with a zero coefficient add nothing to the gradient (e.g. every candidate of a source equally good).
@@ -184,16 +188,12 @@ def _with_row_statistics(model, enc, samples: Samples, objective, plan: "ChunkPl
 def _step_scores_and_entropies(model, enc, tokens: Tensor, owner: Tensor) -> tuple[Tensor, Tensor]:
     """((C, T) log p of tokens, (C, T) the entropy of each position's next-token distribution), teacher-forced
     by `step` without a graph (0 past each row's end)."""
-    mask = protocol.target_mask(tokens, model.pad_id, model.eos_id)  # (C, T)
-    prev = protocol.teacher_forced_inputs(tokens, model.bos_id)  # (C, T)
-    state, toks, ents = model.init_state(enc, owner), [], []
-    for t in range(tokens.shape[1]):
-        state, log_probs = model.step(enc, owner, prev[:, t], state)  # (C, V)
+    toks, ents = [], []
+    for tok, scored, log_probs in protocol.teacher_forced_steps(model, enc, tokens, owner):  # (C,), (C,), (C, V)
         log_probs = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
-        tok = log_probs.gather(1, tokens[:, t:t + 1]).squeeze(1)  # (C,)
         ent = tokenweights.entropy(log_probs)  # (C,)
-        toks.append(torch.where(mask[:, t], tok, torch.zeros_like(tok)))
-        ents.append(torch.where(mask[:, t], ent, torch.zeros_like(ent)))
+        toks.append(tok.to(log_probs.dtype))
+        ents.append(torch.where(scored, ent, torch.zeros_like(ent)))
     return torch.stack(toks, 1), torch.stack(ents, 1)
 
 
@@ -210,11 +210,21 @@ def collected_bytes(model) -> int:
 
 def _checked(coefficients, n: int, device):
     """(coefficients as a (n,) tensor on device, False), or (a token-level objective of n rows, True)."""
-    if callable(getattr(coefficients, "derivative", None)):
+    if isinstance(coefficients, TokenObjective):
         if len(coefficients) != n:
             raise ValueError(f"expected an objective of {n} rows, got {len(coefficients)}")
         return coefficients, True
-    coefficients = torch.as_tensor(coefficients, device=device)
+    lacks = tokenweights.missing(coefficients)
+    # an objective with a method missing would otherwise fail deep in a chunk, or be read as numbers
+    if any(callable(getattr(coefficients, name, None)) for name in ("live", "needs_row_statistics", "derivative",
+                                                                    "decoded")):
+        raise TypeError(f"{type(coefficients).__name__} is not a TokenObjective (twophase.phase2.tokenweights): "
+                        f"it lacks {', '.join(lacks)}")
+    try:
+        coefficients = torch.as_tensor(coefficients, device=device)
+    except (TypeError, RuntimeError, ValueError):
+        raise TypeError(f"coefficients must be {n} numbers or a TokenObjective (twophase.phase2.tokenweights); "
+                        f"{type(coefficients).__name__} lacks {', '.join(lacks)}") from None
     if coefficients.shape != (n,):
         raise ValueError(f"expected {n} coefficients, got shape {tuple(coefficients.shape)}")
     if not bool(torch.isfinite(coefficients).all()):  # a NaN would reach every parameter's .grad silently
@@ -263,7 +273,7 @@ def _chunk(model, boundary, samples: Samples, coefficients, plan: ChunkPlan, row
     chunk succeeded. Every size comes from the plan: nothing is read back from the device here."""
     inputs = params + [x for x in nested.floating(boundary) if x.requires_grad]
     c = coefficients[rows]
-    if callable(getattr(c, "decoded", None)):  # a teacher's states at the chunk's positions, without a graph
+    if isinstance(c, DecodesChunks):  # a teacher's states at the chunk's positions, without a graph
         c = c.decoded(samples.tokens[rows, :plan.longest(rows)], samples.owner[rows])
     if not isinstance(c, Tensor):
         c = tokenweights.ChunkLoss(c)  # this attempt's loss and statistics (an OOM retry starts afresh)

@@ -7,6 +7,10 @@ log-probability), position (r, t) has weight dl_rt/dlogp evaluated at that log-p
 still computes each logit block once. In a prefix tree a node holds one log-probability that every row through
 it reads: its weight is the sum of those rows' derivatives.
 
+What `rescore_backward` accepts in place of per-sequence coefficients is named here: a `TokenObjective` (a loss
+at each position; `PolicyLoss`), possibly one that also `DecodesChunks` (another model's states at a chunk's
+rows; `DistillationLoss`), or an `UnboundObjective` that becomes one when bound to the batch (`Distillation`).
+
 `ChunkLoss` is the objective bound to one chunk's C rows, handed to the model in place of its (C,) coefficients;
 `weights(c, ...)` / `loss(c, ...)` let a model's fast path treat both alike. The chunk's loss and statistics
 (clipped positions, summed KL) accumulate on the device as the weights are read, for phase two to read back once
@@ -16,15 +20,72 @@ Letters: C rows of a chunk, M entries (scored positions, or tree nodes), P score
 """
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import Tensor
 
 
-class ChunkLoss:
-    """A token-level objective over a chunk's rows (`objective` has `terms` and `derivative`, see
-    `twophase.objectives.policy.PolicyLoss`)."""
+@runtime_checkable
+class TokenObjective(Protocol):
+    """A token-level objective over N rows, what `rescore_backward` back-propagates in place of coefficients.
+    Its loss is a sum over the rows' scored positions, each a function of that position's current
+    log-probability (and, with `divergence`, of its whole next-token distribution), every normaliser a constant
+    of the batch: so the chunks stay exact.
 
-    def __init__(self, objective):
+    Optional, read where present: `terms(logp, row, col)` (the positions' losses with autograd's graph, for a
+    model without a by-hand output layer); `divergence(z, row, col)` (a loss of the whole distribution at
+    logits z); `entropy_weight`, `entropy_weights`, `entropy_rows`, `entropy_counts` (an entropy bonus, the
+    measured entropy); and, where `needs_row_statistics()`, `row_statistic_terms`, `with_row_statistics`,
+    `needs_entropies`, `with_entropies` (`twophase.objectives.policyloss.PolicyLoss` has them all)."""
+
+    def __len__(self) -> int:
+        """N, the rows."""
+
+    def __getitem__(self, rows) -> "TokenObjective":
+        """The objective of rows (an index tensor or a slice) alone, its normalisers unchanged."""
+
+    def live(self) -> Tensor:
+        """(N,) bool: the rows whose loss is not identically zero (the others are not decoded)."""
+
+    def needs_row_statistics(self) -> bool:
+        """Whether the weights need each row's sums first (a pass without a graph, `with_row_statistics`)."""
+
+    def derivative(self, logp: Tensor, row: Tensor, col: Tensor) -> tuple[Tensor, Tensor, dict]:
+        """(loss (P,), d loss / d logp (P,), statistics) at positions (row (P,), col (P,)) whose target
+        log-probabilities are logp (P,), without a graph."""
+
+
+@runtime_checkable
+class DecodesChunks(Protocol):
+    """A `TokenObjective` that reads another model's states at each chunk's positions (a teacher's)."""
+
+    def decoded(self, tokens: Tensor, owner: Tensor) -> TokenObjective:
+        """This chunk's objective with those states at every position of rows tokens (C, T) of sources
+        owner (C,), computed without a graph."""
+
+
+@runtime_checkable
+class UnboundObjective(Protocol):
+    """An objective before it meets a batch (`twophase.objectives.distill.Distillation`): `rescore_backward`
+    binds it to the batch's rows first."""
+
+    def bind(self, model, source, samples) -> TokenObjective:
+        """The `TokenObjective` of samples' N rows, for model (the student) on source."""
+
+
+_METHODS = ("__len__", "__getitem__", "live", "needs_row_statistics", "derivative")
+
+
+def missing(objective) -> list[str]:
+    """The `TokenObjective` methods objective lacks."""
+    return [name for name in _METHODS if not callable(getattr(objective, name, None))]
+
+
+class ChunkLoss:
+    """A `TokenObjective` over a chunk's rows (see `twophase.objectives.policyloss.PolicyLoss`)."""
+
+    def __init__(self, objective: TokenObjective):
         self.objective = objective
         self.total = torch.zeros((), dtype=torch.float64)
         self.sums = {"tokens": 0, "clip_low": 0, "clip_high": 0, "kl": 0.0, "entropy": 0.0, "entropy_tokens": 0.0}

@@ -151,7 +151,7 @@ class ChunkPlanner:
         if len(samples) == 0:
             return 1
         size = _source_size(source)
-        if callable(getattr(objective, "bind", None)):  # it decodes each chunk's rows itself
+        if isinstance(objective, tokenweights.UnboundObjective):  # it decodes each chunk's rows itself
             if size > self.objective_source_size:
                 self._probe(model, source, samples, objective)
                 self.objective_source_size = size
@@ -185,7 +185,7 @@ class ChunkPlanner:
         decode_bytes = 0
         if objective is not None:  # as rescore_backward meets it: bound to the rows, decoded per chunk
             chunk = objective.bind(model, source, rows)
-            if callable(getattr(chunk, "decoded", None)):
+            if isinstance(chunk, tokenweights.DecodesChunks):
                 with TensorPeak() as decode:  # (no graph: the saved-tensor meter would see nothing)
                     chunk = chunk.decoded(tokens, rows.owner)
                 decode_bytes = decode.peak_bytes
