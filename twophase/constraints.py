@@ -41,12 +41,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .errors import OneLineError
 from .protocol import target_mask
 
 LIVE, ENDED, DEAD = 0, 1, 2  # a row's phase: reading the grammar, after its eos_id, after a disallowed token
 
 
-class GrammarError(ValueError):
+class GrammarError(OneLineError, ValueError):
     """A grammar state reached by allowed tokens allows no token at all."""
 
 

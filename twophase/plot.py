@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from .errors import OneLineError
+
 PROG = "python -m twophase.plot"
 # Keys of validation rows that are not metrics (metrics.jsonl's bookkeeping, docs/metrics.md).
 NOT_METRICS = {"step", "phase", "after", "continued", "since_branch_s", "train_s", "time", "elapsed_s", "n", "model"}
@@ -32,7 +34,7 @@ TITLES = {"word_acc": "word / sequence accuracy", "wer": "word / sequence error 
           "per": "phoneme / token error rate", "wer_nostress": "WER without stress", "reward": "reward"}
 
 
-class PlotError(Exception):
+class PlotError(OneLineError):
     """One line for the user, naming the file (and line) at fault."""
 
 

@@ -17,8 +17,10 @@ import sys
 import traceback
 from typing import Any
 
+from .errors import OneLineError
 
-class PluginError(ValueError):
+
+class PluginError(OneLineError, ValueError):
     """A plug-in could not be found or loaded; the message is one line naming it."""
 
 

@@ -65,9 +65,10 @@ import torch
 from torch import Tensor
 
 from . import nested
+from .errors import OneLineError
 
 
-class ModelError(ValueError):
+class ModelError(OneLineError, ValueError):
     """A model broke the protocol (NaN log-probabilities, wrong shapes, ...): one line per broken rule, naming
     the model (see `twophase.check_model`)."""
 

@@ -21,11 +21,11 @@ OUTSIDE = ("benchmarks", "tools")  # run from a checkout, above the package; nev
 # all, so no module imports it.
 CORE, FRONT = "core", "twophase"
 LAYERS = (
-    (CORE,),  # protocol, samples, nested, owners, blocks, oom, vocab, plugins, constraints, compiling, plot
+    (CORE,),  # errors, protocol, samples, nested, owners, blocks, oom, vocab, plugins, constraints, compiling, plot
     ("twophase.phase1", "twophase.phase2", "twophase.rewards"),
     ("twophase.objectives", "twophase.modelcheck"),  # estimators read phase one's SBS; check_model runs a search
     ("twophase.system",),
-    ("twophase.config",),  # the run's sections and flags: imports nothing of twophase's
+    ("twophase.config",),  # the run's sections and flags: imports only the core's errors
     ("twophase.models",),
     ("twophase.tasks",),
     ("twophase.train",),

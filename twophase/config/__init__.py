@@ -61,7 +61,7 @@ class Config(SystemConfig, RunConfig, EvaluationConfig, StepConfig, PhaseTwoConf
              SearchConfig, MLEConfig, LoraConfig, CountdownConfig, KarelConfig, ModelConfig, DataConfig):
     """Every training setting, one field per train.py flag (the fields of the sections, in SECTIONS' order).
     `cfg.section("search")` gives one section's values. Made only valid: a bad value or combination raises a
-    one-line ValueError naming the field (`Config.<field>: ...`) or the flags (the checks of `rules`)."""
+    one-line ConfigError, a ValueError, naming the field (`Config.<field>: ...`) or the flags (`rules`' checks)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -74,7 +74,7 @@ class Config(SystemConfig, RunConfig, EvaluationConfig, StepConfig, PhaseTwoConf
 
     def __setattr__(self, name: str, value) -> None:
         """`cfg.beam_size = 4` after construction: the value is checked as the constructor checks it (type,
-        range, choices, a finite number; a one-line ValueError naming `Config.<field>`) and the field counts as
+        range, choices, a finite number; a one-line ConfigError naming `Config.<field>`) and the field counts as
         given, as a constructor keyword does. A name that is no field is refused (AttributeError): a misspelt
         assignment would otherwise be dropped silently. The checks across fields run where the Config is used
         (`twophase.fit`, `validate()`), so that related fields can be set one after the other."""
@@ -124,7 +124,7 @@ class Config(SystemConfig, RunConfig, EvaluationConfig, StepConfig, PhaseTwoConf
 
     def validate(self) -> None:
         """The checks a Config passed when it was made (`rules.validate`), again, and those that read the file
-        system (`rules.check_files`); ValueError naming the flag."""
+        system (`rules.check_files`); ConfigError naming the flag."""
         configrules.validate(self)
         configrules.check_files(self)
 

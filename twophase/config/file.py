@@ -28,12 +28,13 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from . import FIELDS, SECTION_OF, SECTIONS, Config, values
+from .values import ConfigError
 
 COMMAND_ONLY = ("resume", "resume_from", "overwrite", "eval_only")  # a file may not set these
 RECORD_ONLY = ("save_dir",) + COMMAND_ONLY  # a run's config.json: taken as it is, less these
 
 
-class ConfigFileError(ValueError):
+class ConfigFileError(ConfigError):
     """A configuration file that cannot be read or holds a bad key or value; one line naming the file."""
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import FIELDS, Config
+from .values import ConfigError
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ def merged(layers: list[Layer]) -> tuple[dict, dict]:
     for layer in layers:
         unknown = sorted(set(layer.values) - set(FIELDS))
         if unknown:
-            raise ValueError(f"{layer.origin}: names no flag: {', '.join(unknown)}")
+            raise ConfigError(f"{layer.origin}: names no flag: {', '.join(unknown)}")
         values.update(layer.values)
         origins.update(dict.fromkeys(layer.values, layer.origin))
     return values, origins
@@ -36,7 +37,7 @@ def merged(layers: list[Layer]) -> tuple[dict, dict]:
 
 def resolve(layers: list[Layer]) -> tuple[Config, dict]:
     """The Config of the layers, and where each value not Config's default came from ({field: origin});
-    ValueError (one line) where the merged values are not a valid Config, naming the layer of a refused value
+    ConfigError (one line) where the merged values are not a valid Config, naming the layer of a refused value
     where it is not the command line's (a checkpoint records values an older version allowed)."""
     values, origins = merged(layers)
     try:
@@ -46,4 +47,4 @@ def resolve(layers: list[Layer]) -> tuple[Config, dict]:
         origin = origins.get(field_name)
         if origin is None or origin == "command line":
             raise
-        raise ValueError(f"{origin}: {err}") from None
+        raise ConfigError(f"{origin}: {err}") from None

@@ -1,6 +1,6 @@
 """What a `Config` may not hold, and what a resumed run may change.
 
-`validate`: the cross-field checks the parser cannot express (a ValueError naming the flag); flags that would do
+`validate`: the cross-field checks the parser cannot express (a ConfigError naming the flag); flags that would do
 nothing are refused too (a run that ignores what it was told is worse than one that does not start), by one rule
 over the conditions the sections declare (`refuse_inert`). `warnings`: configurations that train but are probably
 not meant. `check`: the resume rules each field declares (`arg(resume=...)`): on `--resume` (and `--resume-from`)
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .documented import FIXED, FREE, GROW, MRT_ALPHA, PHASE, _flag  # noqa: F401 (the rules' names, for importers)
 from .sections import FIELDS, only_conditions, section_fields
+from .values import ConfigError
 
 WITHOUT_REPLACEMENT = ("priority", "unordered-set")  # the objectives that need --sampler sbs
 
@@ -36,33 +37,33 @@ def refuse_inert(cfg, names, own: bool = True) -> None:
         if only is None or name == only.switch:
             continue
         if getattr(cfg, name) != defaults[name] and not only.holds(cfg):
-            raise ValueError(only.message(name, cfg))
+            raise ConfigError(only.message(name, cfg))
 
 
 def validate(cfg) -> None:
-    """Cross-field checks the parser cannot express; raises ValueError naming the flag. Flags that would do
+    """Cross-field checks the parser cannot express; raises ConfigError naming the flag. Flags that would do
     nothing are refused too: a run that ignores what it was told is worse than one that does not start."""
     _finite(cfg)
     if cfg.task == "g2p" and (cfg.train or cfg.valid or cfg.test):
-        raise ValueError("--train, --valid and --test are files of --task tsv (or a task that reads them); "
-                         "--task g2p has its own data")
+        raise ConfigError("--train, --valid and --test are files of --task tsv (or a task that reads them); "
+                          "--task g2p has its own data")
     if cfg.preset == "g2p-long" and (cfg.train or cfg.task not in (None, "g2p")):
-        raise ValueError("--preset g2p-long is a recipe for the built-in G2P data (no --train, --task g2p)")
+        raise ConfigError("--preset g2p-long is a recipe for the built-in G2P data (no --train, --task g2p)")
     if cfg.preset == "karel-paper" and cfg.task != "karel":
-        raise ValueError("--preset karel-paper is a recipe for --task karel")
+        raise ConfigError("--preset karel-paper is a recipe for --task karel")
     if cfg.task in (None, "tsv") and (cfg.train is None) != (cfg.valid is None):
-        raise ValueError("--train and --valid go together")
+        raise ConfigError("--train and --valid go together")
     refuse_inert(cfg, ["karel_reward_pairs"])
     if not 0 < cfg.lr_decay <= 1:
-        raise ValueError(f"--lr-decay must be in (0, 1], got {cfg.lr_decay}")
+        raise ConfigError(f"--lr-decay must be in (0, 1], got {cfg.lr_decay}")
     if cfg.mle_weight > 1:
-        raise ValueError(f"--mle-weight must be in [0, 1], got {cfg.mle_weight}")
+        raise ConfigError(f"--mle-weight must be in [0, 1], got {cfg.mle_weight}")
     if cfg.rescore_chunk == "auto" and cfg.memory_budget is None:
-        raise ValueError("--rescore-chunk auto needs --memory-budget (e.g. 2GiB)")
+        raise ConfigError("--rescore-chunk auto needs --memory-budget (e.g. 2GiB)")
     refuse_inert(cfg, ["memory_budget"])
     if cfg.compile != "off" and cfg.fsdp:
-        raise ValueError(f"--compile {cfg.compile} does not combine with --fsdp (the compiled step would trace "
-                         "FSDP2's parameter gathering); use one or the other")
+        raise ConfigError(f"--compile {cfg.compile} does not combine with --fsdp (the compiled step would trace "
+                          "FSDP2's parameter gathering); use one or the other")
     _trl(cfg)
     if cfg.hf_model is not None:
         _hf(cfg)
@@ -75,7 +76,7 @@ def check_files(cfg) -> None:
     file may have moved since)."""
     if cfg.objective == "policy" and cfg.rl_steps > 0 and cfg.ref_checkpoint is not None \
             and not Path(cfg.ref_checkpoint).is_file():
-        raise ValueError(f"--ref-checkpoint {cfg.ref_checkpoint}: no such file")
+        raise ConfigError(f"--ref-checkpoint {cfg.ref_checkpoint}: no such file")
 
 
 def check_machine(cfg, cpus: int | None) -> None:
@@ -83,8 +84,8 @@ def check_machine(cfg, cpus: int | None) -> None:
     decoded on another machine): --threads at most its CPU cores (torch's thread pool past a few thousand crashes
     the process)."""
     if cfg.threads and cpus and cfg.threads > cpus:
-        raise ValueError(f"--threads {cfg.threads}: this machine has {cpus} CPU cores (os.cpu_count()); give at "
-                         f"most {cpus}, or 0 (auto)")
+        raise ConfigError(f"--threads {cfg.threads}: this machine has {cpus} CPU cores (os.cpu_count()); give at "
+                          f"most {cpus}, or 0 (auto)")
 
 
 # Bytes a search row keeps per position: its token (int64) and the token's log-probability (up to float64), each
@@ -139,9 +140,9 @@ def check_memory(cfg, needs: list[tuple[str, str, int, float]], available: int |
     for what, flags, rows, need in needs:
         if need > available:
             given = ", ".join(f"{flag} {getattr(cfg, flag[2:].replace('-', '_'))}" for flag in flags.split(", "))
-            raise ValueError(f"{given}: {what} would hold about {_bytes(need)} ({rows:,} rows of "
-                             f"{_bytes(need / rows)}), more than the {_bytes(available)} available on {where}; "
-                             "lower " + ("it" if ", " not in flags else "one of them"))
+            raise ConfigError(f"{given}: {what} would hold about {_bytes(need)} ({rows:,} rows of "
+                              f"{_bytes(need / rows)}), more than the {_bytes(available)} available on {where}; "
+                              "lower " + ("it" if ", " not in flags else "one of them"))
 
 
 def _bytes(n: float) -> str:
@@ -157,31 +158,31 @@ def _finite(cfg) -> None:
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{_flag(f.name)} must be a finite number, got {value}")
+            raise ConfigError(f"{_flag(f.name)} must be a finite number, got {value}")
 
 
 def _trl(cfg) -> None:
     """The flags of the block "coming from TRL"; each refuses what it cannot do."""
     if cfg.top_p > 1 or (cfg.top_p == 0):
-        raise ValueError(f"--top-p must be in (0, 1], got {cfg.top_p:g}")
+        raise ConfigError(f"--top-p must be in (0, 1], got {cfg.top_p:g}")
     if (cfg.top_k or cfg.top_p < 1 or cfg.min_len) and cfg.sampler != "sample":
-        raise ValueError("--top-k, --top-p and --min-len apply to --sampler sample only")
+        raise ConfigError("--top-k, --top-p and --min-len apply to --sampler sample only")
     if cfg.min_len >= cfg.max_len:
-        raise ValueError(f"--min-len {cfg.min_len} leaves no room for eos within --max-len {cfg.max_len}")
+        raise ConfigError(f"--min-len {cfg.min_len} leaves no room for eos within --max-len {cfg.max_len}")
     refuse_inert(cfg, section_fields("lora"), own=False)  # a LoRA flag without --lora-r
     refuse_inert(cfg, ["lora_r"])  # --lora-r without --hf-model
     if cfg.lora_dropout >= 1:
-        raise ValueError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout:g}")
+        raise ConfigError(f"--lora-dropout must be in [0, 1), got {cfg.lora_dropout:g}")
     if cfg.lora_target_modules is not None and not all(m.strip() for m in cfg.lora_target_modules.split(",")):
-        raise ValueError(f"--lora-target-modules {cfg.lora_target_modules!r}: an empty module name")
+        raise ConfigError(f"--lora-target-modules {cfg.lora_target_modules!r}: an empty module name")
 
 
 def _hf(cfg) -> None:
     if cfg.task not in (None, "tsv"):
-        raise ValueError(f"--hf-model trains on --train/--valid files (--task tsv), not --task {cfg.task}")
+        raise ConfigError(f"--hf-model trains on --train/--valid files (--task tsv), not --task {cfg.task}")
     if cfg.train is None:
-        raise ValueError("--hf-model needs --train and --valid files (--task tsv); the built-in G2P data has "
-                         "no Hugging Face tokenizer")
+        raise ConfigError("--hf-model needs --train and --valid files (--task tsv); the built-in G2P data has "
+                          "no Hugging Face tokenizer")
     refuse_inert(cfg, ("embed_dim", "hidden_size", "bidirectional", "dropout"))  # the built-in LSTM's
     refuse_inert(cfg, ("char_source", "char_target"))  # the built-in vocabularies'
 
@@ -194,26 +195,26 @@ def _policy(cfg) -> None:
         refuse_inert(cfg, section_fields("policy"), own=False)
         return
     if cfg.mle_weight != defaults["mle_weight"]:
-        raise ValueError(f"--objective policy does not take {_flag('mle_weight')} (the MLE rows have no old policy)")
+        raise ConfigError(f"--objective policy does not take {_flag('mle_weight')} (the MLE rows have no old policy)")
     if cfg.amp == "fp16":
-        raise ValueError("--objective policy does not take --amp fp16 (its loss scale); use --amp bf16")
+        raise ConfigError("--objective policy does not take --amp fp16 (its loss scale); use --amp bf16")
     if cfg.baseline == "greedy":
-        raise ValueError("--objective policy takes --baseline none, mean or loo, not greedy")
+        raise ConfigError("--objective policy takes --baseline none, mean or loo, not greedy")
     if cfg.sampler == "sbs":
-        raise ValueError("--objective policy takes --sampler sample or beam, not sbs (its candidates are not "
-                         "independent draws)")
+        raise ConfigError("--objective policy takes --sampler sample or beam, not sbs (its candidates are not "
+                          "independent draws)")
     refuse_inert(cfg, ("sapo_temperature_pos", "sapo_temperature_neg"))
     if cfg.top_entropy_quantile > 1:
-        raise ValueError(f"--top-entropy-quantile is a fraction in (0, 1], got {cfg.top_entropy_quantile}")
+        raise ConfigError(f"--top-entropy-quantile is a fraction in (0, 1], got {cfg.top_entropy_quantile}")
     if cfg.top_entropy_quantile < 1 and cfg.grad_accum > 1:
-        raise ValueError("--top-entropy-quantile takes its threshold over one batch's positions; it does not "
-                         "take --grad-accum > 1")
+        raise ConfigError("--top-entropy-quantile takes its threshold over one batch's positions; it does not "
+                          "take --grad-accum > 1")
     _adaptive_entropy(cfg)
     if cfg.delta is not None and cfg.loss_type in ("cispo", "sapo", "vespo"):
-        raise ValueError(f"--delta caps the clipped loss types' ratio (grpo, dr_grpo, dapo, bnpo, luspo, "
-                         f"sequence), not --loss-type {cfg.loss_type}'s")
+        raise ConfigError(f"--delta caps the clipped loss types' ratio (grpo, dr_grpo, dapo, bnpo, luspo, "
+                          f"sequence), not --loss-type {cfg.loss_type}'s")
     if cfg.ref_checkpoint is not None and cfg.kl_beta == 0:
-        raise ValueError("--ref-checkpoint needs --kl-beta > 0")
+        raise ConfigError("--ref-checkpoint needs --kl-beta > 0")
 
 
 def _rl(cfg) -> None:
@@ -221,57 +222,57 @@ def _rl(cfg) -> None:
     refuse_inert(cfg, ("include_reference", "temperature", "teacher", "distill_beta"))
     if cfg.objective == "policy":
         if cfg.temperature != 1:
-            raise ValueError(f"--objective policy with --temperature {cfg.temperature:g}: phase two's ratios and "
-                             "KL use the model's own log-probabilities, not tempered ones as TRL's GRPO does "
-                             "(logits / T), so samples of p^(1/T) would be weighted as samples of p; use "
-                             "--temperature 1 (docs/policy.md)")
+            raise ConfigError(f"--objective policy with --temperature {cfg.temperature:g}: phase two's ratios and "
+                              "KL use the model's own log-probabilities, not tempered ones as TRL's GRPO does "
+                              "(logits / T), so samples of p^(1/T) would be weighted as samples of p; use "
+                              "--temperature 1 (docs/policy.md)")
         if cfg.beam_size < 2 and cfg.baseline != "none":
-            raise ValueError("--objective policy with --beam-size 1 has no group to compare a candidate with; "
-                             "use --beam-size >= 2, or --baseline none")
+            raise ConfigError("--objective policy with --beam-size 1 has no group to compare a candidate with; "
+                              "use --beam-size >= 2, or --baseline none")
         return
     refuse_inert(cfg, ["mrt_alpha"])
     if cfg.objective == "mrt" and cfg.mrt_alpha == 0:
-        raise ValueError("--mrt-alpha 0 with --objective mrt trains nothing (Q ∝ p^0 is uniform over a source's "
-                         "candidates whatever the model, and MRT's coefficients are times alpha: every one is 0); "
-                         f"use --mrt-alpha > 0 (default {MRT_ALPHA:g})")
+        raise ConfigError("--mrt-alpha 0 with --objective mrt trains nothing (Q ∝ p^0 is uniform over a source's "
+                          "candidates whatever the model, and MRT's coefficients are times alpha: every one is 0); "
+                          f"use --mrt-alpha > 0 (default {MRT_ALPHA:g})")
     if cfg.objective == "distill":
         _distill(cfg)
         return
     if cfg.objective in WITHOUT_REPLACEMENT and cfg.sampler != "sbs":
-        raise ValueError(f"--objective {cfg.objective} needs --sampler sbs (it weights a sample without "
-                         f"replacement), not --sampler {cfg.sampler}")
+        raise ConfigError(f"--objective {cfg.objective} needs --sampler sbs (it weights a sample without "
+                          f"replacement), not --sampler {cfg.sampler}")
     if cfg.objective != "reinforce":
         if cfg.baseline is not None:
-            raise ValueError(f"--baseline applies to --objective reinforce only, not --objective "
-                             f"{cfg.objective}")
+            raise ConfigError(f"--baseline applies to --objective reinforce only, not --objective "
+                              f"{cfg.objective}")
         if cfg.beam_size < 2 and cfg.objective not in WITHOUT_REPLACEMENT:
-            raise ValueError(f"--beam-size 1 with --objective {cfg.objective} trains nothing (one candidate "
-                             "per source has q = 1 and coefficient 0); use --beam-size >= 2")
+            raise ConfigError(f"--beam-size 1 with --objective {cfg.objective} trains nothing (one candidate "
+                              "per source has q = 1 and coefficient 0); use --beam-size >= 2")
         return
     if cfg.temperature != 1:
-        raise ValueError(f"--objective reinforce with --temperature {cfg.temperature:g} is biased (it samples "
-                         "from p^(1/T) but weights grad log p without the importance ratio); use --temperature "
-                         "1, or --objective beam or mrt")
+        raise ConfigError(f"--objective reinforce with --temperature {cfg.temperature:g} is biased (it samples "
+                          "from p^(1/T) but weights grad log p without the importance ratio); use --temperature "
+                          "1, or --objective beam or mrt")
     if cfg.reinforce_baseline == "loo" and cfg.beam_size < 2:
-        raise ValueError("--baseline loo needs --beam-size >= 2")
+        raise ConfigError("--baseline loo needs --beam-size >= 2")
     if cfg.reinforce_baseline == "mean" and cfg.beam_size < 2:
-        raise ValueError("--beam-size 1 with --objective reinforce --baseline mean trains nothing (each sample "
-                         "is its own baseline); use --beam-size >= 2, or --baseline none or greedy")
+        raise ConfigError("--beam-size 1 with --objective reinforce --baseline mean trains nothing (each sample "
+                          "is its own baseline); use --beam-size >= 2, or --baseline none or greedy")
 
 
 def _distill(cfg) -> None:
     """--objective distill: a teacher, and no flag whose coefficients it has none of."""
     if cfg.teacher is None:
-        raise ValueError("--objective distill needs --teacher PATH (a twophase checkpoint or a Hugging Face folder)")
+        raise ConfigError("--objective distill needs --teacher PATH (a twophase checkpoint or a Hugging Face folder)")
     if cfg.distill_beta > 1:
-        raise ValueError(f"--distill-beta must be in [0, 1] (TRL's beta), got {cfg.distill_beta:g}")
+        raise ConfigError(f"--distill-beta must be in [0, 1] (TRL's beta), got {cfg.distill_beta:g}")
     if cfg.baseline is not None:
-        raise ValueError("--baseline applies to --objective reinforce only, not --objective distill")
+        raise ConfigError("--baseline applies to --objective reinforce only, not --objective distill")
     if cfg.mle_weight:
-        raise ValueError("--objective distill does not take --mle-weight; --include-reference distils the "
-                         "references beside the candidates")
+        raise ConfigError("--objective distill does not take --mle-weight; --include-reference distils the "
+                          "references beside the candidates")
     if cfg.amp == "fp16":
-        raise ValueError("--objective distill does not take --amp fp16 (its loss scale); use --amp bf16")
+        raise ConfigError("--objective distill does not take --amp fp16 (its loss scale); use --amp bf16")
 
 
 def warnings(cfg) -> list[str]:
@@ -316,11 +317,12 @@ def _adaptive_entropy(cfg) -> None:
         refuse_inert(cfg, ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"))
         return
     if cfg.entropy_coef_min > cfg.entropy_coef_max:
-        raise ValueError(f"--entropy-coef-min ({cfg.entropy_coef_min}) is above --entropy-coef-max "
-                         f"({cfg.entropy_coef_max})")
+        raise ConfigError(f"--entropy-coef-min ({cfg.entropy_coef_min}) is above --entropy-coef-max "
+                          f"({cfg.entropy_coef_max})")
     if not cfg.entropy_coef_min <= cfg.entropy_coef <= cfg.entropy_coef_max:
-        raise ValueError(f"--entropy-coef ({cfg.entropy_coef}), the initial coefficient, is outside "
-                         f"[--entropy-coef-min, --entropy-coef-max] = [{cfg.entropy_coef_min}, {cfg.entropy_coef_max}]")
+        raise ConfigError(f"--entropy-coef ({cfg.entropy_coef}), the initial coefficient, is outside "
+                          "[--entropy-coef-min, --entropy-coef-max] = "
+                          f"[{cfg.entropy_coef_min}, {cfg.entropy_coef_max}]")
 
 
 # ---- the resume rules
@@ -356,7 +358,7 @@ def show(value) -> str:
 
 
 def check(cfg, saved: dict, state: dict, path) -> None:
-    """Raise ValueError (one line) for the first field of `cfg` that its rule forbids to differ from `saved`.
+    """Raise ConfigError (one line) for the first field of `cfg` that its rule forbids to differ from `saved`.
     `state`: the checkpoint (its step, the end of its MLE phase and whether the schedule ended it)."""
     step, mle_end = int(state.get("step", 0)), int(state.get("mle_end", saved.get("mle_steps", 0)))
     mle_stopped = bool(state.get("schedule", {}).get("stopped", False))
@@ -379,4 +381,4 @@ def check(cfg, saved: dict, state: dict, path) -> None:
         elif kind == PHASE and new < step:
             why = f"the checkpoint has taken {step} MLE steps already"
         if why is not None:
-            raise ValueError(f"{path} was trained with {flag} {show(old)}, not {show(new)}: {why}")
+            raise ConfigError(f"{path} was trained with {flag} {show(old)}, not {show(new)}: {why}")

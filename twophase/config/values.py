@@ -9,10 +9,15 @@ import json
 import math
 import os
 
+from ..errors import OneLineError
 from .sections import FIELDS, KINDS
 
 
-def checked(name: str, value, label: str, error: type[Exception] = ValueError, finite: bool = True):
+class ConfigError(OneLineError, ValueError):
+    """A value or a combination of values no Config may hold: one line naming the field or the flags."""
+
+
+def checked(name: str, value, label: str, error: type[Exception] = ConfigError, finite: bool = True):
     """`value` for the field `name` as its flag would take it (an int where a float goes becomes a float, a path
     object a string), or `error` whose one line starts with `label`. `finite=False`: a NaN or an infinity is left
     to `rules.validate`'s one line."""

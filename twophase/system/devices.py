@@ -26,11 +26,13 @@ import os
 
 import torch
 
+from ..errors import OneLineError
+
 CUBLAS_WORKSPACES = (":4096:8", ":16:8")  # the settings under which cuBLAS is deterministic
 KINDS = ("cpu", "cuda", "mps")  # what twophase runs on (the flag's help names them)
 
 
-class DeviceError(ValueError):
+class DeviceError(OneLineError, ValueError):
     """A --device this machine (or this torchrun process) cannot compute on: one line naming the flag."""
 
 

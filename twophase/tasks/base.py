@@ -19,12 +19,14 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import OneLineError
 
-class TaskError(ValueError):
+
+class TaskError(OneLineError, ValueError):
     """A task could not be found, loaded or built; the message is one line naming it."""
 
 
-class ExportMismatch(ValueError):
+class ExportMismatch(OneLineError, ValueError):
     """An export of the final model, read back as its users read it, is not the model it was written from; the
     message is one line naming the export and the first parameter that differs."""
 

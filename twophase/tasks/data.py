@@ -19,12 +19,14 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from ..errors import OneLineError
+
 from ..vocab import pad_batch, pad_targets  # noqa: F401  (re-exported: the batching helpers)
 
 Tokens = tuple[str, ...]
 
 
-class DataError(ValueError):
+class DataError(OneLineError, ValueError):
     """Bad user data; str(err) is one line naming FILE:LINE where there is one."""
 
 

@@ -26,6 +26,7 @@ from ..constraints import Constrained, GrammarError, teacher_forced_allowed
 from ..vocab import pad_targets
 from ..config import Config
 from ..config import rules as configrules
+from ..errors import OneLineError
 from ..rewards.calls import score
 from .run import Run
 
@@ -34,7 +35,7 @@ PROG = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0].endswith(("trai
     else "train.py"  # messages name the command the user typed
 
 
-class UsageError(ValueError):
+class UsageError(OneLineError, ValueError):
     """A problem with what the user gave us; printed as one line, exit status 2 (twophase.fit: raised)."""
 
 

@@ -21,17 +21,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import OneLineError
+
 __all__ = ["CheckpointError", "SaveError", "save_atomic", "load", "rng_state", "set_rng_state", "python_rng_state",
            "set_python_rng_state", "set_generator_state", "host_copy", "CheckpointManager"]
 
 STEP_RE = re.compile(r"^checkpoint_step(\d+)\.pt$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(OneLineError, ValueError):
     """One-line message naming the file."""
 
 
-class SaveError(OSError):
+class SaveError(OneLineError, OSError):
     """A file of the run could not be written (unwritable, a file in the way, disk full): one line naming the path
     and the cause; what was saved before is untouched."""
 

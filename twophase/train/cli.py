@@ -17,18 +17,16 @@ from ..system import distributed, fsdp
 from . import report, resume, rundir
 from ..config import file as configfile
 from .build import PROG, UsageError, build
-from .start import StartupError, evaluate, recipe_defaults, refuse_against_checkpoint, start_defaults, task_recipe
-from ..protocol import ModelError
-from .. import plot, rewards
+from .start import evaluate, recipe_defaults, refuse_against_checkpoint, start_defaults, task_recipe
+from ..errors import OneLineError
+from .. import plot
 from ..config import PRESETS, Config, OneLineParser, _flag, add_config_flags, config_from_args  # noqa: F401
 from ..config import layers
 from ..config.layers import Layer, merged
 from ..compiling import compile_report
 from .. import tasks
 from ..tasks.base import ExportMismatch
-from ..tasks.data import DataError
 from .evaluation import test_beams
-from .checkpoint import SaveError
 from .report import Result, final_column, summary_table, with_beams
 from .runstate import Interrupted
 from .run import Run
@@ -56,7 +54,7 @@ def build_parser(shown: dict | None = None, add_help: bool = True) -> OneLinePar
 def main(argv: list[str] | None = None) -> int:
     try:
         resolved = resolution(argv)
-    except (ValueError, tasks.TaskError) as err:
+    except OneLineError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     if resolved.print_config:  # the configuration only: nothing trained, nothing written
@@ -73,7 +71,7 @@ def build_from_flags(argv: list[str]) -> Run:
     them), not run: for benchmarks. A bad flag combination is a UsageError, as train.py's one line."""
     try:
         cfg, start = parse(argv)
-    except (ValueError, tasks.TaskError) as err:
+    except OneLineError as err:
         raise UsageError(str(err)) from None
     return build(cfg, start)
 
@@ -178,8 +176,7 @@ def command_line(argv: list[str] | None) -> dict:
 def _train(cfg: Config, start: dict | None = None, given: frozenset | None = None) -> int:
     try:
         run(cfg, start, given)
-    except (UsageError, DataError, rewards.RewardError, tasks.TaskError, SaveError, StartupError,
-            ModelError) as err:
+    except OneLineError as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     except Interrupted as stop:
@@ -192,7 +189,7 @@ def _train(cfg: Config, start: dict | None = None, given: frozenset | None = Non
 def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, *, model=None, task=None,
         reward=None) -> Result:
     """What train.py runs once its flags are resolved, printing what it prints; also `twophase.fit`'s. Bad input
-    raises (UsageError, DataError, ...: one line each), a signal Interrupted after the save. `model`, `task`,
+    raises a OneLineError (UsageError, DataError, ...: one line), a signal Interrupted after the save. `model`, `task`,
     `reward`: build's (a user's own). The save dir's lock, taken before the run's first write, is released
     whichever way this returns."""
     lock = rundir.RunLock()

@@ -28,6 +28,7 @@ from .. import oom, tasks
 from ..tasks.base import Example
 from ..tasks.data import DataError, read_lines, split_utf8_lines
 from ..plugins import brief
+from ..errors import OneLineError
 from ..protocol import ModelError
 from ..phase1.search import beam_search
 from ..system.fsdp import load_saved
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         hyps, sources = decode_lines(model, task, lines, args.beam_size, max_len, args.batch_size, device,
                                      args.nbest, args.scores, "<stdin>" if args.input == "-" else args.input)
         write_output(args.output, "".join(h + "\n" for h in hyps))
-    except (UsageError, DataError, CheckpointError, tasks.TaskError, ModelError) as err:
+    except OneLineError as err:
         print(f"twophase-decode: error: {err}", file=sys.stderr)
         return 2
     report = unknown_tokens(task, sources)

@@ -7,7 +7,8 @@
 It runs what `python train.py` runs, through the same code (`cli.resolve`, `cli.run`): the task's recipe and
 --preset under the fields set, --resume and --init-from, the run directory's rules, checkpoints, validation, the
 closing table (printed, as train.py prints it, and returned). What a flag would refuse raises the same one line
-as an exception (a ValueError: UsageError, ConfigFileError, TaskError, RewardError, ...), never exits.
+as an exception (a `twophase.errors.OneLineError`, most also ValueErrors: UsageError, ConfigError, TaskError,
+RewardError, ...), never exits.
 """
 from __future__ import annotations
 

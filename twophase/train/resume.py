@@ -17,6 +17,7 @@ import torch
 
 from . import checkpoint
 from .checkpoint import CheckpointError, load
+from ..errors import OneLineError
 from ..system.fsdp import first_difference, load_saved, saved_state
 from ..config.rules import same, show
 from ..rewards import weighted
@@ -33,19 +34,24 @@ LORA_HINT = ("; to train new adapters (or every parameter) from it, export the m
 INIT_DATA = ("train", "valid", "test", "train_size", "valid_size", "max_src_len", "too_long")
 
 
+class ResumeError(OneLineError, ValueError):
+    """A run that cannot start from the checkpoint its flags name (--resume, --resume-from, --init-from,
+    --ref-checkpoint, --export best), or from these flags together: one line naming the flag."""
+
+
 def check_flags(cfg) -> None:
-    """Combinations of the run flags that cannot mean anything; ValueError, one line. (A resumed run's --init-from
+    """Combinations of the run flags that cannot mean anything; ResumeError, one line. (A resumed run's --init-from
     is its checkpoint's record of where it started: the resume rules keep it fixed.)"""
     if cfg.resume and cfg.resume_from:
-        raise ValueError("--resume continues from <save-dir>/checkpoint_last.pt and --resume-from from the file "
-                         "given: give one of them")
+        raise ResumeError("--resume continues from <save-dir>/checkpoint_last.pt and --resume-from from the file "
+                          "given: give one of them")
     if cfg.eval_only and not (cfg.resume or cfg.resume_from or cfg.init_from):
-        raise ValueError("--eval-only evaluates a checkpoint: add --resume (the run in --save-dir), "
-                         "--resume-from FILE or --init-from FILE")
+        raise ResumeError("--eval-only evaluates a checkpoint: add --resume (the run in --save-dir), "
+                          "--resume-from FILE or --init-from FILE")
 
 
 def resume_path(cfg) -> Path | None:
-    """The file --resume / --resume-from continues from; ValueError saying what to do where there is none."""
+    """The file --resume / --resume-from continues from; ResumeError saying what to do where there is none."""
     if cfg.resume_from:
         return Path(cfg.resume_from)
     if not cfg.resume:
@@ -56,11 +62,11 @@ def resume_path(cfg) -> Path | None:
         return newest(path)
     crash = folder / "checkpoint_crash.pt"
     if crash.exists():
-        raise ValueError(f"--resume: {path}: no such file; the run stopped with {crash} (its parameters from before "
-                         f"the non-finite steps): --resume-from {crash} continues from it")
+        raise ResumeError(f"--resume: {path}: no such file; the run stopped with {crash} (its parameters from before "
+                          f"the non-finite steps): --resume-from {crash} continues from it")
     steps = sorted(folder.glob("checkpoint_step*.pt")) if folder.is_dir() else []
     hint = f"; --resume-from {steps[-1]} continues from its newest step checkpoint" if steps else ""
-    raise ValueError(f"--resume: {path}: no such file{hint}")
+    raise ResumeError(f"--resume: {path}: no such file{hint}")
 
 
 def newest(last: Path) -> Path:
@@ -89,18 +95,18 @@ def _step_of(path: Path) -> int | None:
 
 def load_checkpoint(path, flag: str) -> dict:
     if Path(path).is_dir():
-        raise ValueError(f"{flag} {path}: a directory; give a checkpoint file, e.g. "
-                         f"{Path(path) / 'checkpoint_last.pt'}")
+        raise ResumeError(f"{flag} {path}: a directory; give a checkpoint file, e.g. "
+                          f"{Path(path) / 'checkpoint_last.pt'}")
     try:
         state = load(path)
     except CheckpointError as err:
-        raise ValueError(f"{flag}: {err}") from None
+        raise ResumeError(f"{flag}: {err}") from None
     if not isinstance(state.get("config"), dict):
-        raise ValueError(f"{flag}: {path}: not a twophase checkpoint (no 'config' entry)")
+        raise ResumeError(f"{flag}: {path}: not a twophase checkpoint (no 'config' entry)")
     plugin_folder(state)
     if "export" in state and flag in ("--resume", "--resume-from"):
-        raise ValueError(f"{flag}: {path}: a run's exported model (its parameters alone, --export), not a "
-                         "checkpoint a run continues from: --init-from starts a new run from it")
+        raise ResumeError(f"{flag}: {path}: a run's exported model (its parameters alone, --export), not a "
+                          "checkpoint a run continues from: --init-from starts a new run from it")
     return state
 
 
@@ -142,11 +148,11 @@ def check_init(cfg, state: dict, path, flag: str = "--init-from") -> None:
             if name in LSTM_SIZE and not sized_by_flags(state):
                 model = (f"a Hugging Face model (--hf-model {saved['hf_model']})" if saved.get("hf_model") else
                          "a model other than the built-in LSTM (its task's own, or one given to twophase.fit)")
-                raise ValueError(f"{given} {show(getattr(cfg, name))}: {flag} {path} holds {model}, which "
-                                 f"{given} does not size: leave it out")
+                raise ResumeError(f"{given} {show(getattr(cfg, name))}: {flag} {path} holds {model}, which "
+                                  f"{given} does not size: leave it out")
             hint = LORA_HINT if name in LORA_SHAPE else ""
-            raise ValueError(f"{given}: {flag} {path}: its model was built with {given} {show(saved[name])}, not "
-                             f"{show(getattr(cfg, name))}{hint}")
+            raise ResumeError(f"{given}: {flag} {path}: its model was built with {given} {show(saved[name])}, not "
+                              f"{show(getattr(cfg, name))}{hint}")
 
 
 def sized_by_flags(state: dict) -> bool:
@@ -175,12 +181,12 @@ def built_in_lstm(state: dict) -> bool:
 
 def load_init(model, state: dict, path) -> None:
     """--init-from: the checkpoint's parameters into the model built for this run (a --lora-r run's checkpoint:
-    its adapters, onto the base the run reads from --hf-model); ValueError, one line, where they do not fit."""
+    its adapters, onto the base the run reads from --hf-model); ResumeError, one line, where they do not fit."""
     try:
         load_saved(model, state["model"])
     except RuntimeError as err:
-        raise ValueError(f"--init-from {path}: its parameters do not fit the model this run builds "
-                         f"({str(err).strip().splitlines()[-1].strip()})") from None
+        raise ResumeError(f"--init-from {path}: its parameters do not fit the model this run builds "
+                          f"({str(err).strip().splitlines()[-1].strip()})") from None
 
 
 FIT_RESUME = "twophase.fit(..., model=a_fresh_copy, resume=True)"
@@ -189,13 +195,13 @@ FIT_RESUME = "twophase.fit(..., model=a_fresh_copy, resume=True)"
 def check_rebuilt(model, state: dict, where: str) -> None:
     """--resume / --resume-from (and their --eval-only) rebuild the task's own model: the checkpoint's parameters
     must fit it by name and shape (a run trained with a model of its own, `twophase.fit(config, model=...)`,
-    continues only where its model is given again); ValueError, one line, saying how to continue it."""
+    continues only where its model is given again); ResumeError, one line, saying how to continue it."""
     first = misfit(model, state["model"])
     if first is None:
         return
-    raise ValueError(f"{where}: its parameters do not fit the model task '{state['config'].get('task')}' builds "
-                     f"(the first: {first}): a run trained on a model of its own (twophase.fit(config, "
-                     f"model=...)) continues in Python, with {FIT_RESUME}")
+    raise ResumeError(f"{where}: its parameters do not fit the model task '{state['config'].get('task')}' builds "
+                      f"(the first: {first}): a run trained on a model of its own (twophase.fit(config, "
+                      f"model=...)) continues in Python, with {FIT_RESUME}")
 
 
 def misfit(model, saved: dict) -> str | None:
@@ -210,15 +216,15 @@ def misfit(model, saved: dict) -> str | None:
 
 def check_reference(cfg, model) -> None:
     """--ref-checkpoint (with --kl-beta): its parameters must fit the model this run trains, checked at start-up,
-    not at the first RL step; ValueError, one line, naming the flag that differs where one does."""
+    not at the first RL step; ResumeError, one line, naming the flag that differs where one does."""
     if cfg.ref_checkpoint is None or not cfg.kl_beta:
         return
     state = load_checkpoint(cfg.ref_checkpoint, "--ref-checkpoint")
     first = misfit(model, state["model"])
     if first is not None:
         check_init(cfg, state, cfg.ref_checkpoint, "--ref-checkpoint")  # a model flag that differs: the cause
-        raise ValueError(f"--ref-checkpoint {cfg.ref_checkpoint}: its parameters do not fit the model this run "
-                         f"trains (the first: {first})")
+        raise ResumeError(f"--ref-checkpoint {cfg.ref_checkpoint}: its parameters do not fit the model this run "
+                          f"trains (the first: {first})")
 
 
 def unimportable(spec: str | None) -> list[str]:
@@ -231,7 +237,7 @@ def unimportable(spec: str | None) -> list[str]:
 def check_reward_names(cfg, given_reward: bool) -> None:
     """A reward recorded by a name that cannot be imported again: refused at start-up where the run saves
     checkpoints (a lambda or a nested function, given to twophase.fit: no later run could find it by name),
-    and named as such on --resume from the command line (a function of a script or notebook); ValueError, one
+    and named as such on --resume from the command line (a function of a script or notebook); ResumeError, one
     line."""
     names = unimportable(cfg.reward)
     if not names:
@@ -239,19 +245,19 @@ def check_reward_names(cfg, given_reward: bool) -> None:
     if given_reward:  # twophase.fit(reward=fn)
         nested = [s for s in names if "<locals>" in s or "<lambda>" in s]
         if nested and not cfg.eval_only:
-            raise ValueError(f"reward {nested[0]}: a lambda or a function defined inside another has no name a "
-                             "checkpoint can record, so this run could not be resumed: define it with def at the "
-                             "top level of a module (or of the script)")
+            raise ResumeError(f"reward {nested[0]}: a lambda or a function defined inside another has no name a "
+                              "checkpoint can record, so this run could not be resumed: define it with def at the "
+                              "top level of a module (or of the script)")
         return
     path = resume_path(cfg)
     if path is None:  # --reward __main__:fn typed: the plug-in loader says it does not import
         return
     flag = "--resume-from" if cfg.resume_from else "--resume"
     fn = names[0].partition(":")[2]
-    raise ValueError(f"{flag}: {path}: its reward {names[0]} was given to twophase.fit from a script or notebook "
-                     f"(__main__), which does not import here: continue it in Python with twophase.fit(..., "
-                     f"reward={fn.rpartition('.')[2]}, resume=True), or move it into a module (module:{fn} imports "
-                     "from anywhere)")
+    raise ResumeError(f"{flag}: {path}: its reward {names[0]} was given to twophase.fit from a script or notebook "
+                      f"(__main__), which does not import here: continue it in Python with twophase.fit(..., "
+                      f"reward={fn.rpartition('.')[2]}, resume=True), or move it into a module (module:{fn} imports "
+                      "from anywhere)")
 
 
 def export_model(model, export: str, path):
@@ -268,15 +274,15 @@ def export_model(model, export: str, path):
     try:
         state = load(path, mmap=True)
     except CheckpointError as err:
-        raise ValueError(f"--export best: {err}") from None
+        raise ResumeError(f"--export best: {err}") from None
     memo = {id(p): p if not p.requires_grad else torch.nn.Parameter(p.detach().to(checkpoint.HOST, copy=True))
             for p in model.parameters()}
     best = copy.deepcopy(model, memo)
     try:
         load_saved(best, state["model"])
     except RuntimeError as err:
-        raise ValueError(f"--export best: {path}: its parameters do not fit this run's model "
-                         f"({str(err).strip().splitlines()[-1].strip()})") from None
+        raise ResumeError(f"--export best: {path}: its parameters do not fit this run's model "
+                          f"({str(err).strip().splitlines()[-1].strip()})") from None
     return best
 
 
@@ -400,7 +406,7 @@ def record(model: torch.nn.Module, path: str | None) -> dict | None:
 
 
 def check(saved: dict | None, now: dict | None, where: str, path: str | None) -> None:
-    """ValueError (one line) where the checkpoint at `where` recorded a base (`saved`) other than the model's now
+    """ResumeError (one line) where the checkpoint at `where` recorded a base (`saved`) other than the model's now
     (`now`, read from `path`)."""
     if not saved or not now:
         return
@@ -409,7 +415,7 @@ def check(saved: dict | None, now: dict | None, where: str, path: str | None) ->
         return
     what = " and ".join(differs) + (" differ" if differs != ["config"] else " differs")
     recorded = "" if path == saved.get("path") else f"; trained on {saved.get('path')}"
-    raise ValueError(f"{where}: its parameters were trained on another base model than --hf-model {path} holds "
-                     f"now (its {what}{recorded}): give the folder they were trained on (a merged export is no "
-                     "base: its weights hold the adapters already)")
+    raise ResumeError(f"{where}: its parameters were trained on another base model than --hf-model {path} holds "
+                      f"now (its {what}{recorded}): give the folder they were trained on (a merged export is no "
+                      "base: its weights hold the adapters already)")
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import SaveError
+from ..errors import OneLineError
 
 LOGS = ("metrics.jsonl", "memory_profile.jsonl")
 # the final model's export: a task's own (Task.save_final: --hf-model's save_pretrained), or --export's file
@@ -140,7 +141,7 @@ class RunLock:
                     break
 
 
-class Busy(ValueError):
+class Busy(OneLineError, ValueError):
     """Another live process holds the run directory's lock (one line)."""
 
 

@@ -3,7 +3,7 @@ configuration on --resume, or a checkpoint's model flags on --init-from), the ch
 from, checked against its flags, the checks that need the task (and its model) built (the data and model flags it
 does not read, the phases a task without references cannot run, a reward comparing with references on rows
 without one, the model against the protocol on one batch), and the run directory made ready (later checkpoints
-set aside, logs cut back, config.json). Bad input raises ValueError (StartupError) with one line; the command
+set aside, logs cut back, config.json). Bad input raises StartupError (a OneLineError) with one line; the command
 prints it and exits 2.
 """
 from __future__ import annotations
@@ -21,13 +21,14 @@ from ..config import PRESETS, SHAPING_FLAGS, Config
 from ..config import rules as configrules
 from ..config.rules import _flag
 from .evaluation import validate
+from ..errors import OneLineError
 from ..modelcheck import check_model
 from ..rewards import needs_references
 from ..samples import Samples
 from ..vocab import pad_targets
 
 
-class StartupError(ValueError):
+class StartupError(OneLineError, ValueError):
     """A flag or a task that cannot make this run; one line."""
 
 
@@ -144,8 +145,8 @@ def start_defaults(args, recipe: dict | None = None) -> tuple[dict, dict | None]
     a new run the recipe's (recipe_defaults; `recipe`: a task object's own)."""
     resume.check_flags(args)
     if args.init_from and (args.resume or args.resume_from):
-        raise ValueError("--init-from starts a new run from a checkpoint's model; --resume and --resume-from "
-                         "continue a run: give one of them")
+        raise StartupError("--init-from starts a new run from a checkpoint's model; --resume and --resume-from "
+                           "continue a run: give one of them")
     known = {f.name for f in fields(Config)}
     path = resume.resume_path(args)
     if path is not None:
@@ -173,8 +174,8 @@ def resume_state(cfg: Config, state: dict | None = None) -> dict | None:
         return None
     flag = "--resume-from" if cfg.resume_from else "--resume"
     if cfg.resume_from and os.path.abspath(cfg.save_dir) != os.path.abspath(path.parent):
-        raise ValueError(f"--resume-from {path} continues the run in {path.parent}, not in --save-dir "
-                         f"{cfg.save_dir} (--init-from starts a new run from its model)")
+        raise StartupError(f"--resume-from {path} continues the run in {path.parent}, not in --save-dir "
+                           f"{cfg.save_dir} (--init-from starts a new run from its model)")
     state = state if state is not None else resume.load_checkpoint(path, flag)
     if cfg.eval_only:  # changes nothing: only the model must be the checkpoint's
         resume.check_init(cfg, state, path, flag)
@@ -188,8 +189,8 @@ def init_state(cfg: Config, state: dict | None = None) -> dict | None:
     if not cfg.init_from or cfg.resume or cfg.resume_from:
         return None
     if cfg.overwrite and os.path.dirname(os.path.abspath(cfg.init_from)) == os.path.abspath(cfg.save_dir):
-        raise ValueError(f"--init-from {cfg.init_from} is in --save-dir {cfg.save_dir}, whose run --overwrite "
-                         "would delete: choose another --save-dir")
+        raise StartupError(f"--init-from {cfg.init_from} is in --save-dir {cfg.save_dir}, whose run --overwrite "
+                           "would delete: choose another --save-dir")
     state = state if state is not None else resume.load_checkpoint(cfg.init_from, "--init-from")
     resume.check_init(cfg, state, cfg.init_from)
     return state
