@@ -214,17 +214,17 @@ def _checked(coefficients, n: int, device):
         if len(coefficients) != n:
             raise ValueError(f"expected an objective of {n} rows, got {len(coefficients)}")
         return coefficients, True
-    lacks = tokenweights.missing(coefficients)
     # an objective with a method missing would otherwise fail deep in a chunk, or be read as numbers
     if any(callable(getattr(coefficients, name, None)) for name in ("live", "needs_row_statistics", "derivative",
                                                                     "decoded")):
         raise TypeError(f"{type(coefficients).__name__} is not a TokenObjective (twophase.phase2.tokenweights): "
-                        f"it lacks {', '.join(lacks)}")
+                        f"it lacks {', '.join(tokenweights.missing(coefficients))}")
     try:
         coefficients = torch.as_tensor(coefficients, device=device)
     except (TypeError, RuntimeError, ValueError):
         raise TypeError(f"coefficients must be {n} numbers or a TokenObjective (twophase.phase2.tokenweights); "
-                        f"{type(coefficients).__name__} lacks {', '.join(lacks)}") from None
+                        f"{type(coefficients).__name__} lacks {', '.join(tokenweights.missing(coefficients))}") \
+            from None
     if coefficients.shape != (n,):
         raise ValueError(f"expected {n} coefficients, got shape {tuple(coefficients.shape)}")
     if not bool(torch.isfinite(coefficients).all()):  # a NaN would reach every parameter's .grad silently
