@@ -128,8 +128,7 @@ def available_bytes(device: torch.device) -> int | None:
 def row_state_bytes(model, source) -> tuple[float, float, int]:
     """What one search row holds, in bytes: its decoder state after one or two steps (the larger), the most a
     step after the first creates for it at once (its new state, its temporaries, its scores; `TensorPeak`), and
-    the model's
-    vocabulary. Two steps of 2 and of 6 rows of `source`'s first source, without a graph; the difference of the
+    the model's vocabulary. Two steps of 2 and of 6 rows of `source`'s first source, without a graph; the difference of the
     two counts is the rows' own (a tensor the rows share, such as the source's encoding, is in both). A cache
     that grows with the prefix is counted as two steps hold it (with the room a buffered cache keeps ahead): a
     floor, not what --max-len steps may reach."""
