@@ -1,7 +1,7 @@
 """Baselines a run's RL step is measured against: the same run, with a baseline's gradient in the place of phase
 two's (for benchmarks and the tests that compare them; twophase measured against itself is no training flag).
 
-    run = cli.build(config)                  # any sequence objective (beam, mrt, reinforce, priority, ...)
+    run = recipe.setup(config)               # any sequence objective (beam, mrt, reinforce, priority, ...)
     baselines.use(run, baselines.ONE_PHASE)  # then run.train(), run.train_step("rl"), ...
 
     ONE_PHASE          the search keeps the graph of every decoding step and one backward replaces phase two:

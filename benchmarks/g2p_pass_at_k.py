@@ -18,8 +18,8 @@ import sys
 import torch
 
 from twophase.tasks.data import load_cmudict
-from twophase.train import build
-from twophase.train.build import UsageError
+from twophase.constraints import constrain
+from twophase.errors import UsageError
 from twophase.train.checkpoint import CheckpointError
 from twophase.train.decode import decode_lines, load_model
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--checkpoint {path}: {err}")
         if task.name != "g2p":
             p.error(f"--checkpoint {path}: a run of task '{task.name}', not g2p")
-        model = build.constrain(model, task, cfg.get("grammar", "off"), cfg["max_len"])
+        model = constrain(model, task, cfg.get("grammar", "off"), cfg["max_len"])
         for name in args.splits.split(","):
             words = split_words(name, args.train_sample, args.seed)
             lines, _ = decode_lines(model, task, words, args.beam, cfg["max_len"], 128, device, nbest=args.beam)

@@ -97,8 +97,13 @@ def rl_job(job: dict, parts: dict):
     known = {flag for action in parser._actions for flag in action.option_strings}
     optional = [x for flag, value in job.get("flags_if_known", []) if flag in known for x in (flag, value)]
     argv = [*job["flags"], *optional, "--save-dir", tempfile.mkdtemp(prefix="beforeafter-"), "--overwrite"]
-    parser.set_defaults(**cli.recipe_defaults(parser.parse_args(argv)))
-    run = cli.build(cli.config_from_args(parser.parse_args(argv)))
+    try:  # a checkout with the run's set-up in recipe.py; an older one built it in cli.build
+        from twophase.train import recipe, startpoint
+        setup, recipe_defaults = recipe.setup, startpoint.recipe_defaults
+    except ImportError:
+        setup, recipe_defaults = cli.build, cli.recipe_defaults
+    parser.set_defaults(**recipe_defaults(parser.parse_args(argv)))
+    run = setup(cli.config_from_args(parser.parse_args(argv)))
     trainer = getattr(run, "trainer", run)  # the steps: a run's trainer (a checkout before runs: the trainer)
     inner = getattr(trainer.model, "model", trainer.model)  # under a grammar: the constrained model
     if job.get("checkpoint"):

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from .errors import OneLineError
 from .protocol import target_mask
+from .vocab import pad_targets
 
 LIVE, ENDED, DEAD = 0, 1, 2  # a row's phase: reading the grammar, after its eos_id, after a disallowed token
 
@@ -200,3 +201,42 @@ def teacher_forced_allowed(constrained: Constrained, tokens: Tensor, owner: Tens
 
 
 __all__ = ["Constrained", "GrammarError", "renormalise", "teacher_forced_allowed"]
+
+
+# ---- a task's grammar around a model, for a run (--grammar on) or a decode
+def constrain(model, task, grammar: str, max_len: int, flag: str = "--grammar"):
+    """The model constrained to the task's grammar for rows of at most max_len positions, or the model itself
+    (grammar 'off'); a one-line GrammarError naming `flag` where the task has no grammar or refuses max_len."""
+    if grammar == "off":
+        return model
+    try:
+        g = task.grammar(max_len)
+    except ValueError as err:
+        raise GrammarError(f"{flag} on: {err}") from None
+    if g is None:
+        raise GrammarError(f"{flag} on: task '{getattr(task, 'spec', task.name)}' declares no grammar "
+                           "(Task.grammar returns None)")
+    return Constrained(model, g)
+
+
+def check_references(model, task, device, batch_size: int = 4096) -> None:
+    """Every training reference must be a sequence of the grammar (within --max-len): MLE would otherwise train
+    on rows of probability zero (log p = -inf). A GrammarError naming how many fail, with the first one; nothing
+    where the model is not constrained."""
+    if not isinstance(model, Constrained):
+        return
+    rows = [(i, ids) for i, ex in enumerate(task.train) for ids in task.target_ids(ex)]
+    bad = []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            part = rows[start:start + batch_size]
+            tokens = pad_targets([ids for _, ids in part], device, model.pad_id, model.eos_id)  # (n, T)
+            try:
+                ok = teacher_forced_allowed(model, tokens, torch.arange(len(part), device=device)).all(1)  # (n,)
+            except GrammarError as err:
+                raise GrammarError(f"--grammar on: {err}") from None
+            bad += [part[k][0] for k in (~ok).nonzero().squeeze(1).tolist()]
+    if bad:
+        example = task.train[bad[0]].references[0]
+        raise GrammarError(f"--grammar on: {len(bad)} training references are not in the task's grammar within "
+                           f"--max-len (the first: {example!r}); a longer --max-len, or --grammar off")

@@ -6,3 +6,7 @@ callers catching those still do."""
 
 class OneLineError(Exception):
     """A refusal of the user's input; str(err) is one line naming the flag, file or plug-in at fault."""
+
+
+class UsageError(OneLineError, ValueError):
+    """What the user gave cannot make this run (a flag, a combination of flags, a task, a file): one line."""

@@ -34,6 +34,7 @@ from . import nested
 from .phase1.search import beam_search
 from .protocol import ModelError, all_modules, eval_mode, model_name, num_sources, step_score
 from .samples import Samples
+from .vocab import pad_targets
 
 STEPS = 3  # decoder steps the rules read: bos, then two tokens of each row's own
 
@@ -44,6 +45,20 @@ def check_model(model, source, targets: Samples | None = None) -> None:
     found = problems(model, source, targets)
     if found:
         raise ModelError("\n".join(found))
+
+
+def check_model_on(model, task, device) -> None:
+    """`check_model` on a task's first two training sources (and their references, where they have some), as a
+    run does before its first step: ModelError naming every broken rule. The task is read for `train`,
+    `target_ids` and `collate` only."""
+    examples = task.train[:2]
+    ids = [(b, row) for b, ex in enumerate(examples) for row in task.target_ids(ex)]
+    targets = None
+    if ids:
+        tgt = pad_targets([row for _, row in ids], device, model.pad_id, model.eos_id)  # (R, T)
+        owner = torch.tensor([b for b, _ in ids], dtype=torch.long, device=device)
+        targets = Samples.of_targets(tgt, owner, model.pad_id, model.eos_id)
+    check_model(model, task.collate(examples, device), targets)
 
 
 def problems(model, source, targets: Samples | None = None) -> list[str]:

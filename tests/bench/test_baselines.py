@@ -6,13 +6,13 @@ import pytest
 
 from benchmarks import baselines
 from twophase.config import Config
-from twophase.train import cli
+from twophase.train import recipe
 from taskfiles import write_task
 
 
 def _rl_rows(tmp_path, name: str, gradient, **more) -> list[dict]:
     save = tmp_path / name
-    run = cli.build(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "valid.tsv"), hidden_size=16,
+    run = recipe.setup(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "valid.tsv"), hidden_size=16,
                            embed_dim=8, batch_size=4, beam_size=3, max_len=8, mle_steps=2, rl_steps=3,
                            save_dir=str(save), **more))
     if gradient is not None:
@@ -44,7 +44,7 @@ def test_a_baseline_takes_the_same_steps(tmp_path, sampler, name):
 
 def test_a_baseline_refuses_a_step_without_its_phase_two(tmp_path):
     write_task(tmp_path / "train.tsv", "reverse", 8, seed=0)
-    run = cli.build(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
+    run = recipe.setup(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
                            embed_dim=4, batch_size=2, mle_batch_size=2, objective="policy", sampler="sample",
                            save_dir=str(tmp_path / "run")))
     with pytest.raises(ValueError, match="not --objective policy"):

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from benchmarks.steptimes import PartTimes
-from twophase.train import cli
+from twophase.train import recipe
 from twophase.train.steps import parts as parts_module
 from twophase.config import Config
 from taskfiles import task_dir
@@ -17,7 +17,7 @@ def task(tmp_path_factory):
 
 
 def _run(task, save):
-    return cli.build(Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=16,
+    return recipe.setup(Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=16,
                             embed_dim=8, batch_size=4, mle_batch_size=8, beam_size=3, rescore_chunk=5, max_len=8,
                             save_dir=str(save)))
 

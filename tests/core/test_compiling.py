@@ -11,7 +11,7 @@ import torch
 from twophase import Compiled, beam_search, compiled, rescore_backward, sample
 from twophase.constraints import Constrained
 from twophase.samples import Samples
-from twophase.train import build, cli
+from twophase.train import recipe
 
 import forks
 from conftest import take_grads, tiny_model, toy_batch
@@ -165,9 +165,9 @@ def test_checkpoints_names_copies_and_attributes_are_the_models():
 
 def test_the_flag_picks_the_backend():
     model = tiny_model()
-    assert build.compile_step(model, "off") is model
-    assert build.compile_step(model, "on").backend == "inductor"
-    assert build.compile_step(model, "aot_eager").backend == "aot_eager"
+    assert recipe.compile_step(model, "off") is model
+    assert recipe.compile_step(model, "on").backend == "inductor"
+    assert recipe.compile_step(model, "aot_eager").backend == "aot_eager"
 
 
 def test_the_command_builds_the_compiled_model_and_the_benchmark_alternates_it(tmp_path):
@@ -178,6 +178,6 @@ def test_the_command_builds_the_compiled_model_and_the_benchmark_alternates_it(t
     flags = ["--train", str(tmp_path / "train.tsv"), "--valid", str(tmp_path / "valid.tsv"), "--hidden-size", "16",
              "--embed-dim", "8", "--batch-size", "4", "--beam-size", "3", "--max-len", "8", "--mle-steps", "0",
              "--compile", "eager"]
-    out = bench.measure(flags, rounds=1, cold=1, eos_bias=None)  # cli.build, as train.py: a Compiled inside
+    out = bench.measure(flags, rounds=1, cold=1, eos_bias=None)  # recipe.setup, as train.py: a Compiled inside
     assert out["backend"] == "eager" and out["failure"] is None and out["graphs_total"] > 0
     assert out["eager"]["phase_one_s"] > 0 and out["compiled"]["step_ms"] > 0 and out["compiled/eager"] > 0

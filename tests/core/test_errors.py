@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2] / "twophase"
 REFUSALS = {
     "UsageError": ValueError, "ConfigError": ValueError, "ConfigFileError": ValueError, "TaskError": ValueError,
     "ExportMismatch": ValueError, "DataError": ValueError, "RewardError": ValueError, "PluginError": ValueError,
-    "StartupError": ValueError, "ResumeError": ValueError, "CheckpointError": ValueError, "Busy": ValueError,
+    "ResumeError": ValueError, "CheckpointError": ValueError, "Busy": ValueError,
     "DeviceError": ValueError, "ModelError": ValueError, "GrammarError": ValueError, "SaveError": OSError,
     "PlotError": Exception,
 }

@@ -13,7 +13,7 @@ from twophase.models.karel import KarelModel
 from twophase.models.karel_paper import PAPER_SIZES, KarelPaperModel
 from twophase.tasks import TaskError
 from twophase.tasks.karel.task import Karel
-from twophase.train import checkpoint, cli, decode
+from twophase.train import checkpoint, cli, decode, startpoint
 from twophase.config import Config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -162,7 +162,7 @@ def test_preset_runs_saves_and_loads(tmp_path, monkeypatch, capsys):
     checkpoint (no --karel-* flags in its config) still loads as the pooled model."""
     parser = cli.build_parser()
     args = parser.parse_args(["--task", "karel", "--preset", "karel-paper"])
-    parser.set_defaults(**cli.recipe_defaults(args))
+    parser.set_defaults(**startpoint.recipe_defaults(args))
     cfg = cli.config_from_args(parser.parse_args(["--task", "karel", "--preset", "karel-paper"]))
     assert (cfg.karel_model, cfg.hidden_size, cfg.embed_dim, cfg.karel_channels, cfg.karel_blocks,
             cfg.karel_pair_dim, cfg.karel_layers) == ("paper", 256, 256, 64, 2, 512, 2)

@@ -13,7 +13,7 @@ from taskfiles import write_task
 from test_cli import _fails_with_one_line
 from test_distillation import jsd, step_distributions
 from twophase import protocol
-from twophase.train import cli, steps
+from twophase.train import cli, recipe, steps
 from twophase.train.steps.parts import Gradient
 
 TINY = ["--embed-dim", "8", "--batch-size", "4", "--mle-batch-size", "8", "--beam-size", "3", "--rescore-chunk",
@@ -80,7 +80,7 @@ def test_grad_accum_divides_by_the_whole_generations_tokens(data, tmp_path, one_
                           embed_dim=8, batch_size=3, grad_accum=2, beam_size=3, sampler="sample", temperature=0.7,
                           distill_beta=0.5, include_reference=True, max_len=8, rescore_chunk=5, compare_mle=False,
                           save_dir=str(tmp_path))
-    tr = cli.build(cfg).trainer  # its steps, taken directly
+    tr = recipe.setup(cfg).trainer  # its steps, taken directly
     tr.model.double(), tr.rl.teacher.double()
     seen, grads = [], []
     backward = tr.rl.gradient.backward

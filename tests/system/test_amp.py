@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from twophase.system import amp
-from twophase.train import cli
+from twophase.train import cli, recipe
 from twophase import beam_search, objectives, rescore_backward, sample
 from twophase.models import outputlayer
 from twophase.train.steps import parts as parts_module
@@ -178,7 +178,7 @@ def task(tmp_path_factory):
 
 
 def _trainer(task, save, **overrides):
-    return cli.build(Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=16,
+    return recipe.setup(Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=16,
                             embed_dim=8, batch_size=4, mle_batch_size=8, beam_size=3, rescore_chunk=5, max_len=8,
                             save_dir=str(save), **overrides))
 

@@ -6,7 +6,7 @@ stand-in that only `.cpu()` turns into a CPU tensor, and torch.load records wher
 import pytest
 import torch
 
-from twophase.train import checkpoint, cli, decode, mlephase, resume, runstate
+from twophase.train import checkpoint, decode, mlephase, recipe, resume, runstate
 from twophase.config import Config
 from twophase.train.klreference import Reference
 
@@ -27,7 +27,7 @@ def trainer(task, tmp_path):
     cfg = Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=8, embed_dim=4,
                  batch_size=3, mle_batch_size=4, beam_size=2, rescore_chunk=5, max_len=8, save_dir=str(tmp_path),
                  mle_steps=2, rl_steps=0, eval_every=1, log_every=0, compare_mle=False)
-    tr = cli.build(cfg)
+    tr = recipe.setup(cfg)
     tr.train()
     tr.save(path=tr.comparison.branch_path)
     tr.save(path=tr.comparison.continued_path)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from twophase.system import distributed
-from twophase.train import cli
+from twophase.train import cli, recipe
 from twophase.config import Config
 
 from taskfiles import write_task
@@ -164,7 +164,7 @@ def test_each_rank_resumes_its_own_random_streams(tmp_path, monkeypatch):
     write_task(tmp_path / "train.tsv", "reverse", 20, seed=0)
     cfg = Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
                  embed_dim=4, batch_size=4, mle_batch_size=4, save_dir=str(tmp_path / "run"))
-    trainer = cli.build(cfg)
+    trainer = recipe.setup(cfg)
     state = trainer.state_dict()
     streams = [torch.Generator().manual_seed(seed).get_state() for seed in (5, 6)]
     state["rank_rngs"] = [{"rng": state["rng"], "sampling_rng": s} for s in streams]

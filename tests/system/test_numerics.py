@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from twophase.system import devices
-from twophase.train import cli
+from twophase.train import cli, recipe
 from twophase.config import Config
 
 import test_onephase
@@ -33,7 +33,7 @@ def task(tmp_path_factory):
 
 
 def _build(task, tmp_path, **flags):
-    return cli.build(Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=16,
+    return recipe.setup(Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=16,
                             embed_dim=8, batch_size=4, mle_batch_size=8, beam_size=3, max_len=8,
                             save_dir=str(tmp_path / "run"), **flags))
 

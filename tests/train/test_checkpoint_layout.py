@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from twophase.config import Config
-from twophase.train import cli
+from twophase.train import recipe
 
 from taskfiles import write_task
 
@@ -44,7 +44,7 @@ TIMINGS = {"elapsed_s", "seconds", "cpu_seconds", "steps_per_s"}
 
 def _run(tmp_path, name, **extra):
     write_task(tmp_path / "train.tsv", "reverse", 16, seed=0)
-    return cli.build(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
+    return recipe.setup(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
                             embed_dim=4, batch_size=2, mle_batch_size=2, beam_size=2, max_len=8, mle_steps=2,
                             rl_steps=2, eval_every=2, log_every=0, compare_mle=True, save_dir=str(tmp_path / name),
                             **extra))

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from twophase.train import build, cli, decode
+from twophase.train import cli, decode, recipe
 from twophase.config import Config
 
 import forks
@@ -193,11 +193,11 @@ def test_threads_default_to_one_for_small_models(monkeypatch):
     from twophase.config import Config
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert build.cpu_threads(Config(hidden_size=256)) == 1
-    assert build.cpu_threads(Config(hidden_size=512)) is None  # torch's default: one per core
-    assert build.cpu_threads(Config(hidden_size=256, threads=3)) == 3
+    assert recipe.cpu_threads(Config(hidden_size=256)) == 1
+    assert recipe.cpu_threads(Config(hidden_size=512)) is None  # torch's default: one per core
+    assert recipe.cpu_threads(Config(hidden_size=256, threads=3)) == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert build.cpu_threads(Config(hidden_size=256)) is None  # the user's (or torchrun's) choice stands
+    assert recipe.cpu_threads(Config(hidden_size=256)) is None  # the user's (or torchrun's) choice stands
 
 
 def test_every_flag_has_help():

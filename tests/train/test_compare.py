@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from twophase import plot
-from twophase.train import cli, mlephase, report, runparts
+from twophase.train import cli, mlephase, recipe, report, runparts
 from twophase.train import run as run_module
 from twophase.config import Config
 from twophase.train.runstate import Interrupted
@@ -30,7 +30,7 @@ def _trainer(task, save, **overrides):
     cfg = Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=16, embed_dim=8,
                  batch_size=4, mle_batch_size=8, beam_size=3, rescore_chunk=5, max_len=8, save_dir=str(save),
                  eval_every=4, log_every=0, **{"compare_mle": True, **overrides})
-    return cli.build(cfg)
+    return recipe.setup(cfg)
 
 
 def _rows(save):

@@ -4,6 +4,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from twophase.train import recipe
 
 ROOT = Path(__file__).resolve().parents[2] / "twophase"
 
@@ -69,13 +70,13 @@ def test_every_sequence_step_gets_phase_two(tmp_path):
     from twophase.train.steps.parts import PHASE_TWO
     from taskfiles import write_task
     write_task(tmp_path / "train.tsv", "reverse", 8, seed=0)
-    run = cli.build(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
+    run = recipe.setup(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
                            embed_dim=4, batch_size=2, mle_batch_size=2, save_dir=str(tmp_path / "run")))
     assert run.trainer.rl.gradient is PHASE_TWO
 
 
 # The run itself, and the command-line front that builds one and reports on it: the modules that may hold a Run.
-FRONT = {"run.py", "cli.py", "fit.py", "build.py", "start.py"}
+FRONT = {"run.py", "cli.py", "fit.py", "recipe.py"}
 RUN_NAMES = {"run", "training"}  # what the package calls a Run where it holds one
 
 
@@ -160,7 +161,7 @@ def test_no_part_holds_its_owner_or_its_owners_methods(tmp_path, objective):
                          "--hidden-size", "8", "--embed-dim", "4", "--mle-steps", "1", "--rl-steps", "0",
                          "--save-dir", str(tmp_path / "teacher")]) == 0
         teacher = str(tmp_path / "teacher" / "checkpoint_last.pt")
-    run = cli.build(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
+    run = recipe.setup(Config(train=str(tmp_path / "train.tsv"), valid=str(tmp_path / "train.tsv"), hidden_size=8,
                            embed_dim=4, batch_size=2, mle_batch_size=2, objective=objective, teacher=teacher,
                            sampler="beam" if objective == "beam" else "sample", save_dir=str(tmp_path / "run")))
     tr = run.trainer

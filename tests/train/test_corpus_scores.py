@@ -75,7 +75,8 @@ def test_which_rewards_report_which_corpus_scores():
     assert registry.corpus_kinds(weighted.from_flags("edit,bleu", None)) == ("bleu",)
     from types import SimpleNamespace
     from twophase.config import Config
-    from twophase.train.build import UsageError, resolve_best_metric
+    from twophase.errors import UsageError
+    from twophase.train.recipe import resolve_best_metric
     task = SimpleNamespace(metrics=(), main_metric=None, spec="tsv")
     assert resolve_best_metric(Config(best_metric="corpus_bleu"), task, registry.get("bleu")) == "corpus_bleu"
     with pytest.raises(UsageError, match="reports reward$"):  # only a bleu or chrf reward reports it

@@ -10,7 +10,7 @@ import torch
 import twophase
 from twophase.tasks.text import TSV
 from twophase.config import Config
-from twophase.train import cli, fit
+from twophase.train import cli, fit, recipe
 
 from taskfiles import small_task_here
 
@@ -161,7 +161,7 @@ def test_the_config_given_is_unchanged_by_build_and_fit(data):
     before = dataclasses.asdict(given)
     cfg, start, flags = fit.resolved(given)
     resolved = dataclasses.asdict(cfg)
-    training = cli.build(cfg, start, flags)
+    training = recipe.setup(cfg, start, flags)
     assert (training.trainer.cfg.task, training.trainer.cfg.reward, training.trainer.cfg.best_metric) == ("tsv", "edit", "reward")
     assert (cfg.task, cfg.reward, cfg.best_metric) == (None, None, "auto")
     assert dataclasses.asdict(cfg) == resolved and cfg == Config(**resolved)

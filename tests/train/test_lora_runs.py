@@ -12,7 +12,7 @@ import torch
 if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("peft") is None:
     pytest.skip("transformers and peft are not installed (pip install twophase[hf])", allow_module_level=True)
 
-from twophase.train import cli, decode, runstate  # noqa: E402
+from twophase.train import cli, decode, recipe, runstate  # noqa: E402
 from twophase.train.checkpoint import load, save_atomic  # noqa: E402
 
 import hf_tiny  # noqa: E402
@@ -70,7 +70,7 @@ def test_init_from_a_lora_checkpoint_continues_its_adapters(folder, capsys):
     cfg, start = cli.parse(["--init-from", str(folder / "run" / "checkpoint_best.pt"), "--save-dir",
                             str(folder / "init"), "--mle-steps", "1"])
     assert cfg.lora_r == 4  # taken from the checkpoint, as --hf-model
-    tr = cli.build(cfg, start)
+    tr = recipe.setup(cfg, start)
     own = {k: v for k, v in tr.trainer.model.state_dict().items() if "lora_" in k}
     assert _close(own, _adapters(folder / "run" / "checkpoint_best.pt"), 0)
     from transformers import AutoModelForCausalLM
@@ -152,7 +152,7 @@ def test_the_compare_snapshot_of_a_lora_model_holds_the_adapters_alone(folder):
     """--compare-mle's snapshot of the end of MLE, held through the RL phase: the adapters (and their optimizer
     state), in host memory; the frozen base does not change, so it is not copied."""
     cfg, start = cli.parse(["--save-dir", str(folder / "run"), "--resume"])
-    tr = cli.build(cfg, start)
+    tr = recipe.setup(cfg, start)
     snap = tr.trainer.snapshot()
     assert snap["model"] and all("lora_" in k for k in snap["model"])
     tr.trainer.restore(snap)

@@ -18,7 +18,7 @@ from twophase.models.hf import HFCausalLM, HFSeq2Seq  # noqa: E402
 from twophase.train import cli  # noqa: E402
 from twophase.system.fsdp import saved_state  # noqa: E402
 from twophase.train.klreference import Reference  # noqa: E402
-from twophase.train.start import StartupError  # noqa: E402
+from twophase.errors import UsageError  # noqa: E402
 
 import hf_tiny  # noqa: E402
 from test_hf import PROMPTS, TOLERANCE, EXACT, _batch  # noqa: E402
@@ -127,14 +127,14 @@ def test_ref_checkpoint_of_adapters_is_the_base_with_them(tmp_path):
 
     plain = tmp_path / "plain.pt"  # a checkpoint of a full model: no adapters to take
     torch.save(HFCausalLM(hf_tiny.causal("gpt2")).state_dict(), plain)
-    with pytest.raises(StartupError, match=r"--ref-checkpoint .*plain.pt: no model\..*lora_A"):
+    with pytest.raises(UsageError, match=r"--ref-checkpoint .*plain.pt: no model\..*lora_A"):
         Reference.of(wrapper, str(plain), torch.device("cpu"))
     other = tmp_path / "other.pt"  # adapters over another base
     state = donor.state_dict()
     name = next(k for k in state if "base_layer" in k)
     state[name] = state[name] + 1
     torch.save(state, other)
-    with pytest.raises(StartupError, match="differs from this model's frozen one"):
+    with pytest.raises(UsageError, match="differs from this model's frozen one"):
         Reference.of(wrapper, str(other), torch.device("cpu"))
 
 

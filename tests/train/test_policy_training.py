@@ -13,7 +13,7 @@ import torch
 
 from taskfiles import write_task
 from test_cli import _fails_with_one_line
-from twophase.train import cli
+from twophase.train import cli, recipe
 from twophase.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +121,7 @@ def test_grad_accum_equals_one_big_batch_over_several_updates(data, tmp_path, on
                      rescore_chunk=4, save_dir=str(tmp_path / str(accum)), objective="policy", sampler="beam",
                      updates_per_generation=2, kl_beta=0.3, loss_type=loss_type, grad_accum=accum,
                      batch_size=6 // accum, compare_mle=False, lr=0.05, clip_epsilon=0.01, **flags)
-        tr = cli.build(cfg).trainer  # its steps, taken directly
+        tr = recipe.setup(cfg).trainer  # its steps, taken directly
         tr.model.double()
         tr.cfg.grad_accum = 1  # a few MLE steps, the same in both runs: some reward for the candidates
         tr.parts.mle_batches = iter([list(range(k, len(tr.parts.pairs), 2)) for k in range(2)])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from twophase.train import cli
+from twophase.train import cli, recipe
 from twophase.train.steps import parts as parts_module
 from twophase.config import Config
 from twophase.train.runstate import Interrupted
@@ -110,7 +110,7 @@ def _tiny_trainer(task, tmp_path, **overrides):
     cfg = Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=16, embed_dim=8,
                  batch_size=4, mle_batch_size=8, beam_size=3, rescore_chunk=5, max_len=8, save_dir=str(tmp_path),
                  **overrides)
-    return cli.build(cfg)
+    return recipe.setup(cfg)
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(task, tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from twophase.train import cli, steps
+from twophase.train import cli, recipe, startpoint, steps
 from twophase.config import rules
 from twophase.train.checkpoint import load, save_atomic
 from twophase.config import Config
@@ -143,7 +143,7 @@ def test_karel_train_size_changed_is_refused(tmp_path, monkeypatch, capsys):
                      "4", "--mle-steps", "1", "--rl-steps", "0", "--mle-batch-size", "4", "--max-len", "31",
                      "--eval-beam", "1", "--save-dir", str(run)]) == 0
     recipe = json.loads((run / "config.json").read_text())["recipe"]
-    assert recipe == cli.recipe_defaults(Config(task="karel")) and recipe  # the task's recipe, recorded
+    assert recipe == startpoint.recipe_defaults(Config(task="karel")) and recipe  # the task's recipe, recorded
     capsys.readouterr()
     assert cli.main(["--save-dir", str(run), "--resume", "--train-size", "7"]) == 2
     _one_line(capsys, "--train-size 6, not 7")
@@ -247,7 +247,7 @@ def test_export_best_hands_the_best_checkpoint_to_the_task(finished, tmp_path, m
     exported = {}
     for export in ("best", "last"):
         cfg, start = cli.parse(["--save-dir", str(save), "--resume", "--export", export])
-        tr = cli.build(cfg, start)
+        tr = recipe.setup(cfg, start)
         monkeypatch.setattr(tr.trainer.task, "save_final", lambda model, d: exported.update({export: model.state_dict()}))
         cli.save_final(tr)
     assert all(torch.equal(exported["best"][k], best["model"][k]) for k in best["model"])
@@ -269,7 +269,7 @@ def test_grad_accum_equals_one_big_batch(task, tmp_path, phase, objective, monke
     cfg = Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=8, embed_dim=4,
                  beam_size=3, max_len=7, rescore_chunk=4, save_dir=str(tmp_path), objective=objective,
                  mle_weight=0.3, compare_mle=False)
-    tr = cli.build(cfg).trainer  # its steps, taken directly
+    tr = recipe.setup(cfg).trainer  # its steps, taken directly
     tr.model.double()
     grads = []
     for module in (steps.mle, steps.parts):  # the update, where each step calls it: the gradient, kept

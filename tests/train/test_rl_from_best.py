@@ -3,7 +3,7 @@ branch point) start from them; without it they start from the last MLE step. On 
 import pytest
 import torch
 
-from twophase.train import cli
+from twophase.train import recipe
 from twophase.train.checkpoint import load
 from twophase.config import Config
 
@@ -21,7 +21,7 @@ def run(task, save, **overrides):
     cfg = Config(train=str(task / "train.tsv"), valid=str(task / "valid.tsv"), hidden_size=8, embed_dim=4,
                  batch_size=4, mle_batch_size=8, beam_size=2, rescore_chunk=5, max_len=8, save_dir=str(save),
                  mle_steps=6, rl_steps=1, eval_every=2, log_every=0, lr=0.05, compare_mle=True, **overrides)
-    tr = cli.build(cfg)
+    tr = recipe.setup(cfg)
     marks = iter([0.5, 0.1, 0.2, 0.0, 0.0])  # validations at MLE steps 2, 4, 6, then RL's and the control's
     tr.validate = lambda: (lambda x: {"reward": x, "word_acc": x, "n": 6})(next(marks))
     seen = {}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from twophase.train import cli, rundir
+from twophase.train import cli, recipe, rundir
 from twophase.config import Config
 
 import forks
@@ -96,7 +96,7 @@ def test_best_checkpoint_follows_the_best_metric_at_every_validation(task, tmp_p
     [test] = [r for r in _rows(save) if r["phase"] == "test"]  # --test: the final model, once
     assert test["step"] == 6 and test["n"] == evals[-1]["n"]
 
-    tr = cli.build(cli.config_from_args(cli.build_parser().parse_args(
+    tr = recipe.setup(cli.config_from_args(cli.build_parser().parse_args(
         _argv(task, save, "--mle-steps", "8", "--rl-steps", "0", "--lr", "0.02", *flags, "--resume"))))
     assert (tr.checkpoints.best, tr.state.best_step) == (best["reward"], best["step"])  # kept across --resume
     assert tr.checkpoints.higher_is_better and tr.best_key == "reward"
@@ -106,7 +106,8 @@ def test_best_checkpoint_follows_the_best_metric_at_every_validation(task, tmp_p
 
 def test_lower_is_better_metrics_and_auto():
     from twophase import tasks
-    from twophase.train.build import UsageError, resolve_best_metric
+    from twophase.errors import UsageError
+    from twophase.train.recipe import resolve_best_metric
 
     g2p, tsv = tasks.build(Config(task="g2p")), tasks.build(Config(task="tsv", train="a", valid="b"))
     assert resolve_best_metric(Config(), g2p) == "word_acc" and resolve_best_metric(Config(), tsv) == "reward"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from twophase import ModelError
-from twophase.train import cli
+from twophase.train import cli, recipe
 from twophase.config import Config
 
 from taskfiles import task_dir
@@ -72,9 +72,9 @@ def test_save_dir_defaults_to_runs_of_the_task(tmp_path, monkeypatch, tmp_path_f
     data = task_dir(tmp_path_factory, 20, 4)
     monkeypatch.chdir(tmp_path)
     cfg = Config(train=str(data / "train.tsv"), valid=str(data / "valid.tsv"), hidden_size=8, embed_dim=4)
-    assert cli.build(cfg).save_dir == Path("runs/tsv")  # a TSV run never writes into runs/g2p
+    assert recipe.setup(cfg).save_dir == Path("runs/tsv")  # a TSV run never writes into runs/g2p
     cfg = Config(task="verifier_task:Verifier", hidden_size=8, mle_steps=0)
-    assert cli.build(cfg).save_dir == Path("runs/verifier")
+    assert recipe.setup(cfg).save_dir == Path("runs/verifier")
 
 
 def test_a_broken_model_is_named_at_start_up(tmp_path, capsys):
@@ -89,7 +89,7 @@ def test_nan_log_probabilities_mid_run_name_the_model_and_the_step(tmp_path):
     """A model that turns NaN after start-up: the step that met it, never a source silently dropped."""
     cfg = Config(task="verifier_task:Verifier", hidden_size=8, batch_size=4, beam_size=2, max_len=5, mle_steps=0,
                  rl_steps=3, eval_every=10, log_every=0, save_dir=str(tmp_path))
-    trainer = cli.build(cfg)
+    trainer = recipe.setup(cfg)
     model, real, calls = trainer.trainer.model, trainer.trainer.model.log_probs, []
 
     def log_probs(state):
@@ -103,15 +103,15 @@ def test_nan_log_probabilities_mid_run_name_the_model_and_the_step(tmp_path):
 
 def test_a_task_without_references_turns_the_control_off_beside_the_config(capsys):
     """Data without references cannot continue MLE: a recipe's control (a task's flag_defaults, not a flag the
-    user gave) is off for the run (build records it in the run's own Config), and the Config it was given still
+    user gave) is off for the run (the recipe records it in the run's own Config), and the Config it was given still
     says what the recipe asked."""
     from types import SimpleNamespace
-    from twophase.train import start
+    from twophase.train import recipe
     cfg = Config(mle_steps=0, compare_mle=True)
     task = SimpleNamespace(train=[SimpleNamespace(references=[])], spec="verifier")
-    assert start.check_references(cfg, task, frozenset()) is False
+    assert recipe.mle_possible(cfg, task, frozenset()) is False
     assert cfg.compare_mle is True and cfg == Config(mle_steps=0, compare_mle=True)
     assert "--compare-mle cannot run" in capsys.readouterr().out
     with_refs = SimpleNamespace(train=[SimpleNamespace(references=["a"])], spec="tsv")
-    assert start.check_references(cfg, with_refs, frozenset()) is True
-    assert start.check_references(Config(compare_mle=False), with_refs, frozenset()) is False
+    assert recipe.mle_possible(cfg, with_refs, frozenset()) is True
+    assert recipe.mle_possible(Config(compare_mle=False), with_refs, frozenset()) is False

@@ -12,6 +12,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
+from ..config import SHAPING_FLAGS
+from ..config.documented import _flag
 from ..plugins import PluginError, brief, load_spec
 from .base import Example, Metric, Task, TaskError
 
@@ -76,6 +78,30 @@ def build(cfg, name: str | None = None) -> Task:
     task.spec = name  # how to find it again: checkpoints store it, decoding and --resume rebuild it
     task.origin = origin(name)
     return task
+
+
+def adopt(task, spec: str) -> Task:
+    """A `Task` instance a user gives (`twophase.fit(task=...)`) as the run's task, found again by `spec` (its
+    Config.task); TaskError where it lacks a method a task must have."""
+    missing = [m for m in REQUIRED if not callable(getattr(task, m, None))]
+    if missing:
+        raise TaskError(f"task {type(task).__name__} (given to fit) has no {', '.join(missing)} "
+                        "(subclass twophase.tasks.Task)")
+    task.spec = spec
+    task.origin = origin(spec)
+    return task
+
+
+def check_flags(task, given: frozenset[str]) -> None:
+    """Refuse a shaping flag the task does not read (`Task.flags`; those in its `flag_defaults` count as read):
+    TaskError, one line."""
+    reads = set(getattr(task, "flags", ())) | set(getattr(task, "flag_defaults", None) or {})
+    ignored = sorted((given & SHAPING_FLAGS) - reads)
+    if ignored:
+        names = ", ".join(_flag(n) for n in ignored)
+        read = ", ".join(_flag(n) for n in sorted(reads & SHAPING_FLAGS)) or "none of them"
+        raise TaskError(f"{names}: task '{task.spec}' does not read {'this flag' if len(ignored) == 1 else 'these'} "
+                        f"(it reads {read}; a task declares the data and model flags it reads in Task.flags)")
 
 
 def origin(name: str) -> str | None:

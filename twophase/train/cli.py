@@ -1,6 +1,6 @@
 """`python train.py` / `twophase-train`: the command line resolved into a Config (its layers: defaults, the task's
-recipe, --preset, --config, the flags; or a checkpoint's), the run built from it (`build`) and run, its closing
-table printed.
+recipe, --preset, --config, the flags; or a checkpoint's: `startpoint`), the run set up from it in run order
+(`recipe.setup`) and run, its closing table printed.
 
 Bad input (flags, files, plug-ins) ends with one line on stderr and exit status 2, never a traceback.
 """
@@ -16,9 +16,10 @@ import torch
 from ..system import distributed, fsdp
 from . import report, resume, rundir
 from ..config import file as configfile
-from .build import PROG, UsageError, build
-from .start import evaluate, recipe_defaults, refuse_against_checkpoint, start_defaults, task_recipe
-from ..errors import OneLineError
+from . import startpoint
+from .recipe import PROG, setup
+from .startpoint import Start
+from ..errors import OneLineError, UsageError
 from .. import plot
 from ..config import PRESETS, Config, OneLineParser, _flag, add_config_flags, config_from_args  # noqa: F401
 from ..config import layers
@@ -26,7 +27,7 @@ from ..config.layers import Layer, merged
 from ..compiling import compile_report
 from .. import tasks
 from ..tasks.base import ExportMismatch
-from .evaluation import test_beams
+from .evaluation import test_beams, validate
 from .report import Result, final_column, summary_table, with_beams
 from .runstate import Interrupted
 from .run import Run
@@ -73,11 +74,11 @@ def build_from_flags(argv: list[str]) -> Run:
         cfg, start = parse(argv)
     except OneLineError as err:
         raise UsageError(str(err)) from None
-    return build(cfg, start)
+    return setup(cfg, start)
 
 
-def parse(argv: list[str] | None = None) -> tuple[Config, dict | None]:
-    """The command line's Config, over the defaults of start_defaults, and the checkpoint it starts from."""
+def parse(argv: list[str] | None = None) -> tuple[Config, Start | None]:
+    """The command line's Config, over the defaults of its start point, and the checkpoint it starts from."""
     cfg, start, _ = resolve(argv)
     return cfg, start
 
@@ -88,14 +89,14 @@ class Resolution:
     where each value not Config's default came from, and whether it only prints the configuration."""
 
     cfg: Config
-    start: dict | None
+    start: Start | None
     given: frozenset
     origins: dict
     print_config: bool = False
 
 
 def resolve(argv: list[str] | None = None, settings: dict | None = None,
-            recipe: dict | None = None) -> tuple[Config, dict | None, frozenset]:
+            recipe: dict | None = None) -> tuple[Config, Start | None, frozenset]:
     """The command line's Config, the checkpoint it starts from, and the fields given (`resolution`)."""
     resolved = resolution(argv, settings, recipe)
     return resolved.cfg, resolved.start, resolved.given
@@ -106,7 +107,7 @@ def resolution(argv: list[str] | None = None, settings: dict | None = None,
     """The layers of this command resolved once into a Config (config.layers): Config's defaults, the task's
     recipe (`recipe`: a task object's own, given to twophase.fit), --preset, the --config file, then `settings`
     (twophase.fit's Config, checked as a file's) and the flags typed; --resume and --init-from replace the recipe
-    and the preset by the checkpoint's (start_defaults). The fields given: the flags typed, and the file's and
+    and the preset by the checkpoint's (`startpoint.defaults`). The fields given: the flags typed, and the file's and
     the settings' values that change a default (start's checks)."""
     typed = command_line(argv)
     config, print_config, wants_help = typed.pop("config", None), typed.pop("print_config", False), \
@@ -131,31 +132,25 @@ def resolution(argv: list[str] | None = None, settings: dict | None = None,
                                    + f" where they set them ({', '.join(_flag(k) for k in merged(below)[0])}).")
         parser.print_help()
         raise SystemExit(0)
-    more, start = start_defaults(view, recipe)  # --resume: the checkpoint's configuration; --init-from: its model's
+    start = startpoint.read(view)
+    more = startpoint.defaults(view, start, recipe)  # --resume: the checkpoint's configuration; --init-from: its model's
     if start is not None:
-        below = [Layer(f"{_start_flag(view)}'s checkpoint", more)]
+        below = [Layer(f"{start.flag}'s checkpoint", more)]
     try:
         cfg, origins = layers.resolve(below + user)
     except ValueError as err:
         if start is not None:  # a flag that differs from the checkpoint's is what went wrong, not the combination
             values = {**view.__dict__, **merged(below + user)[0]}
-            try:
-                refuse_against_checkpoint(argparse.Namespace(**values), start)
-            except ValueError as fixed:
-                raise UsageError(str(fixed)) from None
+            startpoint.check(argparse.Namespace(**values), start)
         raise UsageError(str(err)) from None
     given = frozenset(typed) | configfile.changed(file) | configfile.changed(settings)
     return Resolution(cfg, start, given, origins, print_config)
 
 
-def _start_flag(view) -> str:
-    return "--resume-from" if view.resume_from else "--resume" if view.resume else "--init-from"
-
-
 def recipe_layers(view, recipe: dict | None = None) -> list[Layer]:
     """The task's recipe (`recipe`, else that of the task the command names) and --preset's, as layers."""
     name = tasks.default_name(view)
-    own = task_recipe(view) if recipe is None else dict(recipe)
+    own = startpoint.task_recipe(view) if recipe is None else dict(recipe)
     unknown = sorted(set(own) - {f.name for f in fields(Config)})
     if unknown:
         raise UsageError(f"--task {name}: its flag_defaults name no flag: {', '.join(unknown)}")
@@ -190,7 +185,7 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
         reward=None) -> Result:
     """What train.py runs once its flags are resolved, printing what it prints; also `twophase.fit`'s. Bad input
     raises a OneLineError (UsageError, DataError, ...: one line), a signal Interrupted after the save. `model`, `task`,
-    `reward`: build's (a user's own). The save dir's lock, taken before the run's first write, is released
+    `reward`: `recipe.setup`'s (a user's own). The save dir's lock, taken before the run's first write, is released
     whichever way this returns."""
     lock = rundir.RunLock()
     try:
@@ -201,12 +196,12 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
 
 def _run_locked(cfg: Config, start: dict | None, given: frozenset | None, lock: rundir.RunLock, *, model, task,
                 reward) -> Result:
-    training = build(cfg, start, given, model=model, task=task, reward=reward, lock=lock)
+    training = setup(cfg, start, given, model=model, task=task, reward=reward, lock=lock)
     if cfg.eval_only:
         scores = evaluate(training)
         table = report.evaluation_table(training.trainer.task, scores)
         if training.is_main:
-            step = (start or {}).get("step", training.state.step)
+            step = start.state.get("step", training.state.step) if start is not None else training.state.step
             print(f"{resume.resume_path(training.trainer.cfg) or cfg.init_from} (step {step}):\n" + table)
         return Result(training.trainer.cfg, training.save_dir.absolute(), scores, table)
     t = training.trainer
@@ -246,6 +241,15 @@ def _run_locked(cfg: Config, start: dict | None, given: frozenset | None, lock: 
     if result.picture is not None:
         print(f"picture: {result.picture}")
     return result
+
+
+def evaluate(training: Run) -> dict:
+    """--eval-only: the checkpoint's model on the validation data (--valid-size's share) and the test data."""
+    t = training.trainer
+    scores = {"valid": training.validate()}
+    if t.task.test:
+        scores["test"] = validate(t.model, t.task, t.task.test, t.reward, t.cfg.eval_beam, t.cfg.max_len, t.device)
+    return scores
 
 
 def closing_paths(training: Run, exported) -> str:

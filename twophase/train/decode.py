@@ -20,8 +20,10 @@ from pathlib import Path
 
 import torch
 
-from . import build, resume
-from .build import UsageError, compile_step, pick_device
+from . import resume
+from ..constraints import constrain
+from ..errors import UsageError
+from .recipe import compile_step, pick_device
 from .checkpoint import CheckpointError, load
 from ..config import DEFAULT_BEAM, OneLineParser, config_from_dict
 from .. import oom, tasks
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         max_len = args.max_len or cfg["max_len"]
         model = compile_step(model, args.compile)
         try:
-            model = build.constrain(model, task, args.grammar or cfg.get("grammar", "off"), max_len)
+            model = constrain(model, task, args.grammar or cfg.get("grammar", "off"), max_len)
         except ValueError as err:
             raise UsageError(str(err)) from None
         lines = read_input(args.input)

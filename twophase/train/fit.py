@@ -18,7 +18,7 @@ from dataclasses import fields
 from . import cli
 from ..system import distributed
 from ..config import file as configfile
-from .build import reward_specs, spec_of
+from .recipe import reward_specs, spec_of
 from ..config import Config
 from .report import Result
 

@@ -31,7 +31,9 @@ from .. import protocol
 from ..samples import Samples
 from ..system import fsdp
 from ..system.fsdp import saved_state
-from .start import StartupError
+from ..errors import UsageError
+from .resume import ResumeError, load_checkpoint, misfit
+from .startpoint import check_model_flags
 
 KINDS = ("copy", "base", "adapters")
 
@@ -56,7 +58,7 @@ class Reference:
                 try:
                     fsdp.load_model(ref, _model_state(ref_checkpoint))
                 except RuntimeError as err:
-                    raise StartupError(f"--ref-checkpoint {ref_checkpoint}: {str(err).splitlines()[0]}") from None
+                    raise UsageError(f"--ref-checkpoint {ref_checkpoint}: {str(err).splitlines()[0]}") from None
             return cls("copy", _frozen(ref))
         if ref_checkpoint is not None:
             return cls("adapters", values=_adapters_of(model, ref_checkpoint))
@@ -111,7 +113,7 @@ class Reference:
             fsdp.load_model(ref, values)  # whole tensors, into the shards under --fsdp
             return cls("copy", _frozen(ref))
         if kind == "base" and getattr(model, "adapter", None) is None:
-            raise StartupError("the checkpoint's reference is the base of a LoRA model (--lora-r), and this model "
+            raise UsageError("the checkpoint's reference is the base of a LoRA model (--lora-r), and this model "
                                "has no adapters")
         return cls(kind, values=dict(values) if values is not None else None)
 
@@ -127,10 +129,10 @@ def _model_state(path: str) -> dict:
         # state in the file is never read
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 - whatever torch.load raises, the file is not a checkpoint
-        raise StartupError(f"--ref-checkpoint {path}: not a checkpoint torch.load can read "
+        raise UsageError(f"--ref-checkpoint {path}: not a checkpoint torch.load can read "
                            f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
     if not isinstance(state, dict):
-        raise StartupError(f"--ref-checkpoint {path}: holds a {type(state).__name__}, not a state dict")
+        raise UsageError(f"--ref-checkpoint {path}: holds a {type(state).__name__}, not a state dict")
     return state["model"] if isinstance(state.get("model"), dict) else state
 
 
@@ -143,15 +145,15 @@ def _adapters_of(model, path: str) -> dict:
     why = "with --lora-r the reference is this model's base with the file's adapters (a --lora-r run's checkpoint)"
     missing = [k for k in trainable if k not in state]
     if missing:
-        raise StartupError(f"--ref-checkpoint {path}: no {missing[0]}; {why}")
+        raise UsageError(f"--ref-checkpoint {path}: no {missing[0]}; {why}")
     for k, v in state.items():
         if k not in own:
-            raise StartupError(f"--ref-checkpoint {path}: {k} is no parameter of this model; {why}")
+            raise UsageError(f"--ref-checkpoint {path}: {k} is no parameter of this model; {why}")
         if tuple(v.shape) != tuple(own[k].shape):
-            raise StartupError(f"--ref-checkpoint {path}: {k} has shape {tuple(v.shape)}, the model's "
+            raise UsageError(f"--ref-checkpoint {path}: {k} has shape {tuple(v.shape)}, the model's "
                                f"{tuple(own[k].shape)}; {why}")
         if k not in trainable and not torch.equal(v.to(own[k].device, own[k].dtype), own[k]):
-            raise StartupError(f"--ref-checkpoint {path}: its {k} differs from this model's frozen one; {why}")
+            raise UsageError(f"--ref-checkpoint {path}: its {k} differs from this model's frozen one; {why}")
     return {k: state[k].to(device=trainable[k].device, dtype=trainable[k].dtype).clone() for k in trainable}
 
 
@@ -170,3 +172,16 @@ def _swapped(model, values: dict):
         with torch.no_grad():
             for k, v in own.items():
                 params[k].copy_(v)
+
+
+def check_reference(cfg, model) -> None:
+    """--ref-checkpoint (with --kl-beta): its parameters must fit the model this run trains, checked at start-up,
+    not at the first RL step; ResumeError, one line, naming the flag that differs where one does."""
+    if cfg.ref_checkpoint is None or not cfg.kl_beta:
+        return
+    state = load_checkpoint(cfg.ref_checkpoint, "--ref-checkpoint")
+    first = misfit(model, state["model"])
+    if first is not None:
+        check_model_flags(cfg, state, cfg.ref_checkpoint, "--ref-checkpoint")  # a model flag that differs: the cause
+        raise ResumeError(f"--ref-checkpoint {cfg.ref_checkpoint}: its parameters do not fit the model this run "
+                          f"trains (the first: {first})")

@@ -1,7 +1,9 @@
-"""Where a command starts from and what it exports: the checkpoint of --resume, --resume-from and --init-from
-(and --eval-only's), the model-shape flags it fixes, the frozen base model its parameters need (`record`,
-`check`), and --export's model. The run directory's own files (config.json, the later checkpoints a resumed run
-sets aside) are `rundir`'s.
+"""Checkpoints a command reads and the model it exports: the file --resume and --resume-from continue from
+(`resume_path`, the newest complete one), a checkpoint read and checked as one (`load_checkpoint`), its parameters
+into the model built for the run (`load_init`, `check_rebuilt`), the frozen base model its parameters need
+(`record`, `check`), a reward recorded under a name no other program imports, and --export's model, read back
+and compared. What a checkpoint fixes for a command is `startpoint`'s; the run directory's own files are
+`rundir`'s.
 """
 from __future__ import annotations
 
@@ -19,35 +21,12 @@ from . import checkpoint
 from .checkpoint import CheckpointError, load
 from ..errors import OneLineError
 from ..system.fsdp import first_difference, load_saved, saved_state
-from ..config.rules import same, show
 from ..rewards import weighted
 from ..tasks.base import ExportMismatch
-
-# Flags that give the model its shape and ids: --init-from takes them from the checkpoint and refuses others.
-# LoRA's rank, scale and modules too: a --lora-r checkpoint holds the adapters alone, which only continue on
-# adapters of the same shape over the same base (new adapters start from a merged export: LORA_HINT).
-LORA_SHAPE = ("lora_r", "lora_alpha", "lora_target_modules")
-MODEL_SHAPE = ("task", "hf_model", "embed_dim", "hidden_size", "bidirectional", "char_source", "char_target",
-               "lowercase_source") + LORA_SHAPE
-LORA_HINT = ("; to train new adapters (or every parameter) from it, export the merged model (train.py --save-dir "
-             "RUN --resume --export best --merge-lora) and start from it: --hf-model RUN/hf_final")
-INIT_DATA = ("train", "valid", "test", "train_size", "valid_size", "max_src_len", "too_long")
-
 
 class ResumeError(OneLineError, ValueError):
     """A run that cannot start from the checkpoint its flags name (--resume, --resume-from, --init-from,
     --ref-checkpoint, --export best), or from these flags together: one line naming the flag."""
-
-
-def check_flags(cfg) -> None:
-    """Combinations of the run flags that cannot mean anything; ResumeError, one line. (A resumed run's --init-from
-    is its checkpoint's record of where it started: the resume rules keep it fixed.)"""
-    if cfg.resume and cfg.resume_from:
-        raise ResumeError("--resume continues from <save-dir>/checkpoint_last.pt and --resume-from from the file "
-                          "given: give one of them")
-    if cfg.eval_only and not (cfg.resume or cfg.resume_from or cfg.init_from):
-        raise ResumeError("--eval-only evaluates a checkpoint: add --resume (the run in --save-dir), "
-                          "--resume-from FILE or --init-from FILE")
 
 
 def resume_path(cfg) -> Path | None:
@@ -130,55 +109,6 @@ def plugin_folder(state: dict) -> None:
         sys.path.append(origin)
 
 
-def init_defaults(state: dict, known) -> dict:
-    """--init-from: the checkpoint's model-shape flags (fixed) and data flags (others may be given) as this run's
-    defaults."""
-    return {k: state["config"][k] for k in MODEL_SHAPE + INIT_DATA if k in state["config"] and k in known}
-
-
-LSTM_SIZE = ("embed_dim", "hidden_size", "bidirectional")  # the built-in LSTM's shape: no other model's
-
-
-def check_init(cfg, state: dict, path, flag: str = "--init-from") -> None:
-    """--init-from (and --eval-only): a model flag other than the checkpoint's would build another model."""
-    saved = state["config"]
-    for name in MODEL_SHAPE:
-        if name in saved and not same(name, saved[name], getattr(cfg, name)):
-            given = "--" + name.replace("_", "-")
-            if name in LSTM_SIZE and not sized_by_flags(state):
-                model = (f"a Hugging Face model (--hf-model {saved['hf_model']})" if saved.get("hf_model") else
-                         "a model other than the built-in LSTM (its task's own, or one given to twophase.fit)")
-                raise ResumeError(f"{given} {show(getattr(cfg, name))}: {flag} {path} holds {model}, which "
-                                  f"{given} does not size: leave it out")
-            hint = LORA_HINT if name in LORA_SHAPE else ""
-            raise ResumeError(f"{given}: {flag} {path}: its model was built with {given} {show(saved[name])}, not "
-                              f"{show(getattr(cfg, name))}{hint}")
-
-
-def sized_by_flags(state: dict) -> bool:
-    """Whether the LSTM size flags describe a checkpoint's model: not a Hugging Face model's, and on the tasks
-    of the built-in LSTM (g2p, tsv) not a model given to twophase.fit (another task's model reads them as it
-    declares)."""
-    if state["config"].get("hf_model"):
-        return False
-    spec = (state.get("task") or {}).get("spec", "tsv" if state["config"].get("train") else "g2p")
-    return spec not in ("g2p", "tsv") or built_in_lstm(state)
-
-
-def built_in_lstm(state: dict) -> bool:
-    """Whether a checkpoint's parameters are the built-in LSTM its configuration describes (names and shapes: a
-    model given to twophase.fit may be another size, or another model)."""
-    saved, ids = state["config"], (state.get("task") or {}).get("state") or state
-    if saved.get("hf_model") or not all(isinstance(ids.get(k), list) for k in ("src_vocab", "tgt_vocab")):
-        return False
-    from ..models.seq2seq import Seq2Seq
-    with torch.device("meta"):  # shapes only, nothing allocated
-        lstm = Seq2Seq(len(ids["src_vocab"]), len(ids["tgt_vocab"]), saved.get("embed_dim", 0),
-                       saved.get("hidden_size", 0), 0.0, bool(saved.get("bidirectional")))
-    shapes = {name: tuple(t.shape) for name, t in lstm.state_dict().items()}
-    return shapes == {name: tuple(t.shape) for name, t in state["model"].items()}
-
-
 def load_init(model, state: dict, path) -> None:
     """--init-from: the checkpoint's parameters into the model built for this run (a --lora-r run's checkpoint:
     its adapters, onto the base the run reads from --hf-model); ResumeError, one line, where they do not fit."""
@@ -212,19 +142,6 @@ def misfit(model, saved: dict) -> str | None:
     wrong = [name for name, t in saved.items() if built.get(name) != tuple(getattr(t, "shape", ()))]
     lost = sorted(trainable - set(saved))
     return wrong[0] if wrong else (lost[0] if lost else None)
-
-
-def check_reference(cfg, model) -> None:
-    """--ref-checkpoint (with --kl-beta): its parameters must fit the model this run trains, checked at start-up,
-    not at the first RL step; ResumeError, one line, naming the flag that differs where one does."""
-    if cfg.ref_checkpoint is None or not cfg.kl_beta:
-        return
-    state = load_checkpoint(cfg.ref_checkpoint, "--ref-checkpoint")
-    first = misfit(model, state["model"])
-    if first is not None:
-        check_init(cfg, state, cfg.ref_checkpoint, "--ref-checkpoint")  # a model flag that differs: the cause
-        raise ResumeError(f"--ref-checkpoint {cfg.ref_checkpoint}: its parameters do not fit the model this run "
-                          f"trains (the first: {first})")
 
 
 def unimportable(spec: str | None) -> list[str]:

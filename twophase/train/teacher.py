@@ -20,7 +20,7 @@ from ..models.seq2seq import Seq2Seq
 from ..objectives.distill import check_compatible, distillation
 from ..system import distributed, fsdp
 from . import checkpoint
-from .start import StartupError
+from ..errors import UsageError
 
 
 def load(cfg, task, student, device):
@@ -33,12 +33,12 @@ def load(cfg, task, student, device):
     elif os.path.isfile(path):
         teacher = _checkpoint(path, task, student)
     else:
-        raise StartupError(f"--teacher {path}: no such file or folder")
+        raise UsageError(f"--teacher {path}: no such file or folder")
     teacher = teacher.to(device).eval().requires_grad_(False)
     try:
         check_compatible(student, teacher)
     except ValueError as err:
-        raise StartupError(f"--teacher {path}: {err}") from None
+        raise UsageError(f"--teacher {path}: {err}") from None
     return fsdp.shard_model(teacher) if cfg.fsdp else teacher
 
 
@@ -72,7 +72,7 @@ def _refuse_pair(path: str, teacher: str, student) -> None:
     """The one line for a teacher of another kind than the student, naming both and the pairs that work."""
     ours = student_kind(student)
     if teacher != ours:
-        raise StartupError(f"--teacher {path}: {teacher} cannot teach this run's model, {ours}: {PAIRS} "
+        raise UsageError(f"--teacher {path}: {teacher} cannot teach this run's model, {ours}: {PAIRS} "
                            "(docs/distillation.md)")
 
 
@@ -81,7 +81,7 @@ def _hugging_face(path: str, student, task):
 
     wrong = hffolder.problem(path, tokenizer=False)  # the run's tokenizer is the teacher's
     if wrong is not None:
-        raise StartupError(f"--teacher {path}: {wrong}")
+        raise UsageError(f"--teacher {path}: {wrong}")
     _refuse_pair(path, ENCODER_DECODER if _is_encoder_decoder(path) else CAUSAL, student)
     causal = isinstance(student, HFCausalLM)
     import transformers as T
@@ -91,7 +91,7 @@ def _hugging_face(path: str, student, task):
         with hffolder.quiet_progress_bars():
             model = kind.from_pretrained(path, **hffolder.offline_float32())
     except Exception as exc:  # noqa: BLE001 - whatever from_pretrained raises, the folder is not a model
-        raise StartupError(f"--teacher {path}: cannot load the model ({hffolder.load_failure(exc)})") from None
+        raise UsageError(f"--teacher {path}: cannot load the model ({hffolder.load_failure(exc)})") from None
     return HFCausalLM(model, getattr(task, "tokenizer", None)) if causal else HFSeq2Seq(model)
 
 
@@ -99,18 +99,18 @@ def _checkpoint(path: str, task, student):
     try:  # the run's own loader: a file torch.save did not write, or one carrying pickled code, in its words
         state = checkpoint.load(path)
     except checkpoint.CheckpointError as err:
-        raise StartupError(f"--teacher {err}") from None
+        raise UsageError(f"--teacher {err}") from None
     if not isinstance(state.get("config"), dict):
-        raise StartupError(f"--teacher {path}: not a twophase checkpoint (no config and model)")
+        raise UsageError(f"--teacher {path}: not a twophase checkpoint (no config and model)")
     config, saved = state["config"], (state.get("task") or {}).get("state") or {}
     ours = task.state_dict() if callable(getattr(task, "state_dict", None)) else {}
     for key, what in (("tgt_vocab", "target"), ("src_vocab", "source")):
         if key in ours and saved.get(key) != ours[key]:
             theirs = len(saved[key]) if isinstance(saved.get(key), list) else "no"
-            raise StartupError(f"--teacher {path}: its {what} vocabulary ({theirs} tokens) is not this run's "
+            raise UsageError(f"--teacher {path}: its {what} vocabulary ({theirs} tokens) is not this run's "
                                f"({len(ours[key])} tokens); distillation needs one vocabulary")
     if config.get("lora_r"):
-        raise StartupError(f"--teacher {path}: a --lora-r checkpoint holds adapters only; merge them "
+        raise UsageError(f"--teacher {path}: a --lora-r checkpoint holds adapters only; merge them "
                            "(--merge-lora) and give the folder")
     if config.get("hf_model"):
         if os.path.isdir(config["hf_model"]):  # the run's folder, where it still is: its kind named from here
@@ -121,12 +121,12 @@ def _checkpoint(path: str, task, student):
         teacher = Seq2Seq(len(saved["src_vocab"]), len(saved["tgt_vocab"]), config["embed_dim"],
                           config["hidden_size"], config["dropout"], config["bidirectional"])
     else:
-        raise StartupError(f"--teacher {path}: a checkpoint of --task {config['task']} (its own model) cannot "
+        raise UsageError(f"--teacher {path}: a checkpoint of --task {config['task']} (its own model) cannot "
                            f"teach: {PAIRS}")
     try:
         teacher.load_state_dict(state["model"])
     except RuntimeError as err:
-        raise StartupError(f"--teacher {path}: its parameters do not fit the model its config describes "
+        raise UsageError(f"--teacher {path}: its parameters do not fit the model its config describes "
                            f"({str(err).splitlines()[0]})") from None
     return teacher
 
