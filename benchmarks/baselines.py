@@ -16,16 +16,19 @@ from __future__ import annotations
 import torch
 
 from twophase.phase1.onephase import one_phase_backward, one_phase_search
+from twophase.config import PhaseTwoConfig, SearchConfig
 from twophase.system import amp
 from twophase.train.steps.parts import Gradient, phase_two, search
 from twophase.train.steps.sequence import SequenceStep
 
 
-def _one_phase_search(p, cfg, source):
-    return one_phase_search(p.model, source, cfg.sampler, cfg.beam_size, cfg.max_len, cfg.temperature, p.sampling)
+def _one_phase_search(p, search: SearchConfig, source):
+    return one_phase_search(p.model, source, search.sampler, search.beam_size, search.max_len, search.temperature,
+                            p.sampling)
 
 
-def _one_phase_backward(p, cfg, source, rows, coef: torch.Tensor, log_p: torch.Tensor) -> float:
+def _one_phase_backward(p, phase_two_settings: PhaseTwoConfig, source, rows, coef: torch.Tensor,
+                        log_p: torch.Tensor) -> float:
     """The gradient of sum_i coef[i] log p_i over the candidates (the first len(log_p) rows) through the search's
     graph, then phase two over the rows after them; with fp16 the coefficients carry the loss scale (the loss
     does not)."""
@@ -34,14 +37,14 @@ def _one_phase_backward(p, cfg, source, rows, coef: torch.Tensor, log_p: torch.T
     loss = one_phase_backward(log_p, scaled) / scale
     if len(rows) > n:
         refs = rows.select(torch.arange(n, len(rows), device=coef.device))
-        loss += phase_two(p, cfg, source, refs, coef[n:])
+        loss += phase_two(p, phase_two_settings, source, refs, coef[n:])
     return loss
 
 
 ONE_PHASE = Gradient("phase 1: search with graph (one-phase)", _one_phase_search, _one_phase_backward)
-NO_PREFIX_SHARING = Gradient("phase 1: search", lambda p, cfg, source: (search(p, cfg, source), None),
-                             lambda p, cfg, source, rows, coef, graph: phase_two(p, cfg, source, rows, coef,
-                                                                                 prefix_sharing=False))
+NO_PREFIX_SHARING = Gradient("phase 1: search", lambda p, settings, source: (search(p, settings, source), None),
+                             lambda p, settings, source, rows, coef, graph: phase_two(p, settings, source, rows, coef,
+                                                                                      prefix_sharing=False))
 
 
 def use(run, gradient: Gradient) -> None:

@@ -36,7 +36,7 @@ def _compiled_part(model) -> Compiled:
 
 def _timed(trainer, source, clock=time.process_time) -> tuple[float, int]:
     start = clock()
-    cand = search(trainer.parts, trainer.cfg, source)
+    cand = search(trainer.parts, trainer.cfg.section("search"), source)
     return clock() - start, max(1, cand.tokens.shape[1])  # seconds, decoding steps taken
 
 

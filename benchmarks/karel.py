@@ -112,7 +112,7 @@ def _measure_one(train_flags: list[str], steps: int, rl_beams: list[int], eval_t
                 "parameters": params, "threads": torch.get_num_threads()}
         rows = [{**head, "kind": "mle", "batch": cfg.mle_batch_size, **_step_seconds(training, "mle", steps)}]
         for k in rl_beams:
-            training.trainer.cfg.beam_size = k
+            training.trainer.rl.search.beam_size = k  # the RL step's own search section
             rows.append({**head, "kind": "rl", "batch": cfg.batch_size, "beam": k,
                          **_step_seconds(training, "rl", steps)})
         if eval_tasks:

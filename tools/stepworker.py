@@ -14,12 +14,13 @@ Jobs (JOB_JSON's "kind"):
          output bias set ("eos_bias": every candidate runs to --max-len, as benchmarks.karel) and each reward
          offset by a random [0, 1e-3) ("untie": see benchmarks.karel); parts: phase one, rewards and update
          (clipping and the optimizer step) by the trainer's own sections (`Trainer.section`), phase two
-         (`Trainer.phase_two`), or, where the steps run on `train.steps.parts`, the parts' timer hook around the
-         same sections and phase two; in a checkout from before `Run`, the trainer is what cli.build returns
+         (`Trainer.phase_two`), or, where the steps run on `train.steps.parts`, what the parts' sections report to
+         (their profiler, or before that their timer hook), the same sections and phase two; in a checkout
+         from before `Run`, the trainer is what cli.build returns
     hf   `benchmarks.hf`'s two-phase step on its model "model" (t5, causal) at its default sizes; parts:
          phase one (`sample`), phase two (the step's `phase2_cpu`)
-The parts are timed by wrapping those functions from outside, so that a checkout without the trainer's timer
-hook (`benchmarks.steptimes`) is timed the same way as one with it. Only what both
+The parts are timed by wrapping those functions from outside, so that a checkout without the parts' hook
+(`benchmarks.steptimes`) is timed the same way as one with it. Only what both
 checkouts compared have is used, hence benchmarks.karel's tie-breaking written again here.
 """
 import contextlib
@@ -117,11 +118,26 @@ def rl_job(job: dict, parts: dict):
         trainer.section = sectioned(trainer.section, parts)
         trainer.phase_two = timed(trainer.phase_two, parts, "phase two")
         return lambda: run.train_step("rl"), trainer.model
-    # The steps' parts (train.steps.parts): their timer hook, around the same sections and phase two
+    # The steps' parts (train.steps.parts): what their sections report to (their profiler; a checkout from before
+    # that: their timer hook), the same sections and phase two
     if job.get("untie"):
         trainer.parts.reward = UntiedReward(trainer.parts.reward)
-    trainer.parts.timer = lambda part: _timed_section(contextlib.nullcontext(), parts, part)
+    if hasattr(trainer.parts, "timer"):
+        trainer.parts.timer = lambda part: _timed_section(contextlib.nullcontext(), parts, part)
+    else:
+        trainer.parts.profiler = PartTimer(parts)
     return lambda: run.train_step("rl"), trainer.model
+
+
+class PartTimer:
+    """The steps' profiler (`Parts.profiler`): each section that names a part of the step adds its CPU seconds to
+    parts[part]."""
+
+    def __init__(self, parts: dict):
+        self.parts = parts
+
+    def section(self, name, part=None):
+        return contextlib.nullcontext() if part is None else _timed_section(contextlib.nullcontext(), self.parts, part)
 
 
 def hf_job(job: dict, parts: dict):

@@ -1,5 +1,6 @@
-"""bench.steptimes: the CPU seconds of an RL step's parts (phase one, rewards, phase two, update), through the
-trainer's timer hook; and tools/beforeafter.py, tools/stepworker.py, which time them from outside."""
+"""bench.steptimes: the CPU seconds of an RL step's parts (phase one, rewards, phase two, update), as the parts'
+profiler; and tools/beforeafter.py, tools/stepworker.py, which time them from outside."""
+import json
 import time
 
 import pytest
@@ -42,7 +43,7 @@ def test_each_part_gets_its_own_seconds(task, tmp_path, monkeypatch, one_thread)
     monkeypatch.setattr(parts_module, "rescore_backward", advancing(parts_module.rescore_backward, 100.0))
     monkeypatch.setattr(tr.optimizer, "step", advancing(tr.optimizer.step, 1000.0))
     run.train_step("rl")  # not asked: nothing recorded
-    assert tr.parts.timer is None
+    assert tr.parts.profiler is None
     times = PartTimes().attach(tr)
     run.train_step("rl")
     assert times == {"phase one": 1.0, "rewards": 10.0, "phase two": 100.0, "update": 1000.0}
@@ -59,6 +60,22 @@ def test_parts_lie_within_the_step(task, tmp_path, one_thread):
     assert all(v >= 0 for v in times.values()) and sum(times.values()) <= total + 1e-9
 
 
+def test_a_profiled_step_gives_the_callers_profiler_back(task, tmp_path, one_thread):
+    """--profile-memory's profiler takes the parts' profiler slot for its step and writes its rows; an attached
+    PartTimes is the parts' profiler again after it, and times the next step unprofiled."""
+    run = _run(task, tmp_path / "run")
+    tr = run.trainer
+    times = PartTimes().attach(tr)
+    from twophase.train import runparts
+    runparts.take_step(tr, run.state, run.saver, "rl", 0.01, profiled=True)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "memory_profile.jsonl").read_text().splitlines()]
+    assert tr.parts.profiler is times and times == {} and len(rows) == 1
+    sections = [r["section"] for r in rows[0]["sections"]]
+    assert "phase 1: search" in sections and "optimizer step" in sections and None not in sections
+    run.train_step("rl")
+    assert set(times) == {"phase one", "rewards", "phase two", "update"}
+
+
 def test_karel_bench_splits_the_step(task, tmp_path, one_thread):
     """bench.karel's step split (on a tiny TSV trainer: the same Trainer path): every part and the rest, which
     add up to the step; its untied rewards differ from the true ones by less than 1e-3 and never tie."""
@@ -69,8 +86,8 @@ def test_karel_bench_splits_the_step(task, tmp_path, one_thread):
     tr.parts.reward = bench_karel.Untied(true_reward)
     row = bench_karel._step_seconds(run, "rl", 2)
     assert set(row) == {"cpu_s", "phase_one_s", "rewards_s", "phase_two_s", "update_s", "other_s"}
-    assert tr.parts.timer is None and row["phase_two_s"] > 0 and row["phase_one_s"] > 0
-    cand = parts_module.search(tr.parts, tr.cfg, parts_module.sources(tr.parts, [0, 1]))
+    assert tr.parts.profiler is None and row["phase_two_s"] > 0 and row["phase_one_s"] > 0
+    cand = parts_module.search(tr.parts, tr.rl.search, parts_module.sources(tr.parts, [0, 1]))
     examples = [tr.task.train[0], tr.task.train[1]]
     untied = parts_module.rewards_of(tr.parts, cand.tokens, cand.owner.tolist(), examples)
     tr.parts.reward = true_reward

@@ -81,20 +81,20 @@ def test_grad_accum_divides_by_the_whole_generations_tokens(data, tmp_path, one_
                           distill_beta=0.5, include_reference=True, max_len=8, rescore_chunk=5, compare_mle=False,
                           save_dir=str(tmp_path))
     tr = recipe.setup(cfg).trainer  # its steps, taken directly
-    tr.model.double(), tr.rl.teacher.double()
+    tr.model.double(), tr.parts.teacher.double()
     seen, grads = [], []
     backward = tr.rl.gradient.backward
 
-    def recorded(p, cfg, source, rows, coef, graph):
+    def recorded(p, settings, source, rows, coef, graph):
         seen.append((source, rows))
-        return backward(p, cfg, source, rows, coef, graph)
+        return backward(p, settings, source, rows, coef, graph)
 
     tr.rl.gradient = Gradient(tr.rl.gradient.section, tr.rl.gradient.search, recorded)
-    monkeypatch.setattr(steps.parts, "update", lambda p, cfg, loss: grads.append(take_grads(tr.model))
+    monkeypatch.setattr(steps.parts, "update", lambda p, settings, loss: grads.append(take_grads(tr.model))
                         or {"grad_norm": 0.0, "skipped": 0})
     loss = tr.rl_step()["loss"]
 
-    student, teacher_model = tr.model, tr.rl.teacher
+    student, teacher_model = tr.model, tr.parts.teacher
     allowed = ~student.banned  # banned tokens: probability 0 in both, left out (kl_div would read 0 * (-inf))
     total, tokens = 0.0, []
     with protocol.scoring_mode(student), protocol.scoring_mode(teacher_model):

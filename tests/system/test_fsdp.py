@@ -124,7 +124,7 @@ def _teacher_is_sharded(argv: list) -> None:
     """Under --fsdp each process keeps its half of the teacher's parameters, before and after a step and during
     its phase ones, and the whole of them for its phase twos alone; the teacher gets no gradient."""
     trainer = cli.build_from_flags(argv).trainer
-    teacher, held = trainer.rl.teacher, []
+    teacher, held = trainer.parts.teacher, []
 
     def kept():  # the teacher's parameter elements this process holds now
         return sum(fsdp.local(p).numel() for p in teacher.parameters())

@@ -174,6 +174,9 @@ def test_no_part_holds_its_owner_or_its_owners_methods(tmp_path, objective):
     for part in (tr.parts, tr.mle, tr.rl):
         owned = [name for name, value in vars(part).items() if _owners_in(value, (Trainer, Run))]
         assert not owned, (type(part).__name__, owned)
+        # a step is given its own sections of the configuration, never the whole record
+        configs = [name for name, value in vars(part).items() if isinstance(value, Config)]
+        assert not configs, (type(part).__name__, configs)
     # the --compare-mle control and the checkpoint it shares with the run: the trainer they wind back and save,
     # never the Run nor a method bound to the Run or the trainer
     for part in (run.comparison, run.saver):
@@ -182,3 +185,24 @@ def test_no_part_holds_its_owner_or_its_owners_methods(tmp_path, objective):
         assert not owned, (type(part).__name__, owned)
     assert tr.mle.parts is tr.parts and tr.rl.parts is tr.parts
     assert not hasattr(tr, "train")  # the data splits are the task's; train() is the Run's loop alone
+
+
+def test_each_step_family_is_given_the_sections_it_names():
+    """A family names the sections it reads (`reads`): its constructor takes the parts and exactly those, each a
+    section of the configuration; no module of the steps takes the whole Config but `Parts.build` (its fields are
+    plain data)."""
+    import inspect
+    from twophase.config.sections import SECTIONS
+    from twophase.train.steps import STEPS, MleStep
+    for family in {MleStep, *STEPS.values()}:
+        params = list(inspect.signature(family).parameters)
+        assert params == ["parts", *family.reads], (family.__name__, params)
+        assert set(family.reads) <= set(SECTIONS), family.reads
+    found = []
+    for path in sorted((ROOT / "train" / "steps").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.Lambda)) and getattr(node, "name", "") != "build":
+                found += [f"{path.name}:{a.lineno}: {a.arg}" for a in node.args.args
+                          if a.arg == "cfg" or a.annotation is not None and ast.unparse(a.annotation) == "Config"]
+    assert not found, found

@@ -123,11 +123,11 @@ def test_grad_accum_equals_one_big_batch_over_several_updates(data, tmp_path, on
                      batch_size=6 // accum, compare_mle=False, lr=0.05, clip_epsilon=0.01, **flags)
         tr = recipe.setup(cfg).trainer  # its steps, taken directly
         tr.model.double()
-        tr.cfg.grad_accum = 1  # a few MLE steps, the same in both runs: some reward for the candidates
+        tr.mle.steps.grad_accum = 1  # a few MLE steps, the same in both runs: some reward for the candidates
         tr.parts.mle_batches = iter([list(range(k, len(tr.parts.pairs), 2)) for k in range(2)])
         for _ in range(2):
             tr.mle_step()
-        tr.cfg.grad_accum, tr.parts.rl_batches = accum, iter(plan)
+        tr.rl.steps.grad_accum, tr.parts.rl_batches = accum, iter(plan)
         tr.optimizer.param_groups[0]["lr"] = 0.05
         rows.append([tr.rl_step() for _ in range(3)])
         params.append([p.detach().clone() for p in tr.model.parameters()])
@@ -144,10 +144,12 @@ def test_grad_accum_equals_one_big_batch_over_several_updates(data, tmp_path, on
 
 def test_a_generation_saved_before_grad_accum_loads_as_one_batch():
     from types import SimpleNamespace
+    from twophase.config import Config
+    from twophase.train.steps import build
     from twophase.train.steps.policy import FIELDS, PolicyStep
     part = {"idx": [0, 1], **{k: torch.arange(2) + i for i, k in enumerate(FIELDS)}, "advantages": torch.ones(2),
             "ref": None}
-    step = PolicyStep(SimpleNamespace(), SimpleNamespace(device=torch.device("cpu")))
+    step = build(PolicyStep, Config(objective="policy"), SimpleNamespace(device=torch.device("cpu")))
     step.load_state_dict({"generation": {"num_sources": 2, "used": 1, "metrics": {"reward_mean": 0.5}, **part},
                           "reference": None})
     gen = step.generation

@@ -273,12 +273,13 @@ def test_grad_accum_equals_one_big_batch(task, tmp_path, phase, objective, monke
     tr.model.double()
     grads = []
     for module in (steps.mle, steps.parts):  # the update, where each step calls it: the gradient, kept
-        monkeypatch.setattr(module, "update", lambda p, cfg, loss: grads.append(
+        monkeypatch.setattr(module, "update", lambda p, settings, loss: grads.append(
             [q.grad.clone() for q in tr.model.parameters()]) or {"grad_norm": 0.0, "skipped": 0})
     first, second = [0, 5, 7], [2, 9, 11]  # pair indices (MLE) or source indices (RL)
     batches = "mle_batches" if phase == "mle" else "rl_batches"
+    step = tr.mle if phase == "mle" else tr.rl
     for accum, plan in ((2, [first, second]), (1, [first + second])):
-        tr.cfg.grad_accum = accum
+        step.steps.grad_accum = accum  # the step's own section
         setattr(tr.parts, batches, iter(plan))
         row = tr.mle_step() if phase == "mle" else tr.rl_step()
         assert row["skipped"] == 0

@@ -117,11 +117,6 @@ class Config(SystemConfig, RunConfig, EvaluationConfig, StepConfig, PhaseTwoConf
         """What a task reads (`TaskConfig`): the data, model, karel, countdown and lora sections and --max-len."""
         return TaskConfig(**{name: getattr(self, name) for name in TASK_FIELDS})
 
-    @property
-    def reinforce_baseline(self) -> str:
-        """The baseline REINFORCE uses: --baseline, or mean where it was not given (None)."""
-        return self.baseline or "mean"
-
     def validate(self) -> None:
         """The checks a Config passed when it was made (`rules.validate`), again, and those that read the file
         system (`rules.check_files`); ConfigError naming the flag."""

@@ -279,6 +279,11 @@ class RLConfig:
     between the generalized Jensen-Shannon divergence; --temperature (with --sampler sample) divides both models'
     logits"""
 
+    @property
+    def reinforce_baseline(self) -> str:
+        """The baseline REINFORCE uses: --baseline, or mean where it was not given (None)."""
+        return self.baseline or "mean"
+
 
 RLConfig.title = "RL: objective and reward"
 

@@ -40,7 +40,13 @@ class StepProfiler:
         self.rows: list[dict] = []
 
     @contextmanager
-    def section(self, name: str):
+    def section(self, name: str | None, part: str | None = None):
+        """A row for the section `name` (None: a part of the step that is no section of its own, phase two's
+        whole, whose chunks are sections: no row). `part` names the part of the step it belongs to, for a
+        caller that groups sections by part (a benchmark's timer); the rows do not record it."""
+        if name is None:
+            yield
+            return
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)

@@ -77,7 +77,10 @@ def take_step(trainer, state, saver: Saver, phase: str, lr: float, profiled: boo
     `state.stats[phase]`; a non-finite loss or gradient skips the update (counted; too many in a row stop the run
     with a crash checkpoint, `saver`'s). `profiled`: --profile-memory's profile of this step."""
     start_step = state.step + 1
-    trainer.start_step(start_step, lr, StepProfiler(trainer.device) if profiled else None)
+    trainer.start_step(start_step, lr)
+    held = trainer.parts.profiler  # a caller's (a benchmark's timer), back after a profiled step
+    if profiled:
+        trainer.parts.profiler = StepProfiler(trainer.device)
     start, cpu_start = time.perf_counter(), time.process_time()
     row = None  # None after an out-of-memory error
     try:
@@ -91,11 +94,11 @@ def take_step(trainer, state, saver: Saver, phase: str, lr: float, profiled: boo
     if row is None:  # out of the except block: the failed step's tensors, held by its traceback, are gone
         row = skip_out_of_memory(trainer, state, phase)
     row.update(trainer.step_figures())
-    if trainer.parts.profiler is not None:  # --profile-memory: every step to memory_profile.jsonl, 1st printed
+    if profiled:  # --profile-memory: every step to memory_profile.jsonl, 1st printed
         if saver.speaks:
             trainer.parts.profiler.write(saver.save_dir / "memory_profile.jsonl", start_step, phase,
                                          echo=state.stats[phase]["steps"] == 0)
-        trainer.parts.profiler = None
+        trainer.parts.profiler = held
     stats = state.stats[phase]
     stats["seconds"] += time.perf_counter() - start
     # this process's CPU time: --compare-mle's budget on CPU, which other processes on the machine do not tilt

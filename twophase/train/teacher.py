@@ -42,13 +42,14 @@ def load(cfg, task, student, device):
     return fsdp.shard_model(teacher) if cfg.fsdp else teacher
 
 
-def objective(teacher, cfg, rows: list):
-    """The distillation objective of a step whose --grad-accum batches' rows (this process's) are `rows`: TRL's
-    normaliser, the scored tokens of the step's whole generation (every batch's, every process's: TRL's
-    num_items_in_batch, gathered over its generation batch), the same for each batch's phase two."""
+def objective(teacher, rl, search, rows: list):
+    """The distillation objective of a step whose --grad-accum batches' rows (this process's) are `rows`, with
+    the RL section's --distill-beta and the search's temperature (--sampler sample's, else 1): TRL's normaliser,
+    the scored tokens of the step's whole generation (every batch's, every process's: TRL's num_items_in_batch,
+    gathered over its generation batch), the same for each batch's phase two."""
     tokens = distributed.reduce_sums({"tokens": float(sum(r.lengths.sum() for r in rows))})["tokens"]
-    temperature = cfg.temperature if cfg.sampler == "sample" else 1.0
-    return distillation(teacher, cfg.distill_beta, temperature, num_items=tokens)
+    temperature = search.temperature if search.sampler == "sample" else 1.0
+    return distillation(teacher, rl.distill_beta, temperature, num_items=tokens)
 
 
 # The pairs that work: a teacher teaches a student of its own kind, which reads the same sources and writes the

@@ -2,7 +2,8 @@
 of the --objective's family, `steps.STEPS`) and its own part of a checkpoint.
 
 Each step family reads its step top to bottom (`steps.mle`, `steps.sequence`, `steps.policy`, `steps.distill`),
-given the parts and its settings; none is given the trainer. The task (twophase.tasks) supplies the data, the
+given the parts and the sections of the configuration it reads (`steps.build`); none is given the trainer or the
+whole configuration. The task (twophase.tasks) supplies the data, the
 model's sources, target ids and detokenisation; the trainer knows nothing else about it, nor about the run (its
 step count, checkpoints, logs: `run.Run`).
 """
@@ -18,7 +19,7 @@ from ..tasks.base import Task
 from .checkpoint import (host_copy, python_rng_state, rng_state, set_generator_state, set_python_rng_state,
                          set_rng_state)
 from .evaluation import validate
-from .steps import STEPS, MleStep, Parts
+from .steps import STEPS, MleStep, Parts, build
 
 
 class Trainer:
@@ -28,9 +29,9 @@ class Trainer:
 
     def __init__(self, cfg: Config, task: Task, model, reward, device: torch.device, teacher=None):
         self.cfg = cfg
-        self.parts = Parts.build(cfg, task, model, reward, device)
-        self.mle = MleStep(cfg, self.parts)
-        self.rl = STEPS[cfg.objective](cfg, self.parts, teacher)
+        self.parts = Parts.build(cfg, task, model, reward, device, teacher)
+        self.mle = build(MleStep, cfg, self.parts)
+        self.rl = build(STEPS[cfg.objective], cfg, self.parts)
 
     # What the run reads of the parts.
     task = property(lambda self: self.parts.task)
@@ -39,9 +40,9 @@ class Trainer:
     reward = property(lambda self: self.parts.reward)
     optimizer = property(lambda self: self.parts.optimizer)
 
-    def start_step(self, number: int, lr: float, profiler=None) -> None:
-        """Before step `number`: its learning rate, --profile-memory's profiler (None: not profiled), fresh counts."""
-        self.parts.start(number, lr, profiler)
+    def start_step(self, number: int, lr: float) -> None:
+        """Before step `number`: its learning rate, fresh counts."""
+        self.parts.start(number, lr)
 
     def step_figures(self) -> dict:
         """What the step's metrics row adds about the trainer: the auto chunk size, the rate, phase two's counts."""

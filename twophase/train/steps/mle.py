@@ -7,31 +7,34 @@ with the model in training mode (dropout on) as it is left (`keep_mode`).
 from __future__ import annotations
 
 from ... import objectives
-from ...config import Config
+from ...config import PhaseTwoConfig, StepConfig
 from ...system import distributed, fsdp
 from .parts import Parts, phase_two, presented, target_rows, update
 
 
 class MleStep:
-    """The MLE phase's step, given the parts and its settings."""
+    """The MLE phase's step, given the parts and its sections: phase two's (its chunks) and the steps' (--grad-accum,
+    clipping)."""
 
-    def __init__(self, cfg: Config, parts: Parts):
-        self.cfg, self.parts = cfg, parts
+    reads = ("phase_two", "steps")
+
+    def __init__(self, parts: Parts, phase_two: PhaseTwoConfig, steps: StepConfig):
+        self.parts, self.phase_two, self.steps = parts, phase_two, steps
 
     def step(self) -> dict:
-        p, cfg = self.parts, self.cfg
+        p, accum = self.parts, self.steps.grad_accum
         p.model.train()
         p.optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         with fsdp.gathered(p.model, reduce=True):  # --fsdp: whole parameters for the step, one reduction after
-            for _ in range(cfg.grad_accum):
+            for _ in range(accum):
                 batch = next(p.mle_batches)  # the global batch: every process draws it, then takes its share
                 shown = presented(p, [p.pairs[k][0] for k in batch])
                 pairs = [p.pairs[k] for k in distributed.shard(batch)]
                 source = p.task.collate(shown, p.device)
                 refs = target_rows(p, [p.ref_ids[i][j] for i, j in pairs], list(range(len(pairs))))  # (B, T)
-                coef = objectives.mle(refs.owner, len(batch) * cfg.grad_accum)
-                loss += phase_two(p, cfg, source, refs, coef, keep_mode=True)
+                coef = objectives.mle(refs.owner, len(batch) * accum)
+                loss += phase_two(p, self.phase_two, source, refs, coef, keep_mode=True)
         loss = distributed.reduce_sums({"loss": loss})["loss"]
-        return {"loss": loss, **update(p, cfg, loss)}
+        return {"loss": loss, **update(p, self.steps, loss)}
 

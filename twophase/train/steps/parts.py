@@ -1,15 +1,18 @@
 """The parts every training step uses, as plain data (`Parts`), and the plain functions that serve every step.
 
-Each step family (`steps.mle`, `steps.sequence`, `steps.policy`, `steps.distill`) is given the parts and its own
-settings, and calls these functions; none of them is given its owner. The functions, in the algorithm's order:
+Each step family (`steps.mle`, `steps.sequence`, `steps.policy`, `steps.distill`) is given the parts and the
+sections of the configuration it reads, and calls these functions, each given the one section it reads (phase
+one's `SearchConfig`, phase two's `PhaseTwoConfig`, the update's `StepConfig`); none of them is given its owner or
+the whole Config. The functions, in the algorithm's order:
     rollout    - `sources` (the batch as the model reads it), `search` (phase one: K candidates per source, no
                  graph) and `rewards_of` (every candidate scored against the references of its source);
     phase two  - `phase_two`: rescore_backward, chunked teacher-forced re-decoding, the exact gradient of
                  sum_i c_i log p_i (with fp16 the coefficients carry the loss scale);
     update     - `update`: the gradients summed over processes, clipped, and the optimizer's step (or a skip).
 `Gradient` is phase one and phase two as one value (`PHASE_TWO`): a step's search and backward, which a benchmark
-may replace with a baseline's (`benchmarks.baselines`). Letters: B sources per step, K candidates per source,
-N rows, T length.
+may replace with a baseline's (`benchmarks.baselines`). A step's parts (phase one, rewards, phase two, the
+update) are `section`s, reported to the parts' `profiler` where one is set (--profile-memory's, or a benchmark's
+timer, `benchmarks.steptimes`). Letters: B sources per step, K candidates per source, N rows, T length.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...config import Config, parse_size
+from ...config import Config, PhaseTwoConfig, SearchConfig, StepConfig, parse_size
 from ...phase1.sbs import stochastic_beam_search
 from ...phase1.search import beam_search, sample
 from ...phase2.rescoring import rescore_backward
@@ -41,7 +44,8 @@ class Parts:
     """What a step runs on: the model and its optimizer, fp16's scaler (None otherwise) and --amp's autocast (every
     model run of a training step; validation runs in full precision), the device, the task and its training
     targets, the reward and its log, both phases' batch samplers, the sampling generator, Task.present's stream and
-    --rescore-chunk auto's planner; then what the current step records (set by `start`)."""
+    --rescore-chunk auto's planner, --objective distill's frozen teacher (`train.teacher.load`; None otherwise);
+    then what the current step records (set by `start`)."""
 
     task: Task
     model: Any
@@ -58,19 +62,20 @@ class Parts:
     presenting: random.Random
     chunk_planner: ChunkPlanner | None
     reward_log: RewardLog
+    teacher: Any = None
     last_chunk: Any = None  # the chunk size phase two last used (--rescore-chunk auto: the planner's)
-    # The current step's: its number (1-based, for messages), learning rate, --profile-memory's profiler (None:
-    # not profiled), phase two's counts (decoded prefix-tree nodes, candidate positions), the update's outcome.
+    # What the step's sections report to: profiler.section(name, part) -> a context manager (--profile-memory's
+    # `StepProfiler` for a profiled step, a benchmark's timer; None: nothing). Also phase two's, for its chunks.
+    profiler: Any = None
+    # The current step's: its number (1-based, for messages), learning rate, phase two's counts (decoded
+    # prefix-tree nodes, candidate positions), the update's outcome.
     number: int = 1
     lr: float = 0.0
-    profiler: Any = None
     counts: dict = field(default_factory=dict)
     outcome: str | None = None
-    # A caller's hook around each timed part of a step: timer(part) -> a context manager (benchmarks.steptimes)
-    timer: Callable | None = None
 
     @classmethod
-    def build(cls, cfg: Config, task: Task, model, reward, device: torch.device) -> "Parts":
+    def build(cls, cfg: Config, task: Task, model, reward, device: torch.device, teacher=None) -> "Parts":
         ref_ids = [task.target_ids(ex) for ex in task.train]  # (source, reference) -> target ids, no EOS
         pairs = [(i, j) for i, refs in enumerate(ref_ids) for j in range(len(refs))]
         return cls(
@@ -85,32 +90,21 @@ class Parts:
             sampling=torch.Generator(device=device).manual_seed(cfg.seed + 1000 * distributed.rank()),
             presenting=random.Random(f"present {cfg.seed}"),
             chunk_planner=ChunkPlanner(parse_size(cfg.memory_budget)) if cfg.rescore_chunk == "auto" else None,
-            reward_log=RewardLog(reward), last_chunk=cfg.rescore_chunk, lr=cfg.lr)
+            reward_log=RewardLog(reward), teacher=teacher, last_chunk=cfg.rescore_chunk, lr=cfg.lr)
 
-    def start(self, number: int, lr: float, profiler=None) -> None:
-        """Before step `number`: its learning rate, --profile-memory's profiler (None: not profiled), fresh counts."""
+    def start(self, number: int, lr: float) -> None:
+        """Before step `number`: its learning rate, fresh counts."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.number, self.lr, self.profiler, self.counts, self.outcome = number, lr, profiler, {}, None
+        self.number, self.lr, self.counts, self.outcome = number, lr, {}, None
 
 
 # ------------------------------------------------------------------ sections
-def section(p: Parts, name: str, part: str | None = None):
-    """A --profile-memory section of the step (a no-op otherwise), inside the caller's timer of `part`."""
-    return timed(p, p.profiler.section(name) if p.profiler is not None else contextlib.nullcontext(), part)
-
-
-def timed(p: Parts, inner, part: str | None):
-    """The context manager `inner`, inside timer(part) where a caller set a timer (and part names one)."""
-    if p.timer is None or part is None:
-        return inner
-    return _within(p.timer(part), inner)
-
-
-@contextlib.contextmanager
-def _within(outer, inner):
-    with outer, inner:
-        yield
+def section(p: Parts, name: str | None, part: str | None = None):
+    """A section of the step, reported to the parts' profiler (a no-op without one): `name`, its --profile-memory
+    section (None: none of its own), and `part`, the part of the step it belongs to (phase one, rewards,
+    references, phase two, update; None: none)."""
+    return p.profiler.section(name, part) if p.profiler is not None else contextlib.nullcontext()
 
 
 # ------------------------------------------------------------------ rollout: sources, phase one, rewards
@@ -127,14 +121,15 @@ def presented(p: Parts, batch: list[int]) -> list[Example]:
     return distributed.shard(p.task.present([p.task.train[i] for i in batch], p.presenting))
 
 
-def search(p: Parts, cfg: Config, source) -> Samples:
+def search(p: Parts, settings: SearchConfig, source) -> Samples:
     """Phase one without a graph: K candidates per source by --sampler (beam, sample, sbs)."""
-    if cfg.sampler == "beam":
-        return beam_search(p.model, source, cfg.beam_size, cfg.max_len)
-    if cfg.sampler == "sbs":
-        return stochastic_beam_search(p.model, source, cfg.beam_size, cfg.max_len, p.sampling)
-    return sample(p.model, source, cfg.beam_size, cfg.max_len, cfg.temperature, p.sampling,
-                  top_k=cfg.top_k or None, top_p=cfg.top_p if cfg.top_p < 1 else None, min_len=cfg.min_len)
+    s = settings
+    if s.sampler == "beam":
+        return beam_search(p.model, source, s.beam_size, s.max_len)
+    if s.sampler == "sbs":
+        return stochastic_beam_search(p.model, source, s.beam_size, s.max_len, p.sampling)
+    return sample(p.model, source, s.beam_size, s.max_len, s.temperature, p.sampling,
+                  top_k=s.top_k or None, top_p=s.top_p if s.top_p < 1 else None, min_len=s.min_len)
 
 
 def rewards_of(p: Parts, tokens: torch.Tensor, owner: list[int], examples: list[Example]) -> torch.Tensor:
@@ -164,15 +159,16 @@ class Rollout:
 
 @dataclass(frozen=True)
 class Gradient:
-    """Phase one and the gradient as one value: `search(parts, cfg, source) -> (candidates, what backward needs)`
-    under the --profile-memory section `section`, and `backward(parts, cfg, source, rows, coef, that) -> loss`."""
+    """Phase one and the gradient as one value: `search(parts, search_settings, source) -> (candidates, what
+    backward needs)` under the --profile-memory section `section`, and `backward(parts, phase_two_settings, source,
+    rows, coef, that) -> loss` (`SearchConfig`, `PhaseTwoConfig`)."""
 
     section: str
     search: Callable
     backward: Callable
 
 
-def rollout(p: Parts, cfg: Config, batch: list[int], gradient: Gradient) -> Rollout:
+def rollout(p: Parts, settings: SearchConfig, batch: list[int], gradient: Gradient) -> Rollout:
     """Steps 1-2 of the algorithm on one global batch: this process's share of it, its candidates, their rewards."""
     idx = distributed.shard(batch)  # this process's share
     examples = presented(p, batch)
@@ -181,7 +177,7 @@ def rollout(p: Parts, cfg: Config, batch: list[int], gradient: Gradient) -> Roll
 
     # 1. Phase one: K candidates per source and their log-probabilities (and what step 4 needs of the search).
     with section(p, gradient.section, "phase one"), p.autocast():
-        cand, graph = gradient.search(p, cfg, source)
+        cand, graph = gradient.search(p, settings, source)
     # 2. Rewards of every candidate against all references of its source (and what else the reward asks).
     with section(p, "rewards", "rewards"):
         rewards = rewards_of(p, cand.tokens, cand.owner.tolist(), examples)  # (N,)
@@ -203,14 +199,14 @@ def reference_rows(p: Parts, idx: list[int]) -> Samples:
 
 
 # ------------------------------------------------------------------ phase two
-def phase_two(p: Parts, cfg: Config, source, rows: Samples, coef, keep_mode: bool = False,
+def phase_two(p: Parts, settings: PhaseTwoConfig, source, rows: Samples, coef, keep_mode: bool = False,
               stats: dict | None = None, prefix_sharing: bool = True) -> float:
     """rescore_backward with the configured chunk size, or the largest within --memory-budget, under the autocast
     phase one ran in; with fp16 the coefficients carry the loss scale (the returned loss does not). prefix_sharing
     False: every row decoded from its first token (a benchmark's baseline, `benchmarks.baselines`)."""
     coef, scale = amp.scale_coefficients(coef, p.scaler)
-    with timed(p, p.autocast(), "phase two"):
-        chunk = cfg.rescore_chunk
+    with section(p, None, "phase two"), p.autocast():  # its --profile-memory sections: rescore_backward's
+        chunk = settings.rescore_chunk
         if chunk == "auto":
             chunk = p.chunk_planner.chunk_size(p.model, source, rows, coef)  # a teacher's states too
             p.last_chunk = chunk
@@ -222,12 +218,12 @@ def phase_two(p: Parts, cfg: Config, source, rows: Samples, coef, keep_mode: boo
         return loss / scale
 
 
-PHASE_TWO = Gradient("phase 1: search", lambda p, cfg, source: (search(p, cfg, source), None),
-                     lambda p, cfg, source, rows, coef, graph: phase_two(p, cfg, source, rows, coef))
+PHASE_TWO = Gradient("phase 1: search", lambda p, settings, source: (search(p, settings, source), None),
+                     lambda p, settings, source, rows, coef, graph: phase_two(p, settings, source, rows, coef))
 
 
 # ------------------------------------------------------------------ update
-def update(p: Parts, cfg: Config, loss: float) -> dict:
+def update(p: Parts, settings: StepConfig, loss: float) -> dict:
     """Clip and step, unless the loss or the gradient norm is not finite: then the parameters stay as they were and
     the step is skipped; p.outcome says which ("taken", "skipped", or "bad": a skip that counts towards
     --max-bad-steps, which the run enforces)."""
@@ -238,7 +234,7 @@ def update(p: Parts, cfg: Config, loss: float) -> dict:
             distributed.all_reduce_grads(list(p.model.parameters()))
         params = [q for q in p.model.parameters() if q.grad is not None]
         amp.unscale(p.scaler, p.optimizer, params)  # clipping and the check below see true gradients
-        clip = cfg.clip_norm if cfg.clip_norm > 0 else math.inf
+        clip = settings.clip_norm if settings.clip_norm > 0 else math.inf
         norm = float(fsdp.whole(torch.nn.utils.clip_grad_norm_(params, clip))) if params else 0.0
     scale = amp.update(p.scaler, params)  # backs the scale off after inf/nan gradients, else may grow it
     if math.isfinite(loss) and math.isfinite(norm):
@@ -251,7 +247,7 @@ def update(p: Parts, cfg: Config, loss: float) -> dict:
     return {"grad_norm": norm, "skipped": 1}
 
 
-def rl_update(p: Parts, cfg: Config, losses: list[float], rewards: list[torch.Tensor],
+def rl_update(p: Parts, settings: StepConfig, losses: list[float], rewards: list[torch.Tensor],
               reward_parts: list[dict | None]) -> dict:
     """Step 5 of a step whose batches left these losses, (N,) rewards and, with several rewards, each one's
     values: the loss summed over processes, the rewards' figures, then `update`."""
@@ -261,4 +257,4 @@ def rl_update(p: Parts, cfg: Config, losses: list[float], rewards: list[torch.Te
             parts.setdefault(name, []).extend(values)
     total = distributed.reduce_sums({"loss": sum(losses, 0.0)})
     return {"loss": total["loss"], **p.reward_log.row(torch.cat(rewards), parts, p.number),
-            **update(p, cfg, total["loss"])}
+            **update(p, settings, total["loss"])}

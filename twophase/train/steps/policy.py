@@ -26,39 +26,45 @@ import math
 
 import torch
 
+from ...config import PhaseTwoConfig, PolicyConfig, RLConfig, SearchConfig, StepConfig
 from ...system import distributed, fsdp
 from ...objectives.entropycontrol import AdaptiveEntropy
 from ...objectives.policy import advantages, policy_loss, scored_moments, truncated_rows, zero_std_groups
 from ...samples import Samples
 from ..klreference import Reference
-from .parts import phase_two, rewards_of, search, section, sources, update
+from .parts import Parts, phase_two, rewards_of, search, section, sources, update
 
 REF_CHUNK = 64  # rows per chunk of the reference's no-graph scoring when --rescore-chunk is auto
 FIELDS = ("tokens", "lengths", "owner", "scores", "token_scores")  # a batch's candidates, as Samples holds them
 
 
 class PolicyStep:
-    """The policy objective's RL step, given the parts (`steps.parts.Parts`) and its settings."""
+    """The policy objective's RL step, given the parts (`steps.parts.Parts`) and its sections: phase one's search,
+    the RL section (its --baseline), the policy objective's, phase two's and the steps'."""
 
-    def __init__(self, cfg, parts, teacher=None):
-        self.cfg, self.parts = cfg, parts
+    reads = ("search", "rl", "policy", "phase_two", "steps")
+
+    def __init__(self, parts: Parts, search: SearchConfig, rl: RLConfig, policy: PolicyConfig,
+                 phase_two: PhaseTwoConfig, steps: StepConfig):
+        self.parts, self.search, self.rl, self.policy, self.phase_two, self.steps = \
+            parts, search, rl, policy, phase_two, steps
         self.generation: dict | None = None  # the current generation (see the module docstring)
         self.reference: Reference | None = None  # the frozen reference, made at the first RL step (or loaded)
         # --use-adaptive-entropy: the entropy bonus's coefficient, moved after every update (its state checkpointed)
-        self.entropy_control = AdaptiveEntropy(cfg.entropy_coef, cfg.entropy_coef_min, cfg.entropy_coef_max,
-                                               cfg.entropy_coef_delta, cfg.entropy_target) \
-            if getattr(cfg, "use_adaptive_entropy", False) else None
+        self.entropy_control = AdaptiveEntropy(policy.entropy_coef, policy.entropy_coef_min, policy.entropy_coef_max,
+                                               policy.entropy_coef_delta, policy.entropy_target) \
+            if policy.use_adaptive_entropy else None
 
     # ------------------------------------------------------------------ reference
     def ensure_reference(self) -> None:
-        cfg = self.cfg
-        if cfg.kl_beta != 0 and self.reference is None:  # this is the first RL step: the end-of-MLE model
+        if self.policy.kl_beta != 0 and self.reference is None:  # this is the first RL step: the end-of-MLE model
             p = self.parts
-            self.reference = Reference.of(p.model, cfg.ref_checkpoint, p.device, p.task.build_model)
+            self.reference = Reference.of(p.model, self.policy.ref_checkpoint, p.device, p.task.build_model)
 
     def reference_log_probs(self, source, cand: Samples) -> torch.Tensor:
         """(N, T) the reference's per-token log-probabilities of the candidates, a chunk of rows at a time."""
-        chunk = self.cfg.rescore_chunk if self.cfg.rescore_chunk != "auto" else REF_CHUNK
+        chunk = self.phase_two.rescore_chunk
+        chunk = chunk if chunk != "auto" else REF_CHUNK
         return self.reference.log_probs(self.parts.model, source, cand, chunk, self.parts.autocast)
 
     # ------------------------------------------------------------------ generation
@@ -68,7 +74,7 @@ class PolicyStep:
         source, examples = sources(p, idx), [p.task.train[i] for i in idx]
         p.model.eval()
         with fsdp.gathered(p.model), section(p, "phase 1: search"), p.autocast():  # --fsdp: gathered
-            cand = search(p, self.cfg, source)
+            cand = search(p, self.search, source)
         with section(p, "rewards"):
             rewards = rewards_of(p, cand.tokens, cand.owner.tolist(), examples)  # (N,), NaN: no reward
             parts = getattr(p.reward, "last", None)  # several rewards: each one's values, for the log
@@ -78,8 +84,7 @@ class PolicyStep:
     def new_generation(self, number: int) -> dict:
         """Phase one and rewards of every batch, then advantages (and dropped groups) and the reference's
         log-probs with the whole generation's statistics: one generation, drawn at step `number` (1-based)."""
-        cfg = self.cfg
-        batches = [next(self.parts.rl_batches) for _ in range(cfg.grad_accum)]
+        batches = [next(self.parts.rl_batches) for _ in range(self.steps.grad_accum)]
         found = [self.rollout(batch) for batch in batches]
         cands, rewards = [f["cand"] for f in found], torch.cat([f["rewards"] for f in found])  # (N,) all batches
         lengths = torch.cat([c.lengths for c in cands])
@@ -102,17 +107,17 @@ class PolicyStep:
                    "completion_length_max": distributed.reduce_max(float(lengths.max()))}
         gen = {"num_sources": B, "used": 0, "metrics": metrics,
                "parts": [self.part(f, math.sqrt(max(var, 0.0))) for f in found]}
-        if cfg.drop_zero_std:
+        if self.policy.drop_zero_std:
             gen["metrics"]["dropped_groups"] = int(sums["zero_std"])
         return gen
 
     def part(self, found: dict, batch_std: float) -> dict:
         """One batch of the generation: its candidates, advantages and reference log-probs."""
-        cfg, cand, idx = self.cfg, found["cand"], found["idx"]
-        adv = advantages(found["rewards"], cand.owner, len(idx), cfg.baseline or "mean", cfg.advantage_scale,
-                         batch_std=batch_std)
+        cand, idx = found["cand"], found["idx"]
+        adv = advantages(found["rewards"], cand.owner, len(idx), self.rl.baseline or "mean",
+                         self.policy.advantage_scale, batch_std=batch_std)
         scored = ~torch.isnan(found["rewards"])  # (N,) rows with a reward
-        if cfg.drop_zero_std:  # DAPO's dynamic sampling: groups without signal leave phase two (and its normalisers)
+        if self.policy.drop_zero_std:  # DAPO's dynamic sampling: groups without signal leave phase two
             keep = (~found["zero"][cand.owner]).nonzero().squeeze(1)
             cand, adv, scored = cand.select(keep), adv[keep], scored[keep]
         ref = self.reference_log_probs(found["source"], cand) if self.reference is not None else None
@@ -120,22 +125,22 @@ class PolicyStep:
 
     def entropy_coef(self) -> float:
         """The entropy bonus's coefficient of this update: --entropy-coef, or the adaptive controller's."""
-        return self.cfg.entropy_coef if self.entropy_control is None else self.entropy_control.applied()
+        return self.policy.entropy_coef if self.entropy_control is None else self.entropy_control.applied()
 
     def objective(self, gen: dict, part: dict, counts: dict):
         """The token-level objective of one batch, normalised by the whole generation's counts."""
-        cfg = self.cfg
+        policy = self.policy
         return policy_loss(part["advantages"], part["token_scores"].to(torch.float64), lengths=part["lengths"],
-                           loss_type=cfg.loss_type, epsilon=cfg.clip_epsilon, epsilon_high=cfg.clip_epsilon_high,
-                           beta=cfg.kl_beta, ref_token_logps=part["ref"],
-                           kl_importance_weighted=cfg.kl_importance_weighted, max_len=cfg.max_len,
+                           loss_type=policy.loss_type, epsilon=policy.clip_epsilon,
+                           epsilon_high=policy.clip_epsilon_high, beta=policy.kl_beta, ref_token_logps=part["ref"],
+                           kl_importance_weighted=policy.kl_importance_weighted, max_len=self.search.max_len,
                            num_sources=gen["num_sources"], owner=part["owner"], num_items=counts["tokens"],
                            num_rows=int(counts["rows"]), scored=part.get("scored"),
-                           importance_sampling_level=cfg.importance_sampling_level, delta=cfg.delta,
-                           sapo_temperature_pos=cfg.sapo_temperature_pos,
-                           sapo_temperature_neg=cfg.sapo_temperature_neg, truncated=self.truncated(part),
-                           off_policy_mask_threshold=cfg.off_policy_mask_threshold,
-                           entropy_coef=self.entropy_coef(), top_entropy_quantile=cfg.top_entropy_quantile,
+                           importance_sampling_level=policy.importance_sampling_level, delta=policy.delta,
+                           sapo_temperature_pos=policy.sapo_temperature_pos,
+                           sapo_temperature_neg=policy.sapo_temperature_neg, truncated=self.truncated(part),
+                           off_policy_mask_threshold=policy.off_policy_mask_threshold,
+                           entropy_coef=self.entropy_coef(), top_entropy_quantile=policy.top_entropy_quantile,
                            measure_entropy=self.entropy_control is not None)
 
     def counted_tokens(self, part: dict):
@@ -146,7 +151,7 @@ class PolicyStep:
 
     def truncated(self, part: dict):
         """(N,) the batch's candidates that end without EOS, with --mask-truncated-completions (else None)."""
-        if not self.cfg.mask_truncated_completions:
+        if not self.policy.mask_truncated_completions:
             return None
         return truncated_rows(part["tokens"], part["lengths"], self.parts.model.eos_id)
 
@@ -154,9 +159,8 @@ class PolicyStep:
     def step(self) -> dict:
         """One update (a phase two per batch of the generation, gradients accumulated); a new generation first
         when the last one has had its --updates-per-generation."""
-        cfg = self.cfg
         self.ensure_reference()
-        if self.generation is None or self.generation["used"] >= cfg.updates_per_generation:
+        if self.generation is None or self.generation["used"] >= self.policy.updates_per_generation:
             self.generation = self.new_generation(self.parts.number)
         gen = self.generation
         counts = distributed.reduce_sums({"rows": sum(len(p["lengths"]) for p in gen["parts"]),
@@ -169,7 +173,7 @@ class PolicyStep:
                 rows = Samples(*(part[k] for k in FIELDS))
                 if len(rows):
                     got = {}  # phase_two counts this call's positions: its own dict
-                    loss += phase_two(self.parts, cfg, sources(self.parts, part["idx"]), rows,
+                    loss += phase_two(self.parts, self.phase_two, sources(self.parts, part["idx"]), rows,
                                       self.objective(gen, part, counts), stats=got)
                     for key in ("tokens", "clip_low", "clip_high", "kl", "entropy", "entropy_tokens"):
                         stats[key] = stats.get(key, 0) + got.get(key, 0)
@@ -181,13 +185,13 @@ class PolicyStep:
         tokens = max(total["tokens"], 1)
         row = {"loss": total["loss"], **gen["metrics"], "update_in_generation": gen["used"],
                "clip_ratio_low": total["clip_low"] / tokens, "clip_ratio_high": total["clip_high"] / tokens}
-        if cfg.kl_beta != 0:
+        if self.policy.kl_beta != 0:
             row["kl"] = total["kl"] / tokens
         if self.entropy_control is not None:  # TRL's order: this update applied the last one's coefficient
             entropy = total["entropy"] / max(total["entropy_tokens"], 1.0)  # the window's token-weighted mean
             row.update(entropy=entropy, entropy_coef_applied=self.entropy_control.applied(),
                        entropy_coef=self.entropy_control.update(entropy))
-        return {**row, **update(self.parts, self.cfg, total["loss"])}
+        return {**row, **update(self.parts, self.steps, total["loss"])}
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ... import objectives
-from ...config import Config
+from ...config import PhaseTwoConfig, RLConfig, SearchConfig, StepConfig
 from ...objectives import estimators
 from ...phase1.search import greedy
 from ...samples import Samples
@@ -25,29 +25,34 @@ from .parts import PHASE_TWO, Parts, Rollout, reference_rows, rewards_of, rl_upd
 
 
 class SequenceStep:
-    """The sequence objectives' step, given the parts and its settings (`gradient`: steps 1 and 4)."""
+    """The sequence objectives' step, given the parts and its sections: phase one's search, the objective's (rl),
+    phase two's and the steps' (`gradient`: steps 1 and 4)."""
 
-    def __init__(self, cfg: Config, parts: Parts, teacher=None):
-        self.cfg, self.parts = cfg, parts
+    reads = ("search", "rl", "phase_two", "steps")
+
+    def __init__(self, parts: Parts, search: SearchConfig, rl: RLConfig, phase_two: PhaseTwoConfig,
+                 steps: StepConfig):
+        self.parts, self.search, self.rl, self.phase_two, self.steps = parts, search, rl, phase_two, steps
         self.gradient = PHASE_TWO
 
     def step(self) -> dict:
-        p, cfg = self.parts, self.cfg
+        p = self.parts
         p.optimizer.zero_grad(set_to_none=True)
         with fsdp.gathered(p.model, reduce=True):  # --fsdp: whole parameters for the step, one reduction after
-            done = [self.batch(next(p.rl_batches)) for _ in range(cfg.grad_accum)]  # .grad accumulated
+            done = [self.batch(next(p.rl_batches)) for _ in range(self.steps.grad_accum)]  # .grad accumulated
         losses, rewards, reward_parts = zip(*done)
-        return rl_update(p, cfg, list(losses), list(rewards), list(reward_parts))  # 5. update (summed over processes)
+        # 5. update (summed over processes)
+        return rl_update(p, self.steps, list(losses), list(rewards), list(reward_parts))
 
     def batch(self, batch: list[int]) -> tuple:
         """Steps 1-4 on one batch, its phase two right after its phase one: .grad += its share of the step's
         gradient. Returns the loss, the (N,) rewards and, with several rewards, each one's values (what the
         update's row reports: the batch's candidates and graph go with this call)."""
-        p, cfg = self.parts, self.cfg
-        r = rollout(p, cfg, batch, self.gradient)  # 1-2. phase one, rewards
+        p = self.parts
+        r = rollout(p, self.search, batch, self.gradient)  # 1-2. phase one, rewards
         rows, coef = self.coefficients(r)  # 3. the objective's weight on each log p(row)
         # 4. Phase two: chunked teacher-forced re-decoding; .grad = d/dtheta sum_i c_i log p_i, exactly.
-        return self.gradient.backward(p, cfg, r.source, rows, coef, r.search), r.rewards, r.parts
+        return self.gradient.backward(p, self.phase_two, r.source, rows, coef, r.search), r.rewards, r.parts
 
     def state_dict(self) -> None:
         return None  # nothing kept between steps
@@ -58,40 +63,40 @@ class SequenceStep:
     def coefficients(self, r: Rollout) -> tuple[Samples, torch.Tensor]:
         """Step 3: the rows phase two re-decodes and their coefficients; every loss is averaged over the global
         batch size B (every source of the update, across processes and batches)."""
-        p, cfg = self.parts, self.cfg
-        B = r.batch_size * cfg.grad_accum
-        rows, row_rewards = joined_references(p, cfg, r)
+        p, rl = self.parts, self.rl
+        B = r.batch_size * self.steps.grad_accum
+        rows, row_rewards = joined_references(p, rl, r)
         coef = self.objective(rows, row_rewards, r, B)
-        if cfg.mle_weight > 0:  # the MLE term rides along as extra rows, chunked like the candidates
+        if rl.mle_weight > 0:  # the MLE term rides along as extra rows, chunked like the candidates
             refs = reference_rows(p, r.idx)
             rows = Samples.cat([rows, refs], p.model.pad_id)
-            coef = objectives.mix(coef, objectives.mle(refs.owner, B), cfg.mle_weight)
+            coef = objectives.mix(coef, objectives.mle(refs.owner, B), rl.mle_weight)
         return rows, coef
 
     def objective(self, cand: Samples, rewards, r: Rollout, B: int) -> torch.Tensor:
         """The objective's coefficients of the rows (cand.owner indexes the batch's sources)."""
-        p, cfg = self.parts, self.cfg
-        if cfg.objective == "beam":
+        p, rl = self.parts, self.rl
+        if rl.objective == "beam":
             return objectives.beam(rewards, cand.scores, cand.owner, B, tokens=cand.tokens)
-        if cfg.objective == "mrt":
-            return objectives.mrt(rewards, cand.scores, cand.owner, B, cfg.mrt_alpha, tokens=cand.tokens)
-        if cfg.objective == "priority":
+        if rl.objective == "mrt":
+            return objectives.mrt(rewards, cand.scores, cand.owner, B, rl.mrt_alpha, tokens=cand.tokens)
+        if rl.objective == "priority":
             return estimators.priority(rewards, cand.scores, cand.threshold, cand.owner, B)
-        if cfg.objective == "unordered-set":
+        if rl.objective == "unordered-set":
             return estimators.unordered_set(rewards, cand.scores, cand.owner, B)
         greedy_rewards = None
-        if cfg.reinforce_baseline == "greedy":  # self-critical: the greedy decode's reward is the baseline
+        if rl.reinforce_baseline == "greedy":  # self-critical: the greedy decode's reward is the baseline
             with p.autocast():
-                best = greedy(p.model, r.source, cfg.max_len)
+                best = greedy(p.model, r.source, self.search.max_len)
             greedy_rewards = rewards_of(p, best.tokens, best.owner.tolist(), r.examples)  # (B,)
-        return objectives.reinforce(rewards, cand.owner, B, cfg.reinforce_baseline, greedy_rewards)
+        return objectives.reinforce(rewards, cand.owner, B, rl.reinforce_baseline, greedy_rewards)
 
 
-def joined_references(p: Parts, cfg: Config, r: Rollout) -> tuple[Samples, torch.Tensor]:
+def joined_references(p: Parts, rl: RLConfig, r: Rollout) -> tuple[Samples, torch.Tensor]:
     """The rows the objective weighs and their rewards: the candidates, and with --include-reference each source's
     references after them (RL_beam over candidates and references; the objective dedups the two), scored by the
     model and rewarded as the candidates were."""
-    if not cfg.include_reference:
+    if not rl.include_reference:
         return r.cand, r.rewards
     refs = reference_rows(p, r.idx)
     with section(p, "references: score and reward", "references"), p.autocast():
