@@ -37,10 +37,10 @@ from .run import Run
 
 
 def build_parser(shown: dict | None = None, add_help: bool = True,
-                 kept: dict[str, tuple[str, ...]] | None = None) -> OneLineParser:
+                 kept: dict[str, tuple[str, ...]] | None = None, files: bool = True) -> OneLineParser:
     """train.py's parser; `shown`: defaults other than Config's for --help to show (a task's recipe, a preset's,
     a file's); `kept`: only these sections and their fields (--help's for one command, config.shown), with a
-    short usage line in place of every flag's."""
+    short usage line in place of every flag's; `files`: with --config and --print-config."""
     parser = OneLineParser(prog=PROG, description="MLE warm start, then two-phase sequence-level RL.",
                            add_help=False, usage=None if kept is None else "%(prog)s [FLAG ...] [-h [SECTION]]")
     if add_help:
@@ -48,6 +48,8 @@ def build_parser(shown: dict | None = None, add_help: bool = True,
                             type=_help_topic, help="show the sections this command uses (its task, model and "
                             "objective) and exit; --help all: every section; --help SECTION: that one")
     add_config_flags(parser, kept)
+    if not files:
+        return _with_defaults(parser, shown)
     files = parser.add_argument_group("configuration file", "Defaults from a file, and the resolved configuration "
                                       "shown (docs/python.md).")
     files.add_argument("--config", metavar="FILE", help="a .yaml or .json file of these flags' values (their "
@@ -56,6 +58,10 @@ def build_parser(shown: dict | None = None, add_help: bool = True,
     files.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML "
                         "that --config reads, each value's origin beside it, and exit without training or writing "
                         "anything")
+    return _with_defaults(parser, shown)
+
+
+def _with_defaults(parser: OneLineParser, shown: dict | None) -> OneLineParser:
     if shown:
         parser.set_defaults(**shown)
     return parser
@@ -185,7 +191,7 @@ def print_help(topic, view, below: list[Layer], user: list[Layer], recipe: dict 
     command.task = tasks.default_name(command)
     kept = None if topic == helpshown.ALL else \
         helpshown.shown(command) if topic is True else {topic: config.section_fields(topic)}
-    parser = build_parser(merged(below + user[:2])[0], kept=kept)
+    parser = build_parser(merged(below + user[:2])[0], kept=kept, files=topic in (True, helpshown.ALL))
     parser.description += whose
     parser.print_help()
     if topic is True:
