@@ -219,3 +219,4 @@ def test_resume_without_save_dir_continues_in_the_tasks_own(tmp_path, monkeypatc
     torch.save({"model": {}, "config": asdict(recorded)}, tmp_path / "runs" / "countdown" / "checkpoint_last.pt")
     cfg, start = cli.parse(["--resume"])
     assert start is not None and cfg.hidden_size == 24  # the checkpoint's configuration
+    assert cfg.save_dir == "runs/countdown"  # the run continues where its checkpoint is

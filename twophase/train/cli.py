@@ -23,8 +23,7 @@ from .start import evaluate, recipe_defaults, refuse_against_checkpoint, start_d
 from ..errors import OneLineError
 from .. import plot
 from ..config import PRESETS, Config, OneLineParser, _flag, add_config_flags, config_from_args  # noqa: F401
-from .. import config
-from ..config import layers
+from ..config import layers, section_fields
 from ..config import shown as helpshown
 from ..config.layers import Layer, merged
 from ..compiling import compile_report
@@ -149,10 +148,7 @@ def resolution(argv: list[str] | None = None, settings: dict | None = None,
     if wants_help:
         print_help(wants_help, view, below, user, recipe)
         raise SystemExit(0)
-    more, start = start_defaults(_with_save_dir(view, below), recipe)  # --resume: the checkpoint's configuration;
-    # --init-from: its model's
-    if start is not None:
-        below = [Layer(f"{_start_flag(view)}'s checkpoint", more)]
+    below, start = start_layers(view, below, recipe)
     try:
         cfg, origins = layers.resolve(below + user)
     except ValueError as err:
@@ -176,26 +172,42 @@ def print_help(topic, view, below: list[Layer], user: list[Layer], recipe: dict 
     whose = ""
     if view.resume or view.resume_from or view.init_from:
         try:
-            more, start = start_defaults(_with_save_dir(view, below), recipe)
+            below, _ = start_layers(view, below, recipe)
         except OneLineError as err:  # no checkpoint to read: the recipe's defaults, and why
             whose = f" No checkpoint read ({err}): the defaults shown are the recipe's."
         else:
-            if start is not None:
-                below = [Layer(f"{_start_flag(view)}'s checkpoint", more)]
-                whose = f" The defaults shown are those of the checkpoint {_start_flag(view)} reads."
+            whose = f" The defaults shown are those of the checkpoint {_start_flag(view)} reads."
     if not whose and below[0].values:
         whose = (f" The defaults shown are --task {tasks.default_name(view)}'s own defaults"
                  + (f" and --preset {view.preset}'s" if below[1].values else "")
                  + f" where they set them ({', '.join(_flag(k) for k in merged(below)[0])}).")
     command = argparse.Namespace(**{**vars(view), **merged(below + user)[0]})
     command.task = tasks.default_name(command)
-    kept = None if topic == helpshown.ALL else \
-        helpshown.shown(command) if topic is True else {topic: config.section_fields(topic)}
+    if topic is True:
+        kept = helpshown.shown(command)
+    elif topic == helpshown.ALL:
+        kept = None
+    else:
+        kept = {topic: section_fields(topic)}
     parser = build_parser(merged(below + user[:2])[0], kept=kept, files=topic in (True, helpshown.ALL))
     parser.description += whose
     parser.print_help()
     if topic is True:
         print("\n" + helpshown.closing(command, shutil.get_terminal_size().columns - 2))  # argparse's width
+
+
+def start_layers(view, below: list[Layer], recipe: dict | None) -> tuple[list[Layer], dict | None]:
+    """The layers under the user's and the checkpoint the command starts from: --resume and --resume-from the
+    checkpoint's configuration (--resume: and the directory it continues in), --init-from its model's flags over
+    the recipe's (start_defaults); a new run's `below` (the recipe, --preset) and None."""
+    starting = _with_save_dir(view, below)
+    more, start = start_defaults(starting, recipe)
+    if start is None:
+        return below, None
+    layers_ = [Layer(f"{_start_flag(view)}'s checkpoint", more)]
+    if view.resume and not view.resume_from:  # where no flag names it, the directory found: the run's own
+        layers_.append(Layer("--resume's run directory", {"save_dir": starting.save_dir}))
+    return layers_, start
 
 
 def _with_save_dir(view, below: list[Layer]):
