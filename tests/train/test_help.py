@@ -13,6 +13,7 @@ import torch
 from twophase.config import FIELDS, KINDS, ORDER, SECTIONS, Config, _flag, section_fields
 from twophase.tasks.countdown.task import Countdown
 from twophase.tasks.hf import HFTSV
+from twophase.tasks.karel.task import Karel
 from twophase.train import cli
 from twophase.train.start import StartupError, check_task_flags
 
@@ -41,6 +42,8 @@ def test_the_default_command_shows_its_sections_and_names_the_others(capsys, mon
     assert re.search(r"\n  lora +LoRA adapters on a Hugging Face model \(with --hf-model\)", closing)
     assert re.search(r"\n  policy +the token-level policy objective \(with --objective policy\)", closing)
     assert "--help all" in " ".join(closing.split()) and "--help SECTION" in closing
+    assert "--char-source" not in FLAG.findall(text)  # Countdown splits its own text
+    assert re.search(r"--char-source, [^()]*--hf-model \(not read by --task countdown\)", " ".join(closing.split()))
     everything = help_text(capsys, monkeypatch, "--help", "all")
     assert len(text.splitlines()) < 0.75 * len(everything.splitlines())
     assert "--task countdown's own defaults" in " ".join(text.split())  # the recipe's defaults, as before
@@ -129,6 +132,7 @@ def _other_value(name: str):
 @pytest.mark.parametrize("argv, values, task", [
     ([], {}, Countdown),
     (["--objective", "policy"], dict(objective="policy"), Countdown),
+    (["--task", "karel"], dict(task="karel"), Karel),
     (["--hf-model", "folder", "--train", "t.tsv", "--valid", "v.tsv"],
      dict(hf_model="folder", train="t.tsv", valid="v.tsv"), HFTSV),
 ])

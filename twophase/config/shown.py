@@ -4,7 +4,7 @@ closing paragraph (`--help all` prints every section, `--help SECTION` one).
 
 `view`: the command's values resolved (its layers merged over Config's defaults, not checked), `task` the name of
 the task it runs (countdown where it names none), so that the task-specific sections (karel, countdown) show
-only with their task.
+only with their task; `reads`: the data and model flags that task reads (`Task.flags`), where known.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import difflib
 import textwrap
 
 from .documented import Only, _flag
-from .sections import FIELDS, SECTIONS, section_fields
+from .sections import FIELDS, SECTIONS, SHAPING_FLAGS, section_fields
 
 ALL = "all"  # --help all: every section
 
@@ -24,12 +24,18 @@ def field_applies(name: str, view) -> bool:
     return only is None or only.holds(view)
 
 
-def field_shown(name: str, view) -> bool:
-    """Whether --help shows the field: where it applies, or where its condition's switch is still at Config's
-    default, the user's to set (--temperature beside --sampler beam); not where this command set the switch to
-    something else (the LSTM's sizes with --hf-model, --mrt-alpha with --objective policy)."""
+def field_left_out(name: str, view, reads: frozenset | None = None) -> str | None:
+    """Why --help leaves the field out of this command (where it would apply), or None where it shows it. Left
+    out: a data or model flag the task does not read (`reads`: its `Task.flags` and recipe, refused when the run
+    starts; None: not known before the task is built), and a field whose condition's switch this command set to
+    something else (the LSTM's sizes with --hf-model, --mrt-alpha with --objective policy). Shown where its switch
+    is still at Config's default, the user's to set (--temperature beside --sampler beam)."""
     only = FIELDS[name].metadata["only"]
-    return field_applies(name, view) or getattr(view, only.switch) == FIELDS[only.switch].default
+    if not field_applies(name, view) and getattr(view, only.switch) != FIELDS[only.switch].default:
+        return only.described()
+    if reads is not None and name in SHAPING_FLAGS and name not in reads:
+        return f"not read by --task {view.task}"
+    return None
 
 
 def section_condition(name: str) -> Only | None:
@@ -41,18 +47,23 @@ def section_condition(name: str) -> Only | None:
     return only
 
 
-def section_used(name: str, view) -> bool:
-    """Whether this command uses the section: a section is a whole task, model or objective, shown only where its
-    condition holds (karel's with --task karel, policy's with --objective policy, LoRA's with --hf-model)."""
+def section_left_out(name: str, view, reads: frozenset | None = None) -> str | None:
+    """Why --help leaves section `name` out of this command, or None where it shows it: a section is a whole task,
+    model or objective, shown only where its condition holds (karel's with --task karel, policy's with --objective
+    policy, LoRA's with --hf-model) and where the task reads some flag of it."""
     only = section_condition(name)
-    return only is None or only.holds(view)
+    if only is not None and not only.holds(view):
+        return only.described()
+    if all(field_left_out(f, view, reads) for f in section_fields(name)):
+        return f"not read by --task {view.task}"
+    return None
 
 
-def shown(view) -> dict[str, tuple[str, ...]]:
+def shown(view, reads: frozenset | None = None) -> dict[str, tuple[str, ...]]:
     """{section: its fields shown}, in SECTIONS' order: the sections this command uses, each with the fields that
-    --help shows (`field_shown`)."""
-    return {name: tuple(f for f in section_fields(name) if field_shown(f, view))
-            for name in SECTIONS if section_used(name, view)}
+    --help shows (`field_left_out`)."""
+    return {name: tuple(f for f in section_fields(name) if field_left_out(f, view, reads) is None)
+            for name in SECTIONS if section_left_out(name, view, reads) is None}
 
 
 def summary(name: str) -> str:
@@ -63,29 +74,30 @@ def summary(name: str) -> str:
     return first[:1].lower() + first[1:] if first.split()[0][1:].islower() else first  # not LoRA's
 
 
-def closing(view, width: int) -> str:
-    """The paragraph after the sections shown: the sections left out, each with its title and where it applies,
-    then the flags of the shown sections left out, with where they apply; and how to see them."""
-    used = shown(view)
+def closing(view, width: int, reads: frozenset | None = None) -> str:
+    """The paragraph after the sections shown: the sections left out, each with its title and why, then the flags
+    of the shown sections left out, by why; and how to see them."""
+    used = shown(view, reads)
     hidden = [name for name in SECTIONS if name not in used]
-    by_condition: dict[str, list[str]] = {}  # the flags left out of the sections shown, by where they apply
-    for name, kept in used.items():
+    by_reason: dict[str, list[str]] = {}  # the flags left out of the sections shown, by why
+    for name in used:
         for f in section_fields(name):
-            if f not in kept:
-                by_condition.setdefault(FIELDS[f].metadata["only"].described(), []).append(_flag(f))
+            why = field_left_out(f, view, reads)
+            if why is not None:
+                by_reason.setdefault(why, []).append(_flag(f))
     wrap = dict(width=width, break_on_hyphens=False, break_long_words=False)
     example = hidden[-1] if hidden else "rl"
-    if not hidden and not by_condition:
+    if not hidden and not by_reason:
         return "\n".join(textwrap.wrap(f"Every section and flag applies to this command; --help SECTION shows one "
                                         f"(e.g. --help {example}).", **wrap))
     lines = textwrap.wrap(f"Not shown, as this command does not use them (--help SECTION shows one, e.g. --help "
                           f"{example}; --help {ALL} shows every section and flag):", **wrap)
     pad = max(map(len, hidden), default=0) + 2
     for name in hidden:
-        lines += textwrap.wrap(f"{name.ljust(pad)}{summary(name)} ({section_condition(name).described()})",
+        lines += textwrap.wrap(f"{name.ljust(pad)}{summary(name)} ({section_left_out(name, view, reads)})",
                                initial_indent="  ", subsequent_indent=" " * (pad + 2), **wrap)
-    if by_condition:
-        listed = "; ".join(f"{', '.join(flags)} ({where})" for where, flags in by_condition.items())
+    if by_reason:
+        listed = "; ".join(f"{', '.join(flags)} ({why})" for why, flags in by_reason.items())
         lines += textwrap.wrap(f"{'and the flags' if hidden else 'the flags'} {listed}", initial_indent="  ",
                                subsequent_indent="  ", **wrap)
     return "\n".join(lines)

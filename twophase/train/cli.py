@@ -183,8 +183,9 @@ def print_help(topic, view, below: list[Layer], user: list[Layer], recipe: dict 
                  + f" where they set them ({', '.join(_flag(k) for k in merged(below)[0])}).")
     command = argparse.Namespace(**{**vars(view), **merged(below + user)[0]})
     command.task = tasks.default_name(command)
+    reads = task_reads(command)
     if topic is True:
-        kept = helpshown.shown(command)
+        kept = helpshown.shown(command, reads)
     elif topic == helpshown.ALL:
         kept = None
     else:
@@ -193,7 +194,20 @@ def print_help(topic, view, below: list[Layer], user: list[Layer], recipe: dict 
     parser.description += whose
     parser.print_help()
     if topic is True:
-        print("\n" + helpshown.closing(command, shutil.get_terminal_size().columns - 2))  # argparse's width
+        print("\n" + helpshown.closing(command, shutil.get_terminal_size().columns - 2, reads))  # argparse's width
+
+
+def task_reads(command) -> frozenset | None:
+    """The data and model flags the command's task reads, as start.check_task_flags counts them (its `flags` and
+    its recipe's), where its class says so before it is built; None otherwise (a function that makes a task, a
+    task not found)."""
+    try:
+        factory = tasks.factory_of(command, command.task)
+    except tasks.TaskError:
+        return None
+    if not isinstance(factory, type):
+        return None
+    return frozenset(getattr(factory, "flags", ())) | frozenset(getattr(factory, "flag_defaults", None) or {})
 
 
 def start_layers(view, below: list[Layer], recipe: dict | None) -> tuple[list[Layer], dict | None]:
