@@ -85,22 +85,26 @@ def closing(view, width: int, reads: frozenset | None = None) -> str:
             why = field_left_out(f, view, reads)
             if why is not None:
                 by_reason.setdefault(why, []).append(_flag(f))
-    wrap = dict(width=width, break_on_hyphens=False, break_long_words=False)
     example = hidden[-1] if hidden else "rl"
     if not hidden and not by_reason:
-        return "\n".join(textwrap.wrap(f"Every section and flag applies to this command; --help SECTION shows one "
-                                        f"(e.g. --help {example}).", **wrap))
-    lines = textwrap.wrap(f"Not shown, as this command does not use them (--help SECTION shows one, e.g. --help "
-                          f"{example}; --help {ALL} shows every section and flag):", **wrap)
+        return "\n".join(_wrap(f"Every section and flag applies to this command; --help SECTION shows one (e.g. "
+                                f"--help {example}).", width))
+    lines = _wrap(f"Not shown, as this command does not use them (--help SECTION shows one, e.g. --help {example}; "
+                  f"--help {ALL} shows every section and flag):", width)
     pad = max(map(len, hidden), default=0) + 2
     for name in hidden:
-        lines += textwrap.wrap(f"{name.ljust(pad)}{summary(name)} ({section_left_out(name, view, reads)})",
-                               initial_indent="  ", subsequent_indent=" " * (pad + 2), **wrap)
+        lines += _wrap(f"{name.ljust(pad)}{summary(name)} ({section_left_out(name, view, reads)})", width,
+                       "  ", " " * (pad + 2))
     if by_reason:
         listed = "; ".join(f"{', '.join(flags)} ({why})" for why, flags in by_reason.items())
-        lines += textwrap.wrap(f"{'and the flags' if hidden else 'the flags'} {listed}", initial_indent="  ",
-                               subsequent_indent="  ", **wrap)
+        lines += _wrap(f"{'and the flags' if hidden else 'the flags'} {listed}", width, "  ", "  ")
     return "\n".join(lines)
+
+
+def _wrap(text: str, width: int, first: str = "", rest: str = "") -> list[str]:
+    """`text` in lines of `width`, a flag never cut at its hyphens."""
+    return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False,
+                         break_long_words=False)
 
 
 def topic(text: str) -> str:
