@@ -49,12 +49,12 @@ def build_parser(shown: dict | None = None, add_help: bool = True,
     add_config_flags(parser, kept)
     if not files:
         return _with_defaults(parser, shown)
-    files = parser.add_argument_group("configuration file", "Defaults from a file, and the resolved configuration "
+    group = parser.add_argument_group("configuration file", "Defaults from a file, and the resolved configuration "
                                       "shown (docs/python.md).")
-    files.add_argument("--config", metavar="FILE", help="a .yaml or .json file of these flags' values (their "
+    group.add_argument("--config", metavar="FILE", help="a .yaml or .json file of these flags' values (their "
                         "names, e.g. rescore_chunk: 128), the defaults of this command: the flags given still win; "
                         "a run's own <save-dir>/config.json reproduces that run (docs/python.md)")
-    files.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML "
+    group.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML "
                         "that --config reads, each value's origin beside it, and exit without training or writing "
                         "anything")
     return _with_defaults(parser, shown)
@@ -191,7 +191,7 @@ def print_help(topic, view, below: list[Layer], user: list[Layer], recipe: dict 
     else:
         kept = {topic: section_fields(topic)}
     parser = build_parser(merged(below + user[:2])[0], kept=kept, files=topic in (True, helpshown.ALL))
-    parser.description += whose
+    parser.description = f"{parser.description}{whose}"
     parser.print_help()
     if topic is True:
         print("\n" + helpshown.closing(command, shutil.get_terminal_size().columns - 2, reads))  # argparse's width
@@ -207,7 +207,8 @@ def task_reads(command) -> frozenset | None:
         return None
     if not isinstance(factory, type):
         return None
-    return frozenset(getattr(factory, "flags", ())) | frozenset(getattr(factory, "flag_defaults", None) or {})
+    recipe: dict = getattr(factory, "flag_defaults", None) or {}
+    return frozenset(getattr(factory, "flags", ())) | frozenset(recipe)
 
 
 def start_layers(view, below: list[Layer], recipe: dict | None) -> tuple[list[Layer], dict | None]:
