@@ -108,7 +108,7 @@ def test_a_file_may_hold_fields_in_their_sections(name, text, seen, tmp_path):
 
 @pytest.mark.parametrize("name, text, match", [
     ("a.yaml", "seed: 1\nsearch:\n  beam_size: 4\n  lr: 0.1\n",
-     "a.yaml:4: search.lr: lr is in the mle section, not search (python train.py --help)"),
+     "a.yaml:4: search.lr: lr is in the mle section, not search (python train.py --help mle)"),
     ("a.yaml", "search:\n  beem_size: 4\n", "a.yaml:2: search.beem_size: unknown key (did you mean beam_size?)"),
     ("a.yaml", "search: 4\n", "a.yaml:1: search: a section holds its fields as key: value, got 4"),
     ("a.yaml", "search:\n  beam_size: 0\n", "a.yaml:2: search.beam_size: must be >= 1, got 0"),

@@ -1,5 +1,6 @@
 """train.py end to end (one run in a fresh interpreter), decoding, and clean refusal of bad input."""
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,19 @@ def test_threads_default_to_one_for_small_models(monkeypatch):
 def test_every_flag_has_help():
     for action in cli.build_parser()._actions:
         assert action.help, action.dest
+
+
+def test_resume_without_save_dir_continues_in_the_tasks_own(tmp_path, monkeypatch, capsys):
+    """--resume alone: the run in the directory a run of the same flags writes (the recipe's runs/countdown, a
+    built-in task's runs/<task>), as one line where it holds no checkpoint; not a traceback."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--resume"]) == 2
+    assert capsys.readouterr().err == "train.py: error: --resume: runs/countdown/checkpoint_last.pt: no such file\n"
+    assert cli.main(["--task", "g2p", "--resume"]) == 2
+    assert "--resume: runs/g2p/checkpoint_last.pt: no such file" in capsys.readouterr().err
+    (tmp_path / "runs" / "countdown").mkdir(parents=True)
+    recorded = Config(task="countdown", hidden_size=24, max_len=12, grammar="on")
+    torch.save({"model": {}, "config": asdict(recorded)}, tmp_path / "runs" / "countdown" / "checkpoint_last.pt")
+    cfg, start = cli.parse(["--resume"])
+    assert start is not None and cfg.hidden_size == 24  # the checkpoint's configuration
+    assert cfg.save_dir == "runs/countdown"  # the run continues where its checkpoint is

@@ -200,12 +200,17 @@ def section_help(cls) -> str:
     return text + (f" Applies {only.described()} only." if only is not None else "")
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, kept: dict[str, tuple[str, ...]] | None = None) -> None:
     """One flag per Config field, each in its section's argument group, titled by the section's key in a
     configuration file (`search:`) and printed in SECTIONS' order; the flags are added in the record's order
-    (argparse's messages list flags in the order they were added)."""
-    groups = {name: parser.add_argument_group(name, section_help(cls)) for name, cls in SECTIONS.items()}
+    (argparse's messages list flags in the order they were added). `kept`: only these sections and, in each,
+    these fields ({section: fields}; --help's for one command, `shown.shown`); None: every one."""
+    kept = kept if kept is not None else {name: section_fields(name) for name in SECTIONS}
+    groups = {name: parser.add_argument_group(name, section_help(cls)) for name, cls in SECTIONS.items()
+              if name in kept}
     for f in fields(Config):
+        if f.name not in kept.get(SECTION_OF[f.name], ()):
+            continue
         group = groups[SECTION_OF[f.name]]
         kind = {"int": int, "float": float, "str": str, "bool": bool}[KINDS[f.name][0]]
         default = f.default if f.default is not MISSING else None

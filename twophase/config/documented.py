@@ -69,8 +69,10 @@ class Only:
     def described(self) -> str:
         if self.value is SET:
             return f"with {_flag(self.switch)}"
-        if self.value is None:
+        if self.value is None or self.value is False:
             return f"without {_flag(self.switch)}"
+        if self.value is True:
+            return f"with {_flag(self.switch)}"
         values = " or ".join(self.value) if isinstance(self.value, tuple) else self.value
         return f"with {_flag(self.switch)} {values}"
 

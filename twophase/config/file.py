@@ -2,7 +2,7 @@
 
 A file holds `Config` fields as `key: value` (YAML) or one JSON object: the field names (`rescore_chunk`) or the
 flags' spellings (`rescore-chunk`), at the top or inside their section (`search: {beam_size: 8}`, the sections of
-`train.py --help`; `--print-config` writes them so). Its values are defaults of the command, so a flag given with
+`train.py --help all`; `--print-config` writes them so). Its values are defaults of the command, so a flag given with
 it still wins.
 The layers, lowest first: Config's defaults < the task's recipe (`Task.flag_defaults`) < `--preset` < the file <
 the command line. `--resume` takes the checkpoint's configuration in place of the first three (the file and the
@@ -151,7 +151,7 @@ def read(path) -> dict:
             if record:  # a field of another version of twophase: as a checkpoint's, dropped
                 continue
             raise ConfigFileError(f"{where(key)}: {key}: unknown key{values.did_you_mean(name)}; the keys are "
-                                  "train.py's flags (python train.py --help)")
+                                  "train.py's flags (python train.py --help all)")
         if name in spelled:
             raise ConfigFileError(f"{where(key)}: {key}: given twice (as {spelled[name]} too)")
         spelled[name] = key
@@ -181,7 +181,7 @@ def _unsectioned(doc: dict, where) -> dict:
             name = inner.replace("-", "_") if isinstance(inner, str) else inner
             if name in SECTION_OF and SECTION_OF[name] != key:
                 raise ConfigFileError(f"{where(label)}: {label}: {name} is in the {SECTION_OF[name]} section, not "
-                                      f"{key} (python train.py --help)")
+                                      f"{key} (python train.py --help {SECTION_OF[name]})")
             items[label] = (inner, field_value)
     return items
 

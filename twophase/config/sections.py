@@ -131,6 +131,7 @@ class KarelConfig:
 
 
 KarelConfig.title = "karel"
+KarelConfig.only = Only("task", "karel", "{flag} applies to {switch} {value} only")
 
 
 @dataclass

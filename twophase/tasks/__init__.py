@@ -23,7 +23,7 @@ BUILTINS = {"g2p": "twophase.tasks.text:G2P", "tsv": "twophase.tasks.text:TSV",
 REQUIRED = ("load_data", "state_dict", "load_state_dict", "build_model", "collate", "target_ids", "detokenize",
             "metric_sums", "scores", "parse_source", "format_output")
 
-__all__ = ["Example", "Metric", "Task", "TaskError", "get", "build", "available", "default_name"]
+__all__ = ["Example", "Metric", "Task", "TaskError", "get", "factory_of", "build", "available", "default_name"]
 
 
 def available() -> list[str]:
@@ -54,15 +54,22 @@ def get(name: str) -> Callable[[Any], Task]:
     raise TaskError(f"unknown task '{name}'; available: {', '.join(available())}, or package.module:callable")
 
 
-def build(cfg, name: str | None = None) -> Task:
-    """The task of this configuration, constructed (cheap) but with no data loaded yet."""
-    name = name or default_name(cfg)
-    factory = get(name)
+def factory_of(cfg, name: str | None = None) -> Callable[[Any], Task]:
+    """What `build` calls to make the task of this configuration (`name`: else the task `cfg` names); TaskError
+    where no task has that name."""
+    factory = get(name or default_name(cfg))
     if getattr(cfg, "hf_model", None) is not None:  # --hf-model: the Hugging Face model's TSV task, imported
         from .text import TSV                     # only then (the rest runs without transformers)
         if factory is TSV:
             from .hf import HFTSV
             factory = HFTSV
+    return factory
+
+
+def build(cfg, name: str | None = None) -> Task:
+    """The task of this configuration, constructed (cheap) but with no data loaded yet."""
+    name = name or default_name(cfg)
+    factory = factory_of(cfg, name)
     if not callable(factory):
         raise TaskError(f"task '{name}': {type(factory).__name__} object is not callable")
     try:  # a task reads its own settings (the training Config's data and model sections: `Config.for_task`)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 
 import torch
 
@@ -17,12 +19,13 @@ from ..system import distributed, fsdp
 from . import report, resume, rundir
 from ..config import file as configfile
 from . import startpoint
-from .recipe import PROG, setup
+from .recipe import PROG, default_save_dir, setup
 from .startpoint import Start
 from ..errors import OneLineError, UsageError
 from .. import plot
 from ..config import PRESETS, Config, OneLineParser, _flag, add_config_flags, config_from_args  # noqa: F401
-from ..config import layers
+from ..config import layers, section_fields
+from ..config import shown as helpshown
 from ..config.layers import Layer, merged
 from ..compiling import compile_report
 from .. import tasks
@@ -33,23 +36,42 @@ from .runstate import Interrupted
 from .run import Run
 
 
-def build_parser(shown: dict | None = None, add_help: bool = True) -> OneLineParser:
+def build_parser(shown: dict | None = None, add_help: bool = True,
+                 kept: dict[str, tuple[str, ...]] | None = None, files: bool = True) -> OneLineParser:
     """train.py's parser; `shown`: defaults other than Config's for --help to show (a task's recipe, a preset's,
-    a file's)."""
+    a file's); `kept`: only these sections and their fields (--help's for one command, config.shown), with a
+    short usage line in place of every flag's; `files`: with --config and --print-config."""
     parser = OneLineParser(prog=PROG, description="MLE warm start, then two-phase sequence-level RL.",
-                           add_help=add_help)
-    add_config_flags(parser)
-    files = parser.add_argument_group("configuration file", "Defaults from a file, and the resolved configuration "
+                           add_help=False, usage=None if kept is None else "%(prog)s [FLAG ...] [-h [SECTION]]")
+    if add_help:
+        parser.add_argument("-h", "--help", nargs="?", const=True, default=False, metavar="SECTION",
+                            type=_help_topic, help="show the sections this command uses (its task, model and "
+                            "objective) and exit; --help all: every section; --help SECTION: that one")
+    add_config_flags(parser, kept)
+    if not files:
+        return _with_defaults(parser, shown)
+    group = parser.add_argument_group("configuration file", "Defaults from a file, and the resolved configuration "
                                       "shown (docs/python.md).")
-    files.add_argument("--config", metavar="FILE", help="a .yaml or .json file of these flags' values (their "
+    group.add_argument("--config", metavar="FILE", help="a .yaml or .json file of these flags' values (their "
                         "names, e.g. rescore_chunk: 128), the defaults of this command: the flags given still win; "
                         "a run's own <save-dir>/config.json reproduces that run (docs/python.md)")
-    files.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML "
+    group.add_argument("--print-config", action="store_true", help="print the resolved configuration as YAML "
                         "that --config reads, each value's origin beside it, and exit without training or writing "
                         "anything")
+    return _with_defaults(parser, shown)
+
+
+def _with_defaults(parser: OneLineParser, shown: dict | None) -> OneLineParser:
     if shown:
         parser.set_defaults(**shown)
     return parser
+
+
+def _help_topic(text: str) -> str:
+    try:
+        return helpshown.topic(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,18 +146,10 @@ def resolution(argv: list[str] | None = None, settings: dict | None = None,
         if from_python:
             raise
         build_parser().error(str(err))  # train.py: argparse's one line and exit 2
-    if wants_help:  # the defaults shown: the recipe's, the preset's and the file's
-        parser = build_parser(merged(below + user[:2])[0])
-        if below[0].values:  # whose defaults it shows
-            parser.description += (f" The defaults shown are --task {tasks.default_name(view)}'s own defaults"
-                                   + (f" and --preset {view.preset}'s" if below[1].values else "")
-                                   + f" where they set them ({', '.join(_flag(k) for k in merged(below)[0])}).")
-        parser.print_help()
+    if wants_help:
+        print_help(wants_help, view, below, user, recipe)
         raise SystemExit(0)
-    start = startpoint.read(view)
-    more = startpoint.defaults(view, start, recipe)  # --resume: the checkpoint's configuration; --init-from: its model's
-    if start is not None:
-        below = [Layer(f"{start.flag}'s checkpoint", more)]
+    below, start = start_layers(view, below, recipe)
     try:
         cfg, origins = layers.resolve(below + user)
     except ValueError as err:
@@ -145,6 +159,82 @@ def resolution(argv: list[str] | None = None, settings: dict | None = None,
         raise UsageError(str(err)) from None
     given = frozenset(typed) | configfile.changed(file) | configfile.changed(settings)
     return Resolution(cfg, start, given, origins, print_config)
+
+
+def print_help(topic, view, below: list[Layer], user: list[Layer], recipe: dict | None) -> None:
+    """--help (`topic` True): the sections this command uses, with the flags that apply in them
+    (config.shown: read from the sections' and fields' conditions over the command's values: its task, model,
+    objective), then the others named; `all`: every section; a section's name: that one. The defaults shown are
+    the layers' below the flags typed: the task's recipe, --preset's and the file's, or with --resume (and
+    --resume-from, --init-from) the checkpoint's."""
+    whose = ""
+    if view.resume or view.resume_from or view.init_from:
+        try:
+            below, _ = start_layers(view, below, recipe)
+        except OneLineError as err:  # no checkpoint to read: the recipe's defaults, and why
+            whose = f" No checkpoint read ({err}): the defaults shown are the recipe's."
+        else:
+            whose = f" The defaults shown are those of the checkpoint {startpoint.flag_of(view)} reads."
+    if not whose and below[0].values:
+        whose = (f" The defaults shown are --task {tasks.default_name(view)}'s own defaults"
+                 + (f" and --preset {view.preset}'s" if below[1].values else "")
+                 + f" where they set them ({', '.join(_flag(k) for k in merged(below)[0])}).")
+    command = argparse.Namespace(**{**vars(view), **merged(below + user)[0]})
+    command.task = tasks.default_name(command)
+    reads = task_reads(command)
+    if topic is True:
+        kept = helpshown.shown(command, reads)
+    elif topic == helpshown.ALL:
+        kept = None
+    else:
+        kept = {topic: section_fields(topic)}
+    parser = build_parser(merged(below + user[:2])[0], kept=kept, files=topic in (True, helpshown.ALL))
+    parser.description = f"{parser.description}{whose}"
+    parser.print_help()
+    if topic is True:
+        print("\n" + helpshown.closing(command, shutil.get_terminal_size().columns - 2, reads))  # argparse's width
+
+
+def task_reads(command) -> frozenset | None:
+    """The data and model flags the command's task reads, as `tasks.check_flags` counts them (its `flags` and
+    its recipe's), where its class says so before it is built; None otherwise (a function that makes a task, a
+    task not found)."""
+    try:
+        factory = tasks.factory_of(command, command.task)
+    except tasks.TaskError:
+        return None
+    if not isinstance(factory, type):
+        return None
+    recipe: dict = getattr(factory, "flag_defaults", None) or {}
+    return frozenset(getattr(factory, "flags", ())) | frozenset(recipe)
+
+
+def start_layers(view, below: list[Layer], recipe: dict | None) -> tuple[list[Layer], dict | None]:
+    """The layers under the user's and the checkpoint the command starts from: --resume and --resume-from the
+    checkpoint's configuration (--resume: and the directory it continues in), --init-from its model's flags over
+    the recipe's (`startpoint.defaults`); a new run's `below` (the recipe, --preset) and None."""
+    starting = _with_save_dir(view, below)
+    start = startpoint.read(starting)
+    if start is None:
+        return below, None
+    layers_ = [Layer(f"{start.flag}'s checkpoint", startpoint.defaults(starting, start, recipe))]
+    if view.resume and not view.resume_from:  # where no flag names it, the directory found: the run's own
+        layers_.append(Layer("--resume's run directory", {"save_dir": starting.save_dir}))
+    return layers_, start
+
+
+def _with_save_dir(view, below: list[Layer]):
+    """The command's values with the --save-dir --resume continues in: the one given, else its task's recipe's,
+    else the task's runs/<task> (`recipe.default_save_dir`); a UsageError asks for it where the task cannot be found."""
+    save_dir = view.save_dir or merged(below)[0].get("save_dir")
+    if view.resume and not view.resume_from and save_dir is None:
+        name = tasks.default_name(view)
+        try:
+            factory = tasks.get(name)
+        except tasks.TaskError as err:
+            raise UsageError(str(err)) from None
+        save_dir = default_save_dir(SimpleNamespace(name=getattr(factory, "name", tasks.Task.name), spec=name))
+    return argparse.Namespace(**{**vars(view), "save_dir": save_dir})
 
 
 def recipe_layers(view, recipe: dict | None = None) -> list[Layer]:
@@ -161,8 +251,7 @@ def recipe_layers(view, recipe: dict | None = None) -> list[Layer]:
 def command_line(argv: list[str] | None) -> dict:
     """What the command line types, {dest: value}, each flag's value checked as it is parsed (type, range,
     choices): one parse, no defaults; --help only noted."""
-    parser = build_parser(add_help=False)  # --help prints the defaults of the layers, resolved first
-    parser.add_argument("-h", "--help", action="store_true")
+    parser = build_parser()  # --help prints the defaults of the layers, resolved first
     for action in parser._actions:  # a flag not typed leaves no value (not set_defaults: it would store one)
         action.default = argparse.SUPPRESS
     return vars(parser.parse_args(argv))

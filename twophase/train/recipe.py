@@ -141,8 +141,11 @@ def save_dir_of(cfg: Config, task) -> str:
     else runs/<task name> (a custom task without a name: its callable's)."""
     if cfg.eval_only and cfg.init_from and not (cfg.resume or cfg.resume_from):  # no new directory: its own
         return os.path.dirname(os.path.abspath(cfg.init_from))
-    if cfg.save_dir:
-        return cfg.save_dir
+    return cfg.save_dir or default_save_dir(task)
+
+
+def default_save_dir(task) -> str:
+    """--save-dir when not given: runs/<task name> (a custom task without a name: its callable's)."""
     name = task.name if task.name != tasks.Task.name else task.spec.rpartition(":")[2]
     return f"runs/{name.lower()}"
 
