@@ -31,8 +31,10 @@ from .. import blocks
 # are as large as the log-probabilities phase two saved, so they are summed a block at a time, not concatenated)
 BLOCK_BYTES = 2 * 2**20
 # Steps of at least this many rows keep autograd's per-step products: with that many rows a product amortises its
-# weight-sized passes, and gathering the pairs of every step would cost more than it saves (docs/results/).
-DEFERRED_BELOW_ROWS = 64
+# weight-sized passes; below it the sums save both time and the per-step weight-sized temporaries (a step-only
+# model at chunks of 64 to 256 rows: docs/results/). A parallel pass over a chunk's positions (a model's own
+# `score`) has its rows times its length, and is rarely below.
+DEFERRED_BELOW_ROWS = 256
 
 
 class WeightGradients:
