@@ -51,6 +51,9 @@ def test_asking_a_verifier_only_task_for_mle_is_one_line(tmp_path, capsys, flags
     (["--task", "karel", "--char-source"], "--char-source", "karel"),
     (["--task", "karel", "--bidirectional"], "--bidirectional", "karel"),
     (["--task", "g2p", "--lowercase-source"], "--lowercase-source", "g2p"),
+    (["--task", "g2p", "--karel-model", "paper"], "--karel-model", "g2p"),  # another task's own section
+    (["--task", "karel", "--countdown-numbers", "4"], "--countdown-numbers", "karel"),
+    (["--task", "g2p", "--countdown-hidden", "0.5"], "--countdown-hidden", "g2p"),
     (["--train", "t.tsv", "--valid", "v.tsv", "--train-size", "5"], "--train-size", "tsv"),
 ])
 def test_a_shaping_flag_the_task_does_not_read_is_refused(tmp_path, capsys, argv, flag, task):

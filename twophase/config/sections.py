@@ -130,7 +130,7 @@ class KarelConfig:
     environment BlackBoxGeneralization) or the 5 shown (their Consistency environment)"""
 
 
-KarelConfig.title = "karel"
+KarelConfig.title, KarelConfig.shapes_task = "karel", True
 KarelConfig.only = Only("task", "karel", "{flag} applies to {switch} {value} only")
 
 
@@ -152,7 +152,7 @@ class CountdownConfig:
     checker needs none)"""
 
 
-CountdownConfig.title = "countdown"
+CountdownConfig.title, CountdownConfig.shapes_task = "countdown", True
 CountdownConfig.only = Only("task", "countdown", "{flag} applies to {switch} {value} only")
 
 
@@ -381,8 +381,9 @@ def section_fields(name: str) -> tuple[str, ...]:
 TASK_SECTIONS = ("data", "model", "karel", "countdown", "lora")
 TASK_EXTRA = ("max_len",)
 # The flags that shape a task's data or its model: the fields of the sections that declare `shapes_task` (data,
-# model), less those no task reads (the trainer's). Each task declares in `Task.flags` those it reads; the others,
-# given, are refused naming the flag and the task (a flag that does nothing is worse than an error). Every other
-# flag is the trainer's and never refused there, so a new trainer flag needs no task's consent.
+# model, and each built-in task's own section), less those no task reads (the trainer's). Each task declares in
+# `Task.flags` those it reads; the others, given, are refused naming the flag and the task (a flag that does
+# nothing is worse than an error). Every other flag is the trainer's and never refused there, so a new trainer
+# flag needs no task's consent.
 SHAPING_FLAGS = frozenset(f.name for cls in SECTIONS.values() if getattr(cls, "shapes_task", False)
                           for f in fields(cls) if f.metadata["task_reads"])

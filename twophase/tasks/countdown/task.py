@@ -15,6 +15,7 @@ candidates; the recipe sets --eval-beam to --beam-size, the K of RL).
 """
 from __future__ import annotations
 
+from ...config import section_fields
 from ...vocab import SPECIALS, Vocab
 from .. import TaskError
 from ..base import Example, Metric
@@ -38,7 +39,7 @@ class Countdown(TextTask):
     default_reward = "twophase.tasks.countdown.reward:countdown"  # also the `countdown` entry point of rewards
     metrics = (Metric("solved", "solved (top-1)"), Metric("solved_at_k", "solved by one of the beam"))
     main_metric = "solved"
-    flags = LSTM_FLAGS | {"train", "valid", "test", "train_size"}
+    flags = LSTM_FLAGS | {"train", "valid", "test", "train_size"} | frozenset(section_fields("countdown"))
     # The recipe `train.py --task countdown` runs (docs/countdown.md), sized on the validation split: MLE at a
     # constant rate (its top-1 stops rising within 1,000 steps) and RL from its best validation; beam-RL
     # (Bunel et al.'s objective) with K 8, and the checker's solved_at_k over the same K; the grammar keeps

@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from ...config import section_fields
 from ...vocab import SPECIALS, Vocab
 from .. import TaskError
 from ..base import Example, Metric, Task
@@ -66,7 +67,8 @@ class Karel(Task):
                Metric("filtered_generalization", "generalization (filtered)"),
                Metric("spec_in_beam", "spec passed in the beam"))
     main_metric = "generalization"
-    flags = frozenset({"train_size", "embed_dim", "hidden_size", "dropout"})  # its data is generated
+    # its data is generated; its own section (--karel-model, ...) sizes its model
+    flags = frozenset({"train_size", "embed_dim", "hidden_size", "dropout"}) | frozenset(section_fields("karel"))
     # The recipe `train.py --task karel` runs (docs/karel.md): MLE with the rate halving after 2 validations
     # without a better generalization, until it would fall below 2.5e-4 (at most 10,000 steps), RL from the best
     # MLE validation's parameters, the equal-time MLE control, and the test split at beams 5 and 64 (the paper's).
