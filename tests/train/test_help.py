@@ -14,6 +14,7 @@ from twophase.config import FIELDS, KINDS, ORDER, SECTIONS, Config, _flag, secti
 from twophase.tasks.countdown.task import Countdown
 from twophase.tasks.hf import HFTSV
 from twophase.tasks.karel.task import Karel
+from twophase.config.shown import EVERY_RUN
 from twophase.train import cli
 from twophase.tasks import TaskError, check_flags as check_task_flags
 
@@ -36,12 +37,16 @@ def groups(text: str) -> set[str]:
 
 def test_the_default_command_shows_its_sections_and_names_the_others(capsys, monkeypatch):
     text = help_text(capsys, monkeypatch, "--help")
-    assert groups(text) == set(SECTIONS) - {"karel", "lora", "policy"}  # Countdown, the LSTM, --objective beam
+    # Countdown, the LSTM, --objective beam; every run's own sections named with their flags, not printed in full
+    assert groups(text) == set(SECTIONS) - {"karel", "lora", "policy"} - set(EVERY_RUN)
+    every_run = text[text.index("Every run's own sections"):text.index("Not shown")]
+    assert re.search(r"\n  run +its recipe and seed, directory, checkpoints and logs", every_run)
+    assert {"--save-dir", "--resume", "--rescore-chunk", "--device"} <= set(re.findall(r"--[a-z0-9-]+", every_run))
     closing = text[text.index("Not shown"):]
     assert re.search(r"\n  karel +the Karel task's model and reward \(with --task karel\)", closing)
     assert re.search(r"\n  lora +LoRA adapters on a Hugging Face model \(with --hf-model\)", closing)
     assert re.search(r"\n  policy +the token-level policy objective \(with --objective policy\)", closing)
-    assert "--help all" in " ".join(closing.split()) and "--help SECTION" in closing
+    assert "--help all" in " ".join(every_run.split()) and "--help SECTION" in every_run
     assert "--char-source" not in FLAG.findall(text)  # Countdown splits its own text
     assert re.search(r"--char-source, [^()]*--hf-model \(not read by --task countdown\)", " ".join(closing.split()))
     everything = help_text(capsys, monkeypatch, "--help", "all")
@@ -138,11 +143,12 @@ def _other_value(name: str):
 ])
 def test_a_flag_left_out_is_one_the_command_refuses(capsys, monkeypatch, argv, values, task):
     """Against the configuration's own checks and the task's declaration of the flags it reads: each flag --help
-    leaves out of this command (but those of the task sections, refused by their task), given, makes no Config,
-    or is a data or model flag its task does not read (refused when the run starts)."""
-    shown = set(FLAG.findall(help_text(capsys, monkeypatch, *argv, "--help")))
-    left_out = [n for n in ORDER if _flag(n) not in shown and n not in section_fields("karel")
-                + section_fields("countdown")]
+    leaves out of this command (but those of every run's own sections, which it names), given, makes no Config,
+    or is a data, model or task flag its task does not read (refused when the run starts)."""
+    text = help_text(capsys, monkeypatch, *argv, "--help")
+    named = set(re.findall(r"--[a-z0-9-]+", text[text.index("Every run's own sections"):text.index("Not shown")]))
+    shown = set(FLAG.findall(text))
+    left_out = [n for n in ORDER if _flag(n) not in shown and _flag(n) not in named]
     assert left_out
     if values.get("objective") == "policy":  # accepted beside the policy objective, as before the conditions
         left_out.remove("mrt_alpha")         # were declared (tests/config/test_config_sections.py)

@@ -77,8 +77,8 @@ EvaluationConfig.title = "evaluation"
 
 @dataclass
 class RunConfig:
-    """The run: its recipe and seed, its directory, checkpoints and logs, and what this command does with it
-    (continue, start from, evaluate, export; docs/runs.md)."""
+    """Its recipe and seed, directory, checkpoints and logs, and what this command does with the run (continue,
+    start from, evaluate, export; docs/runs.md)."""
 
     preset: Preset | None = arg(None, choices=get_args(Preset))
     """a named recipe that sets other defaults (the flags given still win): g2p-long (docs/g2p.md), karel-paper

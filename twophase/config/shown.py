@@ -1,6 +1,8 @@
-"""What `train.py --help` shows of the configuration for one command: the sections it uses and, in them, the
-flags that apply, read from the conditions the sections and fields declare (`Only`); the rest is named in a
-closing paragraph (`--help all` prints every section, `--help SECTION` one).
+"""What `train.py --help` shows of the configuration for one command: the sections of what it learns and how
+(its task, model and objective: `sections`' sections) that it uses and, in them, the flags that apply, read from
+the conditions the sections and fields declare (`Only`); then by name, with their flags, the sections every run
+has (`runsections`': phase two, steps, evaluation, the run's directory, the system), and the sections and flags
+this command does not use (`--help all` prints every section, `--help SECTION` one).
 
 `view`: the command's values resolved (its layers merged over Config's defaults, not checked), `task` the name of
 the task it runs (countdown where it names none), so that the task-specific sections (karel, countdown) show
@@ -11,10 +13,13 @@ from __future__ import annotations
 import difflib
 import textwrap
 
+from . import runsections
 from .documented import Only, _flag
 from .sections import FIELDS, SECTIONS, SHAPING_FLAGS, section_fields
 
 ALL = "all"  # --help all: every section
+# the sections of how every run computes, validates and is kept: named with their flags, not printed in full
+EVERY_RUN = tuple(name for name, cls in SECTIONS.items() if cls.__module__ == runsections.__name__)
 
 
 def field_applies(name: str, view) -> bool:
@@ -60,10 +65,10 @@ def section_left_out(name: str, view, reads: frozenset | None = None) -> str | N
 
 
 def shown(view, reads: frozenset | None = None) -> dict[str, tuple[str, ...]]:
-    """{section: its fields shown}, in SECTIONS' order: the sections this command uses, each with the fields that
-    --help shows (`field_left_out`)."""
+    """{section: its fields shown}, in SECTIONS' order: the sections of this command's task, model and objective,
+    each with the fields that --help shows (`field_left_out`)."""
     return {name: tuple(f for f in section_fields(name) if field_left_out(f, view, reads) is None)
-            for name in SECTIONS if section_left_out(name, view, reads) is None}
+            for name in SECTIONS if name not in EVERY_RUN and section_left_out(name, view, reads) is None}
 
 
 def summary(name: str) -> str:
@@ -78,20 +83,22 @@ def closing(view, width: int, reads: frozenset | None = None) -> str:
     """The paragraph after the sections shown: the sections left out, each with its title and why, then the flags
     of the shown sections left out, by why; and how to see them."""
     used = shown(view, reads)
-    hidden = [name for name in SECTIONS if name not in used]
+    hidden = [name for name in SECTIONS if name not in used and name not in EVERY_RUN]
     by_reason: dict[str, list[str]] = {}  # the flags left out of the sections shown, by why
     for name in used:
         for f in section_fields(name):
             why = field_left_out(f, view, reads)
             if why is not None:
                 by_reason.setdefault(why, []).append(_flag(f))
-    example = hidden[-1] if hidden else "rl"
+    pad = max(map(len, SECTIONS), default=0) + 2
+    lines = _wrap(f"Every run's own sections (--help SECTION shows one, e.g. --help run; --help {ALL} shows every "
+                  "section and flag):", width)
+    for name in EVERY_RUN:
+        flags = [_flag(f) for f in section_fields(name) if field_left_out(f, view, reads) is None]
+        lines += _wrap(f"{name.ljust(pad)}{summary(name)}: {', '.join(flags)}", width, "  ", " " * (pad + 2))
     if not hidden and not by_reason:
-        return "\n".join(_wrap(f"Every section and flag applies to this command; --help SECTION shows one (e.g. "
-                                f"--help {example}).", width))
-    lines = _wrap(f"Not shown, as this command does not use them (--help SECTION shows one, e.g. --help {example}; "
-                  f"--help {ALL} shows every section and flag):", width)
-    pad = max(map(len, hidden), default=0) + 2
+        return "\n".join(lines)
+    lines += [""] + _wrap("Not shown, as this command does not use them:", width)
     for name in hidden:
         lines += _wrap(f"{name.ljust(pad)}{summary(name)} ({section_left_out(name, view, reads)})", width,
                        "  ", " " * (pad + 2))
