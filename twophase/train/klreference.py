@@ -32,8 +32,6 @@ from ..samples import Samples
 from ..system import fsdp
 from ..system.fsdp import saved_state
 from ..errors import UsageError
-from .resume import ResumeError, load_checkpoint, misfit
-from .startpoint import check_model_flags
 
 KINDS = ("copy", "base", "adapters")
 
@@ -173,15 +171,3 @@ def _swapped(model, values: dict):
             for k, v in own.items():
                 params[k].copy_(v)
 
-
-def check_reference(cfg, model) -> None:
-    """--ref-checkpoint (with --kl-beta): its parameters must fit the model this run trains, checked at start-up,
-    not at the first RL step; ResumeError, one line, naming the flag that differs where one does."""
-    if cfg.ref_checkpoint is None or not cfg.kl_beta:
-        return
-    state = load_checkpoint(cfg.ref_checkpoint, "--ref-checkpoint")
-    first = misfit(model, state["model"])
-    if first is not None:
-        check_model_flags(cfg, state, cfg.ref_checkpoint, "--ref-checkpoint")  # a model flag that differs: the cause
-        raise ResumeError(f"--ref-checkpoint {cfg.ref_checkpoint}: its parameters do not fit the model this run "
-                          f"trains (the first: {first})")

@@ -13,9 +13,9 @@
 
 then the command trains (`Run.train`), saves its final model and cleans up (`cli.run`). Each check lives with
 what it checks (`tasks.check_flags`, `rewards.checks`, `modelcheck.check_model_on`, `constraints`,
-`startpoint.check`); this module calls them in order. What a user hands `twophase.fit` as Python objects (a
-reward function, a `Task`, a model) is adopted here as the plug-in its flag would load, recorded under the name
-that finds it again (`module:qualname`).
+`startpoint.check`, `startpoint.check_reference`); this module calls them in order. What a user hands
+`twophase.fit` as Python objects (a reward function, a `Task`, a model) is adopted here as the plug-in its flag
+would load, recorded under the name that finds it again (`module:qualname`).
 
 `cfg` is never changed: what the run derives from it (the task's name, the absolute --hf-model, the save dir, the
 reward, the best metric, whether the MLE control runs) goes into the run's own Config (`derived`), which the run
@@ -44,7 +44,6 @@ from ..rewards import weighted
 from ..rewards.registry import corpus_kinds
 from ..system import amp, devices, distributed, fsdp, memory
 from . import report, resume, rundir, startpoint, teacher
-from .klreference import check_reference
 from .run import Run
 from .startpoint import Start
 
@@ -299,7 +298,7 @@ def model_of(cfg: Config, task, model, start: Start | None, device: torch.device
     if init is not None:  # --init-from: its weights (a --lora-r run's: its adapters); step 0, a fresh optimizer
         resume.check(init.get("base_model"), base, start.where, cfg.hf_model)
         resume.load_init(model, init, cfg.init_from)
-    check_reference(cfg, model)  # --ref-checkpoint: now, not at the first RL step
+    startpoint.check_reference(cfg, model)  # --ref-checkpoint: now, not at the first RL step
     check_model_on(model, task, device)  # a broken model named now, not trained silently
     check_resources(cfg, task, model, device)  # a size the machine cannot hold named now, not at its step
     distributed.broadcast_parameters(model)  # the seed already agrees; this makes sure

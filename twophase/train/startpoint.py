@@ -10,6 +10,8 @@ for the command is answered here as pure functions of (Config, Start):
     continued(cfg, start)         the checkpoint the run continues (--resume, --resume-from), or None
     initial(cfg, start)           the checkpoint whose model a new run starts from (--init-from), or None
 
+and what --ref-checkpoint's model must share with the run's (`check_reference`).
+
 The per-field rules a resumed run follows (fixed, may grow, free) are declared with the fields
 (`config.rules`); the model-shape flags --init-from fixes are `MODEL_SHAPE`.
 """
@@ -26,7 +28,7 @@ from .. import tasks
 from ..config import PRESETS, Config
 from ..config import rules as configrules
 from ..config.rules import same, show
-from .resume import ResumeError, load_checkpoint, resume_path
+from .resume import ResumeError, load_checkpoint, misfit, resume_path
 
 # Flags that give the model its shape and ids: --init-from takes them from the checkpoint and refuses others.
 # LoRA's rank, scale and modules too: a --lora-r checkpoint holds the adapters alone, which only continue on
@@ -169,6 +171,19 @@ def check_model_flags(cfg, state: dict, path, flag: str = "--init-from") -> None
             hint = LORA_HINT if name in LORA_SHAPE else ""
             raise ResumeError(f"{given}: {flag} {path}: its model was built with {given} {show(saved[name])}, not "
                               f"{show(getattr(cfg, name))}{hint}")
+
+
+def check_reference(cfg, model) -> None:
+    """--ref-checkpoint (with --kl-beta): its parameters must fit the model this run trains, checked at start-up,
+    not at the first RL step; ResumeError, one line, naming the flag that differs where one does."""
+    if cfg.ref_checkpoint is None or not cfg.kl_beta:
+        return
+    state = load_checkpoint(cfg.ref_checkpoint, "--ref-checkpoint")
+    first = misfit(model, state["model"])
+    if first is not None:
+        check_model_flags(cfg, state, cfg.ref_checkpoint, "--ref-checkpoint")  # a model flag that differs: the cause
+        raise ResumeError(f"--ref-checkpoint {cfg.ref_checkpoint}: its parameters do not fit the model this run "
+                          f"trains (the first: {first})")
 
 
 def sized_by_flags(state: dict) -> bool:
