@@ -68,7 +68,10 @@ def test_help_shows_the_tasks_own_defaults(capsys):
     assert stop.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "LSTM hidden size of encoder and decoder (default: 128)" in text  # Karel's recipe, not 256
-    assert "(default: 16)" in text and "runs/<task>" in text
+    assert "(default: 16)" in text  # its beam
+    with pytest.raises(SystemExit):
+        cli.main(["--task", "karel", "--help", "run"])  # every run's own section, whole
+    assert "runs/<task>" in " ".join(capsys.readouterr().out.split())
 
 
 def test_save_dir_defaults_to_runs_of_the_task(tmp_path, monkeypatch, tmp_path_factory):
