@@ -1,7 +1,7 @@
-"""What a checkpoint fixes for a command, as pure functions of (Config, Start): no file read, no directory made.
-The expected values are written out here from the rules the flags declare (--resume: the checkpoint's
-configuration but where the command runs, its fixed fields refused, its growing ones only larger; --init-from: the model's shape and data
-flags over the recipe of the checkpoint's task; --resume-from: its own directory)."""
+"""What a checkpoint fixes for a command, as pure functions of (Config, Start): no file read, no directory made. The
+expected values are written out here from the rules the flags declare (--resume: the checkpoint's configuration but
+where the command runs, its fixed fields refused, its growing ones only larger; --init-from: the model's shape and
+data flags over the recipe of the checkpoint's task; --resume-from: its own directory)."""
 from dataclasses import asdict, replace
 from pathlib import Path
 

@@ -107,7 +107,7 @@ def parse(argv: list[str] | None = None) -> tuple[Config, Start | None]:
 
 @dataclass(frozen=True)
 class Resolution:
-    """A command resolved: its Config, the checkpoint it starts from, the fields the user gave (start's checks),
+    """A command resolved: its Config, the checkpoint it starts from, the fields the user gave (the start-up checks'),
     where each value not Config's default came from, and whether it only prints the configuration."""
 
     cfg: Config
@@ -130,7 +130,7 @@ def resolution(argv: list[str] | None = None, settings: dict | None = None,
     recipe (`recipe`: a task object's own, given to twophase.fit), --preset, the --config file, then `settings`
     (twophase.fit's Config, checked as a file's) and the flags typed; --resume and --init-from replace the recipe
     and the preset by the checkpoint's (`startpoint.defaults`). The fields given: the flags typed, and the file's and
-    the settings' values that change a default (start's checks)."""
+    the settings' values that change a default (the start-up checks')."""
     typed = command_line(argv)
     config, print_config, wants_help = typed.pop("config", None), typed.pop("print_config", False), \
         typed.pop("help", False)
