@@ -12,7 +12,8 @@ shape, torch.equal) and every other value by ==. Exit status 1 where any differs
 
 Jobs (JOBS): one per objective family: the MLE phase alone, beam (with --include-reference and --mle-weight),
 reinforce (sampled, greedy baseline), mrt (--rescore-chunk auto), priority (--sampler sbs), policy (two updates
-per generation, KL to the start), g2p (the built-in task's recipe and data, 8 validation words), distill (the teacher: the MLE job's
+per generation, KL to the start), g2p (the built-in task's recipe and data, 8 validation words), countdown (the
+default task, its grammar around the model: phase two through `step`), distill (the teacher: the MLE job's
 end checkpoint, the before checkout's, the same file for both sides).
 """
 from __future__ import annotations
@@ -44,6 +45,10 @@ JOBS = {
     "policy": ["--mle-steps", "2", "--rl-steps", "4", "--objective", "policy", "--sampler", "sample",
                "--updates-per-generation", "2", "--kl-beta", "0.1", "--grad-accum", "2"],
     "g2p": ["--task", "g2p", "--valid-size", "8", "--mle-steps", "2", "--rl-steps", "2"],
+    # the default task: its grammar wraps the model, so phase two decodes through `step` with autograd; MLE steps
+    # of 96 rows (phase two's per-step products of 64 to 255 rows are summed once per chunk)
+    "countdown": ["--task", "countdown", "--valid-size", "8", "--mle-steps", "2", "--rl-steps", "2",
+                  "--mle-batch-size", "96", "--rescore-chunk", "128"],
     "distill": ["--mle-steps", "0", "--rl-steps", "3", "--objective", "distill", "--sampler", "sample",
                 "--teacher", "{teacher}"],
 }
