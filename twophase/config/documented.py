@@ -24,7 +24,7 @@ DEFAULT_BEAM = 5  # validation's and twophase-decode's beam width, one figure so
 MRT_ALPHA = 0.5  # --mrt-alpha's default; another value with another objective is refused
 
 # --preset NAME: other defaults for a named recipe; flags given on the command line still win.
-PRESETS = {
+PRESETS: dict[str, dict[str, object]] = {
     # The long G2P recipe (docs/g2p.md): a bidirectional encoder with dropout, validation-driven MLE (the rate
     # halving at each validation without a better word accuracy) of at most 16,000 steps, then RL and its
     # equal-time MLE control.

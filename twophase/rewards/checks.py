@@ -26,7 +26,7 @@ def check_calls(reward, task) -> None:
         raise RewardError(f"{err} (start-up check: {checked}an empty hypothesis)") from None
 
 
-def check_references(reward, spec: str, default: bool, train_flag: str | None, task) -> None:
+def check_references(reward, spec: str | None, default: bool, train_flag: str | None, task) -> None:
     """Refuse, before any step, a reward that compares with references (`needs_references`: the built-ins) on rows
     that have none: with no reference anywhere in --train it would score nothing (--reward forgotten: the task's
     default `edit`); a row without one in --train, --valid or --test would never be scored, so the first is named

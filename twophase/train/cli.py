@@ -209,7 +209,7 @@ def task_reads(command) -> frozenset | None:
     return frozenset(getattr(factory, "flags", ())) | frozenset(recipe)
 
 
-def start_layers(view, below: list[Layer], recipe: dict | None) -> tuple[list[Layer], dict | None]:
+def start_layers(view, below: list[Layer], recipe: dict | None) -> tuple[list[Layer], Start | None]:
     """The layers under the user's and the checkpoint the command starts from: --resume and --resume-from the
     checkpoint's configuration (--resume: and the directory it continues in), --init-from its model's flags over
     the recipe's (`startpoint.defaults`); a new run's `below` (the recipe, --preset) and None."""
@@ -257,7 +257,7 @@ def command_line(argv: list[str] | None) -> dict:
     return vars(parser.parse_args(argv))
 
 
-def _train(cfg: Config, start: dict | None = None, given: frozenset | None = None) -> int:
+def _train(cfg: Config, start: Start | None = None, given: frozenset | None = None) -> int:
     try:
         run(cfg, start, given)
     except OneLineError as err:
@@ -270,7 +270,7 @@ def _train(cfg: Config, start: dict | None = None, given: frozenset | None = Non
     return 0
 
 
-def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, *, model=None, task=None,
+def run(cfg: Config, start: Start | None = None, given: frozenset | None = None, *, model=None, task=None,
         reward=None) -> Result:
     """What train.py runs once its flags are resolved, printing what it prints; also `twophase.fit`'s. Bad input
     raises a OneLineError (UsageError, DataError, ...: one line), a signal Interrupted after the save. `model`, `task`,
@@ -283,7 +283,7 @@ def run(cfg: Config, start: dict | None = None, given: frozenset | None = None, 
         lock.release()
 
 
-def _run_locked(cfg: Config, start: dict | None, given: frozenset | None, lock: rundir.RunLock, *, model, task,
+def _run_locked(cfg: Config, start: Start | None, given: frozenset | None, lock: rundir.RunLock, *, model, task,
                 reward) -> Result:
     training = setup(cfg, start, given, model=model, task=task, reward=reward, lock=lock)
     if cfg.eval_only:

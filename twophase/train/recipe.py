@@ -127,10 +127,11 @@ def task_of(cfg: Config, given: frozenset, task=None):
     """The run's Config with the task's name and the absolute paths it records (--hf-model, --teacher: --resume
     and decoding find them from anywhere), and the task: built from the flags (cheap: no data yet), or a user's
     adopted; refused where it is given a shaping flag it does not read. The save dir follows from the task."""
-    run_cfg = derived(cfg, task=tasks.default_name(cfg),
+    name = tasks.default_name(cfg)
+    run_cfg = derived(cfg, task=name,
                       hf_model=os.path.abspath(cfg.hf_model) if cfg.hf_model is not None else None,
                       teacher=os.path.abspath(cfg.teacher) if cfg.teacher is not None else None)
-    task = tasks.build(run_cfg) if task is None else tasks.adopt(task, run_cfg.task)
+    task = tasks.build(run_cfg) if task is None else tasks.adopt(task, name)
     tasks.check_flags(task, given)
     return derived(run_cfg, save_dir=save_dir_of(cfg, task)), task
 
@@ -194,7 +195,7 @@ def claimed(cfg: Config, start: Start | None, lock: rundir.RunLock | None = None
     return stale, start
 
 
-def take_lock(lock: rundir.RunLock | None, save_dir: str) -> None:
+def take_lock(lock: rundir.RunLock | None, save_dir: str | None) -> None:
     """The main process takes the save dir's lock; under torchrun every process learns whether it could (one
     gather), so a refusal stops them all with the same line."""
     refused = None
@@ -291,12 +292,13 @@ def model_of(cfg: Config, task, model, start: Start | None, device: torch.device
     model = (task.build_model() if model is None else model).to(device)
     base = resume.record(model, cfg.hf_model)  # the frozen part's base, if any
     resumed, init = startpoint.continued(cfg, start), startpoint.initial(cfg, start)
+    where = start.where if start is not None else ""
     if resumed is not None:  # a --lora-r checkpoint's adapters need the base they were trained on
-        resume.check(resumed.get("base_model"), base, start.where, cfg.hf_model)
+        resume.check(resumed.get("base_model"), base, where, cfg.hf_model)
         if not own:
-            resume.check_rebuilt(model, resumed, start.where)
+            resume.check_rebuilt(model, resumed, where)
     if init is not None:  # --init-from: its weights (a --lora-r run's: its adapters); step 0, a fresh optimizer
-        resume.check(init.get("base_model"), base, start.where, cfg.hf_model)
+        resume.check(init.get("base_model"), base, where, cfg.hf_model)
         resume.load_init(model, init, cfg.init_from)
     startpoint.check_reference(cfg, model)  # --ref-checkpoint: now, not at the first RL step
     check_model_on(model, task, device)  # a broken model named now, not trained silently

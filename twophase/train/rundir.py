@@ -29,6 +29,7 @@ import time
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -395,7 +396,7 @@ class MetricsLog:
 
     def __init__(self, path, enabled: bool = True):
         self.path, self.enabled = Path(path), enabled
-        self.mirror = None  # --tensorboard's TensorBoardLog
+        self.mirror: Any = None  # --tensorboard's TensorBoardLog (report's, which this module does not import)
         self.elapsed_before = 0.0  # what earlier processes of this run spent, up to the resumed checkpoint
         self._start = time.monotonic()
 

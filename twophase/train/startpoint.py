@@ -81,7 +81,9 @@ def read(cfg) -> Start | None:
     flag = flag_of(cfg)
     if flag is None:
         return None
-    path = resume_path(cfg) if flag != "--init-from" else Path(cfg.init_from)
+    path = Path(cfg.init_from) if flag == "--init-from" else resume_path(cfg)
+    if path is None:  # --resume's: found, or refused in one line by resume_path
+        return None
     return Start(flag, path, load_checkpoint(path, flag))
 
 
