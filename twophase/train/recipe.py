@@ -227,16 +227,15 @@ def with_data(run_cfg: Config, task, reward, state: dict | None, given: frozense
         run_cfg = derived(run_cfg, **{split: str(path) for split, path in files.items()})
     if not mle_possible(run_cfg, task, given):  # the control it runs: off without references
         run_cfg = derived(run_cfg, compare_mle=False)
-    cfg = run_cfg
-    if distributed.world() > min(cfg.batch_size, cfg.mle_batch_size, len(task.train)):
-        raise UsageError(f"--batch-size {cfg.batch_size} and --mle-batch-size {cfg.mle_batch_size} count the "
-                         f"sources of a whole step; {distributed.world()} processes need at least one each")
-    default = "reward" not in given and cfg.reward == getattr(task, "default_reward", None)
-    reward_checks.check_references(reward, cfg.reward, default, cfg.train, task)
+    if distributed.world() > min(run_cfg.batch_size, run_cfg.mle_batch_size, len(task.train)):
+        raise UsageError(f"--batch-size {run_cfg.batch_size} and --mle-batch-size {run_cfg.mle_batch_size} count "
+                         f"the sources of a whole step; {distributed.world()} processes need at least one each")
+    default = "reward" not in given and run_cfg.reward == getattr(task, "default_reward", None)
+    reward_checks.check_references(reward, run_cfg.reward, default, run_cfg.train, task)
     reward_checks.check_calls(reward, task)
     if distributed.rank() == 0:
         pairs = sum(len(ex.references) for ex in task.train)
-        for warning in batch_warnings(cfg, len(task.train), pairs, given):
+        for warning in batch_warnings(run_cfg, len(task.train), pairs, given):
             print(f"{PROG}: warning: {warning}", file=sys.stderr, flush=True)
     return run_cfg
 
